@@ -1,0 +1,30 @@
+# Two entry points, both self-installing: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.moepec-installed
+
+.PHONY: demo test lint bench report clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned: 2.13.0 is the CPU build the set-up path is tested with.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m moepec demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check moepec tests benchmarks
+
+test: lint
+	$(PY) -m pytest -q -ra
+
+bench: $(STAMP)
+	$(PY) benchmarks/size.py
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

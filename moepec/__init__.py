@@ -1,0 +1,42 @@
+"""moepec: Partial Experts Checkpointing for Mixture-of-Experts training in PyTorch."""
+
+from moepec.config import CheckpointConfig
+from moepec.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    MoepecError,
+    NoCheckpointError,
+    PersistError,
+    StructureMismatchError,
+)
+from moepec.experts import ExpertSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointManager",
+    "CheckpointError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "ExpertSpec",
+    "MoepecError",
+    "NoCheckpointError",
+    "PersistError",
+    "RestoreReport",
+    "StructureMismatchError",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # Lazy: importing moepec stays cheap and side-effect free; the manager pulls in
+    # torch.distributed.checkpoint.
+    if name == "CheckpointManager":
+        from moepec.manager import CheckpointManager
+        return CheckpointManager
+    if name == "RestoreReport":
+        from moepec.recovery import RestoreReport
+        return RestoreReport
+    raise AttributeError(f"module 'moepec' has no attribute {name!r}")

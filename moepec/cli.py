@@ -1,0 +1,270 @@
+"""The ``moepec`` command line: one function per subcommand, registered in ``COMMANDS``.
+
+To add a subcommand, write ``_add_NAME(parser)`` and ``_run_NAME(args) -> int`` and
+call ``register(Command(...))``. ``main`` configures logging, dispatches, and turns any
+:class:`moepec.errors.MoepecError` into one line ``moepec: error: ...`` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from moepec.errors import ConfigError, MoepecError
+from moepec.logging_setup import setup_logging
+
+__all__ = ["COMMANDS", "Command", "build_parser", "main", "register"]
+
+log = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One subcommand of ``moepec``."""
+
+    name: str
+    """What the user types after ``moepec``."""
+    help: str
+    """One-line description shown by ``moepec --help``."""
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    """Adds the subcommand's flags to its parser."""
+    run: Callable[[argparse.Namespace], int]
+    """Runs it; returns the exit code. Raises MoepecError for user mistakes."""
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(command: Command) -> None:
+    """Add a subcommand (a name can be registered once)."""
+    if command.name in COMMANDS:
+        raise ValueError(f"subcommand {command.name!r} is registered twice")
+    COMMANDS[command.name] = command
+
+
+# --------------------------------------------------------------------------- train
+
+
+def _train_default(name: str) -> Any:
+    # Flag defaults come from TrainConfig itself, so the two never disagree.
+    from moepec.train import TrainConfig
+
+    f = {f.name: f for f in dataclasses.fields(TrainConfig)}[name]
+    return f.default
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--model-override {text!r} is not KEY=VALUE, e.g. top_k=2")
+    try:
+        return key, json.loads(value)  # numbers, true/false
+    except json.JSONDecodeError:
+        return key, value  # plain strings such as expert_layout=modules
+
+
+def _add_train(p: argparse.ArgumentParser) -> None:
+    d = _train_default
+    g = p.add_argument_group("model")
+    g.add_argument("--config", default=d("config"),
+                   help="named model config (see `moepec model-info`); default %(default)s")
+    g.add_argument("--model-override", "-O", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model config field, e.g. -O top_k=2 (repeatable)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=d("steps"), help="total steps (%(default)s)")
+    g.add_argument("--batch-size", type=int, default=d("batch_size"),
+                   help="global batch in sequences, split over ranks (%(default)s)")
+    g.add_argument("--lr", type=float, default=d("lr"), help="peak learning rate (%(default)s)")
+    g.add_argument("--min-lr", type=float, default=d("min_lr"),
+                   help="final learning rate of the cosine decay (%(default)s)")
+    g.add_argument("--warmup", type=int, default=d("warmup"), help="warm-up steps (%(default)s)")
+    g.add_argument("--weight-decay", type=float, default=d("weight_decay"),
+                   help="AdamW weight decay (%(default)s)")
+    g.add_argument("--grad-clip", type=float, default=d("grad_clip"),
+                   help="max gradient norm, 0 disables (%(default)s)")
+    g.add_argument("--seed", type=int, default=d("seed"),
+                   help="seed of init and data order (%(default)s)")
+    g = p.add_argument_group("data and evaluation")
+    g.add_argument("--data", default=d("data"), metavar="GLOB",
+                   help="text files to train on (quote the glob); default: the Python stdlib")
+    g.add_argument("--eval-interval", type=int, default=d("eval_interval"),
+                   help="steps between validation losses, 0: end only (%(default)s)")
+    g.add_argument("--eval-batches", type=int, default=d("eval_batches"),
+                   help="global batches of the validation set, 0 disables (%(default)s)")
+    g = p.add_argument_group("run")
+    g.add_argument("--threads", type=int, default=d("threads"),
+                   help="torch threads per process (default: torch's choice)")
+    g.add_argument("--device", default=d("device"), help="auto, cpu or cuda (%(default)s)")
+    g.add_argument("--dist-timeout", type=float, default=d("dist_timeout_s"),
+                   help="seconds to wait for other ranks (%(default)s)")
+    g.add_argument("--jsonl", default=d("log_jsonl"), metavar="PATH",
+                   help="write metrics as JSON lines here (rank 0)")
+    g.add_argument("--log-interval", type=int, default=d("log_interval"),
+                   help="steps between metrics lines (%(default)s)")
+    g.add_argument("--out-dir", default=d("out_dir"),
+                   help="directory for summary.json (and metrics.jsonl)")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--ckpt-dir", default=d("ckpt_dir"), metavar="PATH_OR_URL",
+                   help="checkpoint location; unset: no checkpoints")
+    g.add_argument("--ckpt-interval", type=int, default=d("ckpt_interval"),
+                   help="steps between checkpoints (%(default)s)")
+    g.add_argument("--k", "--k-persist", dest="k_persist", type=int, default=d("k_persist"),
+                   help="experts per MoE layer persisted per checkpoint (%(default)s)")
+    g.add_argument("--k-snapshot", type=int, default=d("k_snapshot"),
+                   help="experts per MoE layer snapshotted to RAM (default: = --k)")
+    g.add_argument("--selection", default=d("selection"),
+                   help="sequential or load_aware (%(default)s)")
+    g.add_argument("--restarts", type=int, default=d("restarts"),
+                   help="resume from the last checkpoint after this many failures (%(default)s)")
+
+
+def train_config_from_args(args: argparse.Namespace) -> Any:
+    """The TrainConfig the ``train`` flags describe (raises ConfigError when invalid)."""
+    from moepec.train import TrainConfig
+
+    return TrainConfig(
+        config=args.config,
+        model_overrides=dict(_parse_override(o) for o in args.model_override),
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.min_lr,
+        warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        eval_interval=args.eval_interval, eval_batches=args.eval_batches,
+        log_interval=args.log_interval, seed=args.seed, data=args.data,
+        threads=args.threads, log_jsonl=args.jsonl, out_dir=args.out_dir,
+        progress=not args.no_progress, device=args.device, dist_timeout_s=args.dist_timeout,
+        ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval, k_persist=args.k_persist,
+        k_snapshot=args.k_snapshot, selection=args.selection, restarts=args.restarts,
+    )
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from moepec.demo import format_summary
+    from moepec.train import train
+
+    result = train(train_config_from_args(args))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(format_summary(result))
+    return 0
+
+
+# ---------------------------------------------------------------------- model-info
+
+
+def _add_model_info(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", action="append", metavar="NAME",
+                   help="config to describe (repeatable); default: all")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _human(n: float, unit: str = "") -> str:
+    # Counts read 1.87B (billions); byte sizes read 22.39GB (decimal units).
+    giga = "G" if unit else "B"
+    for suffix, scale in ((giga, 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}"
+
+
+def _run_model_info(args: argparse.Namespace) -> int:
+    from moepec.models import checkpoint_bytes, config_names, count_parameters, get_config
+
+    rows = []
+    for name in args.config or config_names():
+        cfg = get_config(name)
+        counts = count_parameters(cfg)
+        rows.append({
+            "config": name,
+            "layers": cfg.n_layer,
+            **dataclasses.asdict(counts),
+            "checkpoint_bytes": checkpoint_bytes(cfg),
+            "weight_bytes": checkpoint_bytes(cfg, adam=False),
+        })
+    if args.json:
+        print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
+        return 0
+    header = ("config", "layers", "MoE layers", "experts", "total params", "expert",
+              "non-expert", "per expert", "ckpt fp32+Adam")
+    table = [header] + [(
+        r["config"], str(r["layers"]), str(r["n_moe_layers"]), str(r["n_experts"]),
+        _human(r["total"]), _human(r["expert"]), _human(r["non_expert"]),
+        _human(r["per_expert"]), _human(r["checkpoint_bytes"], "B"),
+    ) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for j, row in enumerate(table):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0
+
+
+# ---------------------------------------------------------------------------- demo
+
+
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out-dir", default="demo-out", help="where outputs go (%(default)s)")
+    p.add_argument("--steps", type=int, default=400, help="training steps (%(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (%(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed (%(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from moepec.demo import format_summary, run_demo
+
+    result = run_demo(args.out_dir, steps=args.steps, batch_size=args.batch_size,
+                      seed=args.seed, threads=args.threads, progress=not args.no_progress)
+    print(format_summary(result))
+    print(f"metrics: {os.path.join(args.out_dir, 'metrics.jsonl')}")
+    return 0
+
+
+register(Command("train", "train a GPT-MoE (one process, or every rank under torchrun)",
+                 _add_train, _run_train))
+register(Command("model-info", "parameter counts and checkpoint sizes of the named configs",
+                 _add_model_info, _run_model_info))
+register(Command("demo", "train the small model briefly on the CPU and summarise",
+                 _add_demo, _run_demo))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per registered command."""
+    parser = argparse.ArgumentParser(
+        prog="moepec", description="Partial Experts Checkpointing for MoE training")
+    parser.add_argument("--log-level", default="INFO",
+                        help="DEBUG, INFO, WARNING or ERROR (%(default)s)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS.values():
+        sp = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sp)
+        sp.set_defaults(_command=command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``moepec`` and ``python -m moepec``; returns the exit code.
+
+    User mistakes (any MoepecError) print one line ``moepec: error: ...`` on stderr and
+    return 2, without a traceback; argparse usage errors also return 2.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2) already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    setup_logging(args.log_level, rank=int(os.environ.get("RANK", "0")))
+    try:
+        return args._command.run(args)
+    except MoepecError as exc:
+        print(f"moepec: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE

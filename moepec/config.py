@@ -1,0 +1,94 @@
+"""Configuration of checkpointing: one small validated dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from moepec.errors import ConfigError
+
+SELECTIONS = ("sequential", "load_aware")
+PEC_SCOPES = ("all", "optimizer", "weights")
+BUSY_POLICIES = ("wait", "skip")
+WRITE_MODES = ("baseline", "sharded", "adaptive")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """What, when and where moepec checkpoints. Validated on construction."""
+
+    path: str
+    """Checkpoint root: a local directory or any fsspec URL (s3://bucket/run, memory://run)."""
+    interval: int = 32
+    """Checkpoint after every ``interval`` optimizer steps (when (step + 1) % interval == 0)."""
+    k_persist: int = 1
+    """Experts per MoE layer written to storage at each checkpoint (K_persist)."""
+    k_snapshot: int | None = None
+    """Experts per MoE layer copied to host RAM at each checkpoint (K_snapshot >= K_persist).
+    None means equal to ``k_persist``."""
+    selection: str = "sequential"
+    """Which experts: ``sequential`` (staggered round-robin) or ``load_aware``."""
+    pec_scope: str = "all"
+    """What PEC skips for unselected experts: ``all`` (weights and optimizer state),
+    ``optimizer`` (only optimizer state; weights every time) or ``weights``."""
+    full_every: int = 0
+    """Make every M-th checkpoint a full one (all experts); 0 = never."""
+    keep_last: int = 2
+    """Committed views to retain; older checkpoints go once no retained view needs them."""
+    async_snapshot: bool = True
+    """Copy to RAM in a background thread overlapped with the next step (False: copy inline)."""
+    async_persist: bool = True
+    """Write to storage in a background thread (False: write before step() returns)."""
+    busy_policy: str = "wait"
+    """When a checkpoint is due while the previous persist is still writing: ``wait`` for it
+    (blocks the loop) or ``skip`` persisting this one and keep it only in RAM."""
+    write_mode: str = "adaptive"
+    """Who writes what across ranks: ``baseline``, ``sharded`` or ``adaptive``."""
+    plt_budget: float = 0.0375
+    """Budget for the cumulative proportion of lost tokens (PLT), used by dynamic K."""
+    dynamic_k: bool = False
+    """After a recovery that leaves PLT over the budget, double K_persist (up to N)."""
+    dynamic_k_down: bool = False
+    """Also halve K_persist again when PLT is under a quarter of the budget after a recovery."""
+    verify: bool = True
+    """Verify checksums of everything restored."""
+    timeout_s: float = 600.0
+    """Upper bound of every wait (snapshot, persist, collective)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec (e.g. endpoint_url, key, secret for s3://)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError("CheckpointConfig.path must be a non-empty path or URL")
+        if self.interval < 1:
+            raise ConfigError(f"interval must be >= 1 (got {self.interval})")
+        if self.k_persist < 1:
+            raise ConfigError(f"k_persist must be >= 1 (got {self.k_persist})")
+        if self.k_snapshot is None:
+            self.k_snapshot = self.k_persist
+        if self.k_snapshot < self.k_persist:
+            raise ConfigError(
+                f"k_snapshot ({self.k_snapshot}) must be >= k_persist ({self.k_persist}): the "
+                f"experts written to storage are a subset of those copied to RAM")
+        _choice("selection", self.selection, SELECTIONS)
+        _choice("pec_scope", self.pec_scope, PEC_SCOPES)
+        _choice("busy_policy", self.busy_policy, BUSY_POLICIES)
+        _choice("write_mode", self.write_mode, WRITE_MODES)
+        if self.full_every < 0:
+            raise ConfigError(f"full_every must be >= 0 (got {self.full_every}); 0 disables it")
+        if self.keep_last < 1:
+            raise ConfigError(f"keep_last must be >= 1 (got {self.keep_last})")
+        if not 0 < self.plt_budget < 1:
+            raise ConfigError(f"plt_budget is a fraction in (0, 1) (got {self.plt_budget})")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0 (got {self.timeout_s})")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("storage_options")  # may hold credentials: never written to a manifest
+        return d
+
+
+def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(valid)}")

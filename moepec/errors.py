@@ -1,0 +1,47 @@
+"""The one error hierarchy of moepec.
+
+User mistakes raise subclasses of :class:`MoepecError` whose message names the fix.
+``assert`` is kept for internal invariants only.
+"""
+
+from __future__ import annotations
+
+
+class MoepecError(Exception):
+    """Base class of every error moepec raises on purpose."""
+
+
+class ConfigError(MoepecError, ValueError):
+    """A configuration value is invalid; the message says which value and how to fix it."""
+
+
+class DataError(MoepecError):
+    """The training corpus cannot be used (missing, empty, too small)."""
+
+
+class ExpertDiscoveryError(MoepecError):
+    """Experts of a model could not be found unambiguously; pass an explicit ExpertSpec."""
+
+
+class StructureMismatchError(MoepecError):
+    """A checkpoint was saved from a model with a different structure than the one restoring."""
+
+
+class CheckpointError(MoepecError):
+    """A checkpoint could not be written, read or verified."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes do not match the checksum recorded in the manifest."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No committed checkpoint can supply a key that recovery needs."""
+
+
+class PersistError(CheckpointError):
+    """A background persist failed; raised in the training thread at its next call."""
+
+
+class DistributedError(MoepecError):
+    """Ranks disagree, or a collective failed or timed out."""

@@ -1,0 +1,221 @@
+"""Offline tools over a checkpoint root: inspect, verify, export.
+
+They read storage only (no model needed), so they work on any machine that can
+reach the path. Used by ``moepec inspect|verify|export``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moepec import manifest as mf
+from moepec.checksum import tensor_checksum
+from moepec.errors import CheckpointError, NoCheckpointError
+from moepec.state import parse_key
+from moepec.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CheckpointRow:
+    name: str
+    step: int | None
+    committed: bool
+    bytes: int
+    full: bool = False
+    k_persist: int | None = None
+    experts_saved: list[list[int]] = field(default_factory=list)
+    plt: float | None = None
+    bytes_per_rank: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def inspect_path(path: str, storage_options: dict | None = None) -> dict[str, Any]:
+    """Table of checkpoints and the view of the newest one."""
+    st = Storage(path, storage_options)
+    rows: list[CheckpointRow] = []
+    manifests: dict[str, dict] = {}
+    for name, committed in st.list_checkpoints():
+        step = int(name.rsplit("step", 1)[1])
+        if not committed:
+            rows.append(CheckpointRow(name=name, step=step, committed=False,
+                                      bytes=st.data_bytes(name)))
+            continue
+        try:
+            m = st.read_manifest(name)
+        except CheckpointError as exc:
+            rows.append(CheckpointRow(name=name, step=step, committed=False, bytes=0,
+                                      error=str(exc)))
+            continue
+        manifests[name] = m
+        rows.append(CheckpointRow(name=name, step=m["step"], committed=True, bytes=m["bytes"],
+                                  full=m["full"], k_persist=m["k_persist"],
+                                  experts_saved=m["experts_saved"], plt=m["plt"],
+                                  bytes_per_rank=m["bytes_per_rank"]))
+    head = mf.newest(manifests)
+    out: dict[str, Any] = {"path": path, "checkpoints": rows, "head": head}
+    if head:
+        m = manifests[head]
+        out["view_age"] = mf.view_age(m)
+        out["structure"] = m["structure"]["experts"]
+        out["full_bytes"] = _full_bytes(m)
+    return out
+
+
+def _full_bytes(m: dict) -> int:
+    """Bytes a full checkpoint of the same state would hold (every key of the view)."""
+    total = 0
+    sizes: dict[str, int] = {}
+    for key, info in m["keys"].items():
+        sizes[key] = info["nbytes"]
+    for key in m["view"]:
+        total += sizes.get(key, 0)
+    # keys not in this checkpoint: size of an identical-shaped key of the same param
+    missing = [k for k in m["view"] if k not in sizes]
+    if missing:
+        by_shape: dict[str, int] = {}
+        for key, info in m["keys"].items():
+            info_k = parse_key(key)
+            if info_k.is_expert:
+                by_shape[f"{info_k.layer}/{key.split('/', 4)[3:]}"] = info["nbytes"]
+        for key in missing:
+            info_k = parse_key(key)
+            total += by_shape.get(f"{info_k.layer}/{key.split('/', 4)[3:]}", 0)
+    return total
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    checked: int = 0
+    bad: list[str] = field(default_factory=list)
+    uncommitted: list[str] = field(default_factory=list)
+    damaged_manifests: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad and not self.damaged_manifests
+
+
+def verify_path(path: str, storage_options: dict | None = None,
+                progress: Callable[[int, int], None] | None = None) -> VerifyResult:
+    """Read every item of every committed checkpoint and compare checksums."""
+    st = Storage(path, storage_options)
+    res = VerifyResult()
+    listing = st.list_checkpoints()
+    todo = []
+    for name, committed in listing:
+        if not committed:
+            res.uncommitted.append(name)
+            continue
+        try:
+            todo.append((name, st.read_manifest(name)))
+        except CheckpointError as exc:
+            res.damaged_manifests.append(f"{name}: {exc}")
+    total = sum(len(m["keys"]) for _, m in todo)
+    for name, m in todo:
+        for key, info in sorted(m["keys"].items()):
+            t = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
+            try:
+                st.read(name, {key: t})
+                good = tensor_checksum(t) == info["checksum"]
+            except BaseException as exc:  # noqa: BLE001 - DCP raises BaseException subclasses
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                good = False
+            res.checked += 1
+            if not good:
+                res.bad.append(f"{name}:{key}")
+            if progress:
+                progress(res.checked, total)
+    return res
+
+
+def read_view(path: str, storage_options: dict | None = None
+              ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The newest committed view, every key read and verified: (manifest, key -> tensor)."""
+    st = Storage(path, storage_options)
+    manifests = {}
+    for name in st.committed():
+        try:
+            manifests[name] = st.read_manifest(name)
+        except CheckpointError as exc:
+            log.warning("ignoring %s: %s", name, exc)
+    head = mf.newest(manifests)
+    if head is None:
+        raise NoCheckpointError(f"no committed checkpoint under {path}")
+    m = manifests[head]
+    by_src: dict[str, list[str]] = {}
+    for key, src in m["view"].items():
+        by_src.setdefault(src, []).append(key)
+    values: dict[str, torch.Tensor] = {}
+    for src, keys in by_src.items():
+        if src not in manifests:
+            raise NoCheckpointError(f"{src}, needed by the view of {head}, is missing")
+        infos = manifests[src]["keys"]
+        targets = {k: torch.empty(infos[k]["shape"], dtype=getattr(torch, infos[k]["dtype"]))
+                   for k in keys}
+        st.read(src, targets)
+        for k, t in targets.items():
+            if tensor_checksum(t) != infos[k]["checksum"]:
+                raise CheckpointError(f"{src}:{k} fails its checksum; run `moepec verify`")
+        values.update(targets)
+    return m, values
+
+
+def consolidate(manifest: dict[str, Any], values: dict[str, torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+    """Reassemble a view into ordinary names: ``model.<param>`` and ``optim.<param>.<state>``
+    full tensors (stacked experts put back at [e]); objects as ``objects.<name>`` bytes."""
+    shapes = {n: (s, d) for n, s, d in manifest["structure"]["params"]}
+    layouts = {i: lay for i, (_, lay, _) in enumerate(manifest["structure"]["experts"])}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in values.items():
+        info = parse_key(key)
+        if not info.is_expert:
+            part, rest = key.split("/", 1)
+            out[f"{part}.{rest.replace('/', '.')}"] = value
+            continue
+        rest = key.split("/", 4)[4]
+        if info.part == "model":
+            pname, name = rest, f"model.{rest}"
+        else:
+            pname = rest.rsplit("/", 1)[0]
+            name = f"optim.{rest.replace('/', '.')}"
+        if layouts[info.layer] == "stacked":
+            if name not in out:
+                shape, dtype = shapes[pname]
+                out[name] = torch.zeros(shape, dtype=getattr(torch, dtype))
+            out[name][info.expert] = value
+        else:
+            out[name] = value
+    return out
+
+
+def export_view(path: str, out: str, fmt: str, storage_options: dict | None = None) -> int:
+    """Write the newest view as one plain DCP checkpoint or safetensors file; returns keys."""
+    manifest, values = read_view(path, storage_options)
+    tensors = consolidate(manifest, values)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        weights = {k[len("model."):]: v.contiguous() for k, v in tensors.items()
+                   if k.startswith("model.")}
+        save_file(weights, out, metadata={"moepec_step": str(manifest["step"]),
+                                          "moepec_checkpoint": manifest["name"]})
+        return len(weights)
+    if fmt == "dcp":
+        Storage(out).write("", tensors) if False else _dcp_save(out, tensors)
+        return len(tensors)
+    raise CheckpointError(f"unknown export format {fmt!r}; use dcp or safetensors")
+
+
+def _dcp_save(out: str, tensors: dict[str, torch.Tensor]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, checkpoint_id=out, no_dist=True)

@@ -1,0 +1,536 @@
+"""The trainer: data-parallel GPT-MoE training, one process or under torchrun.
+
+``train(TrainConfig(...)) -> TrainResult`` is the Python API; ``moepec train`` wraps it.
+Data parallelism is explicit: every rank holds the whole model (same seed, same init,
+checked), reads a disjoint shard of every global batch, and gradients are averaged with
+:func:`moepec.dist.average_gradients` (one all_reduce over a flat buffer, not DDP, so
+later expert parallelism can choose which group averages which gradient).
+
+The loop has the shape the checkpoint manager expects (DESIGN.md "Public API contract"):
+the batch for ``step`` is taken at the top of the iteration, so the loader state saved
+with step s resumes at s + 1; ``manager.wait_for_snapshot()`` runs after backward and
+before ``optimizer.step()`` mutates the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as torch_dist
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+
+from moepec import dist
+from moepec.data import TokenLoader, check_vocab, eval_batches, load_corpus
+from moepec.errors import ConfigError, DataError
+from moepec.models import GPTMoE, GPTMoEConfig, RoutingStats, get_config
+
+__all__ = [
+    "StepResult",
+    "TrainConfig",
+    "TrainResult",
+    "build_optimizer",
+    "build_scheduler",
+    "evaluate",
+    "forward_backward",
+    "optimizer_step",
+    "param_digest",
+    "train",
+    "train_step",
+]
+
+log = logging.getLogger(__name__)
+
+SELECTIONS = ("sequential", "load_aware")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything a training run needs. Validated on construction."""
+
+    config: str = "small"
+    """Named model config (see ``moepec model-info``)."""
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    """GPTMoEConfig fields replacing the named config's, e.g. {"top_k": 2}."""
+    steps: int = 200
+    """Total optimizer steps of the run (a resumed run continues up to this number)."""
+    batch_size: int = 16
+    """Global batch in sequences, split evenly over the ranks."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after ``warmup`` steps."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup: int = 20
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on weight matrices and embeddings (not on biases or norms)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    eval_interval: int = 50
+    """Compute the validation loss every this many steps (and at the end); 0: end only."""
+    eval_batches: int = 4
+    """Global batches in the fixed validation set; 0 disables validation."""
+    log_interval: int = 10
+    """Write a metrics line every this many steps (and at eval steps and the last step)."""
+    seed: int = 0
+    """Seeds model init and data order; same seed and threads give the same losses."""
+    data: str | None = None
+    """Glob of text files to train on; None: the Python standard library's sources."""
+    threads: int | None = None
+    """torch.set_num_threads for this process; None leaves torch's default."""
+    log_jsonl: str | None = None
+    """Path of the JSON-lines metrics file (rank 0); None: out_dir/metrics.jsonl or none."""
+    out_dir: str | None = None
+    """Directory for summary.json (and metrics.jsonl when log_jsonl is None); None: none."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+    device: str = "auto"
+    """"auto" (CUDA if available), "cpu" or "cuda" (rank's LOCAL_RANK device)."""
+    dist_timeout_s: float = 300.0
+    """Timeout for joining the process group and for every collective."""
+    ckpt_dir: str | None = None
+    """Checkpoint directory or fsspec URL; None disables checkpointing."""
+    ckpt_interval: int = 32
+    """Steps between checkpoints."""
+    k_persist: int = 1
+    """Experts per MoE layer written to storage at each checkpoint."""
+    k_snapshot: int | None = None
+    """Experts per MoE layer copied to host RAM at each checkpoint (>= k_persist);
+    None: equal to k_persist."""
+    selection: str = "sequential"
+    """Which experts each checkpoint saves: "sequential" or "load_aware"."""
+    restarts: int = 0
+    """After a failed step, rebuild and resume from the last checkpoint this many times."""
+    return_state: bool = False
+    """Put the final model state dict (on CPU) into TrainResult.model_state."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        model_cfg = self.model_config()  # raises for unknown names or overrides
+        check_vocab(model_cfg.vocab_size)  # the byte tokenizer feeds every model
+        need(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
+        need(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        need(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        need(self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}")
+        need(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        need(self.eval_interval >= 0, f"eval_interval must be >= 0, got {self.eval_interval}")
+        need(self.eval_batches >= 0, f"eval_batches must be >= 0, got {self.eval_batches}")
+        need(self.log_interval >= 1, f"log_interval must be >= 1, got {self.log_interval}")
+        need(self.threads is None or self.threads >= 1,
+             f"threads must be >= 1 (or unset), got {self.threads}")
+        need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        need(self.dist_timeout_s > 0, f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        need(self.ckpt_interval >= 1, f"ckpt_interval must be >= 1, got {self.ckpt_interval}")
+        k_snapshot = self.k_persist if self.k_snapshot is None else self.k_snapshot
+        need(1 <= self.k_persist <= k_snapshot <= model_cfg.n_experts,
+             f"need 1 <= k_persist ({self.k_persist}) <= k_snapshot ({k_snapshot}) "
+             f"<= n_experts ({model_cfg.n_experts}); adjust --k / --k-snapshot")
+        need(self.selection in SELECTIONS,
+             f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        need(self.restarts >= 0, f"restarts must be >= 0, got {self.restarts}")
+        need(self.restarts == 0 or self.ckpt_dir is not None,
+             "restarts need checkpoints to resume from; set ckpt_dir or restarts=0")
+
+    def model_config(self) -> GPTMoEConfig:
+        """The model config this run trains."""
+        return get_config(self.config, **self.model_overrides)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one forward/backward produced, already averaged over ranks."""
+
+    loss: float
+    """Language-model cross-entropy (nats/token), mean over ranks."""
+    aux_loss: float
+    """Load-balancing loss (summed over MoE layers), mean over ranks."""
+    dropped: int
+    """Token assignments dropped for capacity, summed over MoE layers and ranks."""
+    routing: list[RoutingStats]
+    """This rank's routing stats, one per MoE layer."""
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """Summary of a training run (identical on every rank except model_state)."""
+
+    steps: int
+    """Optimizer steps taken by this call (fewer than cfg.steps after a resume)."""
+    final_step: int
+    """Index of the last step trained (cfg.steps - 1 when finished)."""
+    losses: list[float] = field(default_factory=list)
+    """Training LM loss of every step taken, rank-averaged."""
+    val_loss: float | None = None
+    """Validation LM loss at the end; None without a validation set."""
+    val_history: list[tuple[int, float]] = field(default_factory=list)
+    """(step, validation loss) of every evaluation."""
+    tokens_per_s: float = 0.0
+    """Global training tokens per second of training time (evaluation excluded)."""
+    wall_time_s: float = 0.0
+    """Wall time of the whole call, set-up and evaluation included."""
+    tokens: int = 0
+    """Global tokens trained on by this call."""
+    dropped: int = 0
+    """Token assignments dropped for capacity over the run (all ranks, all layers)."""
+    world_size: int = 1
+    """Number of data-parallel ranks."""
+    resumed_from: int | None = None
+    """Step of the checkpoint the run resumed from, if any."""
+    model_state: dict[str, torch.Tensor] | None = None
+    """Final model weights on CPU if cfg.return_state, else None."""
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able summary without the model state."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.pop("model_state")
+        return out
+
+
+def param_digest(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of a model's (or state dict's) tensors by name: equal digests = equal weights."""
+    state = (model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module)
+             else model_or_state)
+    h = hashlib.sha256()
+    for name, p in sorted(state.items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings, none on biases and norms.
+
+    Decided by name rather than ``p.dim()`` because stacked expert biases are 2-D
+    ([E, F]); this way both expert layouts train identically.
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        is_bias = leaf in ("bias", "b1", "b2") or ".ln" in name or name.startswith("ln")
+        (no_decay if is_bias else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> LambdaLR:
+    """Linear warm-up to cfg.lr, then cosine decay to cfg.min_lr at cfg.steps."""
+    floor = cfg.min_lr / cfg.lr
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        span = max(1, cfg.steps - cfg.warmup)
+        progress = min(1.0, (step - cfg.warmup) / span)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
+
+
+def forward_backward(model: GPTMoE, x: torch.Tensor, y: torch.Tensor,
+                     group: torch_dist.ProcessGroup | None = None) -> StepResult:
+    """Forward, backward and gradient averaging over ``group`` (collective on all ranks).
+
+    Gradients are accumulated into ``.grad`` (the caller zeroes them after the
+    optimizer step). Returns losses averaged and drops summed over ranks.
+    """
+    model.train()
+    out = model(x, y)
+    assert out.loss is not None and out.lm_loss is not None
+    out.loss.backward()
+    dist.average_gradients(model.parameters(), group)
+    dropped = sum(s.dropped for s in out.routing)
+    # One small all_reduce for the scalars the log shows.
+    stats = torch.tensor([out.lm_loss.item(), out.aux_loss.item(), float(dropped)],
+                         dtype=torch.float64, device=x.device)
+    dist.all_reduce_sum(stats, group)
+    n = dist.world_size(group)
+    return StepResult(loss=stats[0].item() / n, aux_loss=stats[1].item() / n,
+                      dropped=int(stats[2].item()), routing=out.routing)
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: LambdaLR, grad_clip: float) -> float:
+    """Clip, step the optimizer and the schedule, zero the gradients; returns grad norm.
+
+    Gradients must already be averaged over ranks, so every rank clips alike and the
+    weights stay identical. Returns NaN when clipping is disabled.
+    """
+    norm = math.nan
+    if grad_clip > 0:
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def train_step(model: GPTMoE, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
+               x: torch.Tensor, y: torch.Tensor, grad_clip: float,
+               group: torch_dist.ProcessGroup | None = None) -> StepResult:
+    """One whole step without checkpoint hooks: forward_backward then optimizer_step."""
+    result = forward_backward(model, x, y, group)
+    optimizer_step(model, optimizer, scheduler, grad_clip)
+    return result
+
+
+@torch.no_grad()
+def evaluate(model: GPTMoE, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             group: torch_dist.ProcessGroup | None = None,
+             device: torch.device | str = "cpu") -> float | None:
+    """Mean validation LM loss per token over all ranks' batches (collective).
+
+    Returns None when no rank has a validation batch.
+    """
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss * tokens, tokens]
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        out = model(x, y)
+        assert out.lm_loss is not None
+        total[0] += out.lm_loss.double() * y.numel()
+        total[1] += y.numel()
+    dist.all_reduce_sum(total, group)
+    model.train()
+    return None if total[1].item() == 0 else total[0].item() / total[1].item()
+
+
+class _Metrics:
+    """JSON-lines metrics writer; a no-op on ranks other than 0 or without a path."""
+
+    def __init__(self, path: str | None, enabled: bool) -> None:
+        self._file: IO[str] | None = None
+        if path is not None and enabled:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            # Kept open for the whole run (closed in close()): one line per log step.
+            self._file = open(path, "w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _device(cfg: TrainConfig, info: dist.DistInfo) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but CUDA is not available; use --device cpu")
+    return torch.device("cuda", info.local_rank)
+
+
+@dataclass(slots=True)
+class _Run:
+    """The live objects of one training run (built once, reused across restarts)."""
+
+    model: GPTMoE
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    loader: TokenLoader
+    val: list[tuple[torch.Tensor, torch.Tensor]]
+    device: torch.device
+    manager: Any  # CheckpointManager or None
+    tokens_per_step: int
+
+
+def _setup(cfg: TrainConfig, info: dist.DistInfo) -> _Run:
+    model_cfg = cfg.model_config()
+    if cfg.batch_size % info.world_size:
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by {info.world_size} ranks; "
+            "use a multiple of the number of ranks"
+        )
+    device = _device(cfg, info)
+    corpus = load_corpus(cfg.data)
+    loader = TokenLoader(corpus.train, model_cfg.seq_len, cfg.batch_size, cfg.seed,
+                         rank=info.rank, world_size=info.world_size)
+    val = eval_batches(corpus.val, model_cfg.seq_len, cfg.batch_size, cfg.eval_batches,
+                       rank=info.rank, world_size=info.world_size)
+    if cfg.eval_batches and not val and info.rank == 0:
+        log.warning("validation split (%d tokens) is shorter than one sequence; "
+                    "no validation loss", len(corpus.val))
+    # Same seed on every rank -> same init; built on CPU so CUDA runs start identically.
+    torch.manual_seed(cfg.seed)
+    model = GPTMoE(model_cfg).to(device)
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    dist.check_same_across_ranks(checksum, "the initial weights", device=device)
+    # Different dropout masks per rank (the data already differs; this keeps it so).
+    torch.manual_seed(cfg.seed + info.rank)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    manager = None
+    if cfg.ckpt_dir is not None:
+        # Imported lazily: checkpointing sits above the trainer's core and is optional.
+        from moepec.config import CheckpointConfig
+        from moepec.manager import CheckpointManager
+
+        ckpt_cfg = CheckpointConfig(path=cfg.ckpt_dir, interval=cfg.ckpt_interval,
+                                    k_persist=cfg.k_persist, k_snapshot=cfg.k_snapshot,
+                                    selection=cfg.selection)
+        manager = CheckpointManager(model, optimizer, ckpt_cfg,
+                                    extra_state={"scheduler": scheduler, "data": loader})
+    if info.rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        log.info("training %s (%.2fM params) on %d rank(s), %s, %d steps, global batch "
+                 "%d x %d tokens", cfg.config, n_params / 1e6, info.world_size, device,
+                 cfg.steps, cfg.batch_size, model_cfg.seq_len)
+    return _Run(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, val=val,
+                device=device, manager=manager,
+                tokens_per_step=cfg.batch_size * model_cfg.seq_len)
+
+
+def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: _Metrics,
+          is_main: bool) -> float:
+    """Restore (when checkpointing) and train up to cfg.steps; returns training seconds.
+
+    The shape of this loop is the checkpoint manager's contract (module docstring).
+    """
+    model, optimizer, scheduler, manager = run.model, run.optimizer, run.scheduler, run.manager
+    start = manager.restore() if manager else None  # RestoreReport or None; .step
+    first = start.step + 1 if start else 0
+    if start is not None:
+        result.resumed_from = start.step
+        if is_main:
+            log.info("resumed from the checkpoint of step %d", start.step)
+    # disable=None: tqdm shows the bar only on a terminal; in log files the per-interval
+    # log lines below take its place.
+    bar = tqdm(total=cfg.steps, initial=first, disable=None if cfg.progress and is_main else True,
+               unit="step", dynamic_ncols=True)
+    train_time = window_time = 0.0
+    window_steps = 0
+    try:
+        for step in range(first, cfg.steps):
+            t0 = time.perf_counter()
+            x, y = run.loader.next_batch()  # the batch of `step`: loader state matches step
+            x, y = x.to(run.device), y.to(run.device)
+            lr = optimizer.param_groups[0]["lr"]
+            out = forward_backward(model, x, y)
+            if manager:
+                manager.wait_for_snapshot()  # before the optimizer mutates weights
+            grad_norm = optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+            if manager:
+                manager.observe_routing([s.assigned for s in out.routing])
+                manager.step(step)
+            dt = time.perf_counter() - t0
+            train_time += dt
+            window_time += dt
+            window_steps += 1
+
+            result.losses.append(out.loss)
+            result.steps += 1
+            result.final_step = step
+            result.tokens += run.tokens_per_step
+            result.dropped += out.dropped
+            last = step == cfg.steps - 1
+            val_loss = None
+            if run.val and (last or (cfg.eval_interval and (step + 1) % cfg.eval_interval == 0)):
+                val_loss = evaluate(model, run.val, device=run.device)
+                if val_loss is not None:
+                    result.val_history.append((step, val_loss))
+                    if is_main:
+                        log.info("step %d: val loss %.4f", step, val_loss)
+            tok_s = run.tokens_per_step * window_steps / max(window_time, 1e-9)
+            bar.update(1)
+            bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            if step == first or last or val_loss is not None or (step + 1) % cfg.log_interval == 0:
+                record = {"step": step, "loss": out.loss, "aux_loss": out.aux_loss, "lr": lr,
+                          "tokens_per_s": tok_s, "dropped": out.dropped, "grad_norm": grad_norm}
+                if val_loss is not None:
+                    record["val_loss"] = val_loss
+                metrics.write(record)
+                if is_main and bar.disable:  # otherwise the bar shows it
+                    log.info("step %d: loss %.4f lr %.2e %.0f tok/s dropped %d",
+                             step, out.loss, lr, tok_s, out.dropped)
+                window_time, window_steps = 0.0, 0
+    finally:
+        bar.close()
+    return train_time
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Train as ``cfg`` says; every rank of a torchrun job calls this.
+
+    Uses ``cfg.threads`` torch threads for the run and restores the previous count at
+    the end. Joins the torchrun process group if the environment describes one (and leaves it
+    at the end); reuses a group that already exists. Blocks until the run ends. Only
+    rank 0 logs, shows progress and writes the metrics and summary files. Raises
+    ConfigError/DataError for bad settings or data and DistributedError when ranks fail
+    to meet or disagree. Any other error of a step is retried ``cfg.restarts`` times:
+    the same model, optimizer and loader are restored from the latest checkpoint (the
+    manager's RAM copy when it has one) and training continues; after that it is
+    re-raised. Restarts are in-process, meant for single-process runs and faults
+    injected on all ranks at the same step.
+    """
+    threads_before = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    t_start = time.perf_counter()
+    info = dist.init_from_env(cfg.dist_timeout_s)
+    is_main = info.rank == 0
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else None
+    jsonl = cfg.log_jsonl or (str(out_dir / "metrics.jsonl") if out_dir else None)
+    metrics = _Metrics(jsonl, enabled=is_main)
+    run: _Run | None = None
+    try:
+        run = _setup(cfg, info)
+        result = TrainResult(steps=0, final_step=-1, world_size=info.world_size)
+        train_time = 0.0
+        for attempt in range(cfg.restarts + 1):
+            try:
+                train_time += _loop(cfg, run, result, metrics, is_main)
+                break
+            except (ConfigError, DataError):
+                raise  # a user mistake: retrying cannot help
+            except Exception:
+                if attempt == cfg.restarts:
+                    raise
+                log.exception("step failed; restart %d of %d from the last checkpoint",
+                              attempt + 1, cfg.restarts)
+                run.optimizer.zero_grad(set_to_none=True)
+        if run.manager:
+            run.manager.close()  # waits for the last persist; raises its error
+            run.manager = None
+        result.val_loss = result.val_history[-1][1] if result.val_history else None
+        result.tokens_per_s = result.tokens / train_time if train_time > 0 else 0.0
+        result.wall_time_s = time.perf_counter() - t_start
+        if cfg.return_state:
+            result.model_state = {k: v.detach().cpu().clone()
+                                  for k, v in run.model.state_dict().items()}
+        if out_dir is not None and is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+        return result
+    finally:
+        if run is not None and run.manager:
+            try:  # stop its background work, but keep the error that got us here
+                run.manager.close()
+            except Exception:
+                log.exception("checkpoint manager failed to close after an error")
+        metrics.close()
+        if info.initialized_here:
+            dist.destroy()
+        # The thread count is process-wide: give the caller (e.g. a test session) its own back.
+        torch.set_num_threads(threads_before)

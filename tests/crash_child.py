@@ -1,0 +1,46 @@
+"""Child process for crash tests: trains the toy model and SIGKILLs itself at a chosen
+point of the N-th checkpoint's persist. Usage: crash_child.py PATH POINT N STEPS"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moepec import CheckpointConfig, CheckpointManager, persist  # noqa: E402
+from tests.toy import Counter, make, train_step  # noqa: E402
+
+
+def main() -> None:
+    path, point, nth, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    seen = {"n": 0}
+
+    def hook(where: str, name: str) -> None:
+        if where == point:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    persist.fault_hook = hook
+    model, opt, sched = make(0, "stacked", 4)
+    counter = Counter()
+    cfg = CheckpointConfig(path=path, interval=2, k_persist=1, keep_last=2)
+    manager = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        _, counts = train_step(model, opt, sched, gen)
+        manager.wait_for_snapshot()
+        opt.step()
+        sched.step()
+        counter.position += 1
+        manager.observe_routing(counts)
+        manager.step(step)
+    manager.close()
+
+
+if __name__ == "__main__":
+    main()

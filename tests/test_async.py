@@ -1,0 +1,137 @@
+"""Two-level asynchronous checkpointing: RAM tier, background persist, failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moepec import CheckpointConfig, CheckpointManager, PersistError
+from moepec.faults import FaultyFileSystem
+from tests.toy import Counter, full_state, make, train_step
+
+
+@pytest.fixture(autouse=True)
+def healthy_storage():
+    FaultyFileSystem.mode = None
+    yield
+    FaultyFileSystem.mode = None
+
+
+def setup(path, **kw):
+    model, opt, sched = make(0, "stacked", 4)
+    counter = Counter()
+    kw.setdefault("interval", 2)
+    cfg = CheckpointConfig(path=str(path), **kw)
+    mgr = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
+    return mgr, model, opt, sched, counter
+
+
+def loop(mgr, model, opt, sched, counter, steps, start=0, gen=None, on_save=None):
+    gen = gen or torch.Generator().manual_seed(1)
+    for step in range(start, start + steps):
+        _, counts = train_step(model, opt, sched, gen)
+        mgr.wait_for_snapshot()
+        opt.step()
+        sched.step()
+        counter.position += 1
+        mgr.observe_routing(counts)
+        if mgr.step(step) and on_save:
+            on_save(step)
+    return gen
+
+
+def test_ram_recovery_is_fresher_than_storage(tmp_path):
+    mgr, model, opt, sched, counter = setup(tmp_path / "c", k_persist=1, k_snapshot=3,
+                                            keep_last=3)
+    saved = {}
+    loop(mgr, model, opt, sched, counter, 9,
+         on_save=lambda s: saved.__setitem__(s, full_state(model, opt)))
+    mgr.wait_for_snapshot()
+    # a fault inside the step: the process survived, its RAM tier is intact
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    report = mgr.restore()
+    assert report.tier == "ram" and report.step == 7
+    assert report.keys_from.get("ram", 0) > 0
+    # non-expert state is exactly step 7's
+    now = full_state(model, opt)
+    assert torch.equal(now["model/embed.weight"], saved[7]["model/embed.weight"])
+    assert counter.position == 8
+    # restoring the same run from storage alone (a new process) loses more tokens
+    mgr.close()
+    fresh, *_ = setup(tmp_path / "c", k_persist=1, k_snapshot=3, keep_last=3)
+    storage_report = fresh.restore()
+    assert storage_report.tier == "storage" and storage_report.step == 7
+    assert report.lost_total < storage_report.lost_total
+    # RAM experts are those snapshotted at step 7, restored bit-exact
+    snap_experts = mgr.ram.snapshot_experts[0]
+    for e in snap_experts:
+        assert torch.equal(model.moe[0].experts.w1[e], saved[7]["model/moe.0.experts.w1"][e])
+
+
+def test_failed_persist_surfaces_keeps_last_commit_and_snapshots_go_on(tmp_path):
+    url = f"faulty://{tmp_path}/c"
+    mgr, model, opt, sched, counter = setup(url, k_persist=1, k_snapshot=2)
+    gen = loop(mgr, model, opt, sched, counter, 4)  # commits at steps 1 and 3
+    mgr.persister.wait_idle()
+    committed = mgr.storage.committed()
+    FaultyFileSystem.mode = "enospc"
+    with pytest.raises(PersistError, match="No space left") as err:
+        loop(mgr, model, opt, sched, counter, 6, start=4, gen=gen)
+    assert "last committed checkpoint is intact" in str(err.value)
+    assert mgr.storage.committed() == committed
+    # training goes on: the loop keeps snapshotting to RAM
+    FaultyFileSystem.mode = "enospc"
+    ram_steps = []
+    for step in range(6, 12):
+        try:
+            loop(mgr, model, opt, sched, counter, 1, start=step, gen=gen)
+        except PersistError:
+            pass
+        mgr.wait_for_snapshot()
+        ram_steps.append(mgr.ram.step)
+    assert max(ram_steps) == 11
+    mgr.persister.wait_idle()
+    with pytest.raises(PersistError):
+        mgr.wait_for_snapshot()
+    assert mgr.storage.committed() == committed
+    # storage heals: the next checkpoint commits
+    FaultyFileSystem.mode = None
+    loop(mgr, model, opt, sched, counter, 2, start=12, gen=gen)
+    mgr.close()
+    assert len(mgr.storage.committed()) > len(committed)
+
+
+def test_close_surfaces_background_error(tmp_path):
+    url = f"faulty://{tmp_path}/c"
+    mgr, model, opt, sched, counter = setup(url, interval=2)
+    loop(mgr, model, opt, sched, counter, 1)
+    FaultyFileSystem.mode = "error"
+    loop(mgr, model, opt, sched, counter, 1, start=1)
+    with pytest.raises(PersistError):
+        mgr.close()
+    mgr.close()  # idempotent
+
+
+def test_skip_policy_keeps_busy_checkpoints_in_ram(tmp_path):
+    url = f"faulty://{tmp_path}/c"
+    FaultyFileSystem.mode = "slow"
+    FaultyFileSystem.delay_s = 0.2
+    mgr, model, opt, sched, counter = setup(url, interval=1, busy_policy="skip")
+    loop(mgr, model, opt, sched, counter, 6)
+    FaultyFileSystem.mode = None
+    mgr.close()
+    persisted = [e["persist"] for e in mgr.events]
+    assert persisted[0] and not all(persisted)
+    assert mgr.ram.step == 5
+
+
+def test_buffers_are_reused_and_memory_bounded(tmp_path):
+    mgr, model, opt, sched, counter = setup(tmp_path / "c", interval=1, k_persist=1,
+                                            k_snapshot=2)
+    loop(mgr, model, opt, sched, counter, 12)
+    mgr.close()
+    largest = max(e["snapshot_bytes"] for e in mgr.events)
+    # triple buffer: at most three snapshots alive (the first, full one, is the largest)
+    assert mgr.pool.allocated_bytes <= 3 * largest

@@ -1,0 +1,105 @@
+"""Command line: model-info, train, demo, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moepec import cli
+from moepec.demo import format_summary, run_demo
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["train", "--config", "tiny", "--no-progress", "--threads", "1"]
+
+
+def test_model_info_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["model-info"]) == 0
+    out = capsys.readouterr().out
+    for name in ("tiny", "small", "gpt-125m-8e", "gpt-350m-16e"):
+        assert name in out
+    assert "322.82M" in out and "non-expert" in out
+
+    assert cli.main(["model-info", "--config", "gpt-125m-8e", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert abs(info["total"] - 323e6) / 323e6 < 0.005
+    assert info["expert"] + info["non_expert"] == info["total"]
+    assert info["checkpoint_bytes"] == info["total"] * 12  # fp32 weights + 2 Adam moments
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], match: str) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("moepec: error:")]
+    assert len(errors) == 1 and match in errors[0], err
+    assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["model-info", "--config", "gpt-9000"], "valid names: tiny"),
+    (TINY[:2] + ["bogus"], "unknown model config 'bogus'"),
+    (TINY + ["-O", "vocab_size=128"], "vocab mismatch"),
+    (TINY + ["-O", "top_k=5"], "top_k"),
+    (TINY + ["--k", "9"], "k_persist"),
+    (TINY + ["--batch-size", "0"], "batch_size"),
+])
+def test_config_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                    match: str) -> None:
+    _one_line_error(capsys, argv, match)
+
+
+def test_data_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    _one_line_error(capsys, TINY + ["--data", str(tmp_path / "missing*.txt")],
+                    "matches no files")
+    (tmp_path / "empty.txt").write_text("")
+    _one_line_error(capsys, TINY + ["--data", str(tmp_path / "empty.txt")], "only empty files")
+    (tmp_path / "short.txt").write_text("print('hi')\n")
+    _one_line_error(capsys, TINY + ["--data", str(tmp_path / "short.txt")],
+                    "fewer than one sequence")
+
+
+def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", "--steps", "many"]) == 2
+    assert cli.main([]) == 2
+    capsys.readouterr()
+
+
+def test_train_on_a_glob(capsys: pytest.CaptureFixture[str], text_files: Path,
+                         tmp_path: Path) -> None:
+    jsonl = tmp_path / "m.jsonl"
+    argv = TINY + ["--steps", "4", "--batch-size", "4", "--data", str(text_files / "**/*.txt"),
+                   "--jsonl", str(jsonl), "-O", "top_k=2", "--log-interval", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "first train loss" in out and "val loss" in out
+    assert [json.loads(x)["step"] for x in jsonl.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_every_registered_command_has_help() -> None:
+    assert {"train", "model-info", "demo"} <= set(cli.COMMANDS)
+    for name in cli.COMMANDS:
+        assert cli.main([name, "--help"]) == 0
+
+
+def test_run_demo_summary(tmp_path: Path) -> None:
+    result = run_demo(tmp_path, steps=3, batch_size=4, threads=1, progress=False,
+                      config="tiny")
+    text = format_summary(result)
+    assert "tokens/s" in text and "val loss" in text
+    assert (tmp_path / "summary.json").exists() and (tmp_path / "metrics.jsonl").exists()
+
+
+def test_python_dash_m_entry_point(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ok = subprocess.run([sys.executable, "-m", "moepec", "model-info", "--config", "small"],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "small" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "moepec", "train", "--config", "nope"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("moepec: error: unknown model config 'nope'")
+    assert len(bad.stderr.strip().splitlines()) == 1

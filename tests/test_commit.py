@@ -1,0 +1,224 @@
+"""The commit rule, corruption fallback, structure checks and bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from moepec import CheckpointConfig, CheckpointManager
+from moepec.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    StructureMismatchError,
+)
+from moepec.storage import Storage
+from tests.toy import Counter, make, train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def crash(path: Path, point: str, nth: int, steps: int = 12) -> int:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "crash_child.py"), str(path),
+                           point, str(nth), str(steps)], cwd=ROOT, capture_output=True,
+                          timeout=120)
+    return proc.returncode
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        h.update(str(p.relative_to(path)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def fresh(path, **kw):
+    model, opt, sched = make(seed=3, layout=kw.pop("layout", "stacked"),
+                             n_experts=kw.pop("n_experts", 4))
+    counter = Counter()
+    kw.setdefault("keep_last", 2)
+    kw.setdefault("k_persist", 1)
+    cfg = CheckpointConfig(path=str(path), interval=2, **kw)
+    return CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter}), \
+        model, counter
+
+
+def test_kill_between_write_and_commit_leaves_last_commit(tmp_path):
+    ckpt = tmp_path / "c"
+    # checkpoints at steps 1, 3, 5: die before committing the third
+    assert crash(ckpt, "before_commit", 3) == -9
+    listing = Storage(str(ckpt)).list_checkpoints()
+    assert [c for _, c in listing] == [True, True, False]
+    uncommitted = listing[-1][0]
+    assert (ckpt / uncommitted / ".metadata").exists()  # data fully written, no manifest
+    manager, _, counter = fresh(ckpt)
+    report = manager.restore()
+    assert report.step == 3 and counter.position == 4
+    assert report.checkpoint != uncommitted
+
+
+def test_kill_during_retention_keeps_views(tmp_path):
+    ckpt = tmp_path / "c"
+    assert crash(ckpt, "retention", 4) == -9
+    manager, _, _ = fresh(ckpt)
+    report = manager.restore()
+    assert report.step == 7
+
+
+def test_next_save_after_crash_does_not_reuse_names(tmp_path):
+    ckpt = tmp_path / "c"
+    assert crash(ckpt, "before_commit", 2) == -9
+    before = {n for n, _ in Storage(str(ckpt)).list_checkpoints()}
+    manager, model, _ = fresh(ckpt)
+    manager.restore()
+    manager.save(step=1)
+    manager.close()
+    after = {n for n, c in Storage(str(ckpt)).list_checkpoints() if c}
+    new = after - before
+    assert len(new) == 1 and all(n > max(before) for n in new)
+
+
+def _item_location(ckpt_dir: Path, key: str) -> tuple[Path, int, int]:
+    md = FileSystemReader(str(ckpt_dir)).read_metadata()
+    for idx, info in md.storage_data.items():
+        if idx.fqn == key:
+            return ckpt_dir / info.relative_path, info.offset, info.length
+    raise KeyError(key)
+
+
+def _corrupt(ckpt_dir: Path, key: str) -> None:
+    path, offset, length = _item_location(ckpt_dir, key)
+    data = bytearray(path.read_bytes())
+    for i in range(offset + length // 2, offset + length - 8):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _train(path, steps=8, **kw):
+    manager, model, counter = fresh(path, **kw)
+    opt = manager.catalog.optimizer
+    sched = manager.catalog.extra_state["sched"]
+    gen = torch.Generator().manual_seed(1)
+    states = {}
+    for step in range(steps):
+        _, counts = train_step(model, opt, sched, gen)
+        manager.wait_for_snapshot()
+        opt.step()
+        sched.step()
+        counter.position += 1
+        manager.observe_routing(counts)
+        if manager.step(step):
+            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    manager.close()
+    return manager, states
+
+
+def test_corrupt_expert_falls_back_to_previous_copy(tmp_path, caplog):
+    ckpt = tmp_path / "c"
+    manager, states = _train(ckpt, keep_last=4)
+    st = manager.storage
+    names = st.committed()
+    newest = st.read_manifest(names[-1])
+    layer0 = newest["experts_saved"][0][0]
+    key = f"experts/0/{layer0}/model/moe.0.experts.w1"
+    _corrupt(ckpt / names[-1], key)
+    m2, model, _ = fresh(ckpt, keep_last=4)
+    report = m2.restore()
+    assert report.step == 7
+    assert any("falling back" in w for w in report.warnings)
+    src = report.sources[f"0/{layer0}"]
+    assert src["checkpoint"] != names[-1] and src["step"] < 7
+    assert torch.equal(model.moe[0].experts.w1[layer0], states[src["step"]]["moe.0.experts.w1"][layer0])
+    # the fallback costs tokens that restoring the intact copy would not have lost
+    assert report.lost[0][layer0] > 0
+
+
+def test_corrupt_non_expert_state_uses_older_base(tmp_path):
+    ckpt = tmp_path / "c"
+    manager, states = _train(ckpt, keep_last=4)
+    names = manager.storage.committed()
+    _corrupt(ckpt / names[-1], "model/embed.weight")
+    m2, model, counter = fresh(ckpt, keep_last=4)
+    report = m2.restore()
+    assert report.step == 5 and counter.position == 6
+    assert torch.equal(model.embed.weight, states[5]["embed.weight"])
+
+
+def test_everything_corrupt_is_an_error(tmp_path):
+    ckpt = tmp_path / "c"
+    manager, _ = _train(ckpt, steps=4, keep_last=4)
+    for name in manager.storage.committed():
+        _corrupt(ckpt / name, "model/embed.weight")
+    m2, _, _ = fresh(ckpt)
+    with pytest.raises(CorruptCheckpointError, match="moepec verify"):
+        m2.restore()
+
+
+@pytest.mark.parametrize("change", [{"n_experts": 8}, {"layout": "modules"}])
+def test_structure_mismatch_names_differences_and_changes_nothing(tmp_path, change):
+    ckpt = tmp_path / "c"
+    _train(ckpt, steps=4)
+    digest = tree_digest(ckpt)
+    m2, model, _ = fresh(ckpt, **change)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(StructureMismatchError, match="different model") as err:
+        m2.restore()
+    assert "moe.0" in str(err.value)
+    assert tree_digest(ckpt) == digest
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_manifest_not_json_is_skipped_with_warning(tmp_path, caplog):
+    ckpt = tmp_path / "c"
+    manager, _ = _train(ckpt, steps=6, keep_last=4)
+    names = manager.storage.committed()
+    (ckpt / names[-1] / "moepec.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        manager.storage.read_manifest(names[-1])
+    m2, _, _ = fresh(ckpt, keep_last=4)
+    assert m2.restore().step == 3
+    assert "not valid JSON" in caplog.text
+
+
+def test_unwritable_path_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError, match="cannot write to checkpoint path"):
+        fresh(blocker / "sub")
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"selection": "random"}, "unknown selection"),
+    ({"pec_scope": "grads"}, "unknown pec_scope"),
+    ({"k_persist": 3, "k_snapshot": 2}, "k_snapshot"),
+    ({"interval": 0}, "interval"),
+])
+def test_bad_config_is_rejected(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        CheckpointConfig(path="x", **kw)
+
+
+def test_k_larger_than_experts_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="experts per MoE layer"):
+        fresh(tmp_path / "c", k_persist=5)
+
+
+def test_manifest_records_what_design_promises(tmp_path):
+    manager, _ = _train(tmp_path / "c", steps=4)
+    m = manager.storage.read_manifest(manager.storage.committed()[-1])
+    for field in ("step", "keys", "view", "k_persist", "selection", "counts", "plt",
+                  "structure", "experts_saved", "bytes_per_rank"):
+        assert field in m
+    assert all(v["checksum"].startswith("xxh64:") for v in m["keys"].values())
+    assert json.loads(json.dumps(m)) == m
+    assert not os.path.exists(tmp_path / "c" / m["name"] / "moepec.json.tmp")
