@@ -104,6 +104,9 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=d("threads"),
                    help="torch threads per process (default: torch's choice)")
     g.add_argument("--device", default=d("device"), help="auto, cpu or cuda (%(default)s)")
+    g.add_argument("--ep", type=int, default=d("ep"), metavar="N",
+                   help="expert parallel: N ranks split each MoE layer's experts; must divide "
+                        "the number of ranks and of experts (%(default)s)")
     g.add_argument("--dist-timeout", type=float, default=d("dist_timeout_s"),
                    help="seconds to wait for other ranks (%(default)s)")
     g.add_argument("--jsonl", default=d("log_jsonl"), metavar="PATH",
@@ -143,6 +146,7 @@ def train_config_from_args(args: argparse.Namespace) -> Any:
         progress=not args.no_progress, device=args.device, dist_timeout_s=args.dist_timeout,
         ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval, k_persist=args.k_persist,
         k_snapshot=args.k_snapshot, selection=args.selection, restarts=args.restarts,
+        ep=args.ep,
     )
 
 

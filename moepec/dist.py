@@ -1,5 +1,6 @@
 """Small torch.distributed helpers: process group from the torchrun environment,
-rank/world queries, explicit gradient averaging and barriers with a timeout.
+rank/world queries, explicit gradient averaging (data and expert parallel), gradient
+clipping over expert-parallel ranks and barriers with a timeout.
 
 Every function works without a process group (one process): collectives become no-ops
 and rank/world are 0/1. All collectives must be called by every rank of ``group``, on
@@ -16,19 +17,25 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from moepec.errors import DistributedError
+from moepec.experts import discover
+from moepec.parallel import ExpertParallel
 
 __all__ = [
     "DistInfo",
     "all_reduce_sum",
     "average_gradients",
+    "average_gradients_ep",
     "barrier",
     "check_same_across_ranks",
+    "clip_grad_norm_ep",
     "destroy",
     "init_from_env",
     "is_initialized",
     "rank",
+    "split_expert_parameters",
     "world_size",
 ]
 
@@ -124,6 +131,12 @@ def average_gradients(params: Iterable[torch.nn.Parameter],
     n = world_size(group)
     if n == 1:
         return
+    _sum_gradients(params, group, divisor=n)
+
+
+def _sum_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None,
+                   divisor: int) -> None:
+    """Sum ``.grad`` over ``group`` (one flat all_reduce) and divide by ``divisor``."""
     params = [p for p in params if p.requires_grad]
     for p in params:
         if p.grad is None:
@@ -132,12 +145,70 @@ def average_gradients(params: Iterable[torch.nn.Parameter],
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    flat /= n
+    if world_size(group) > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat /= divisor
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def split_expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(expert, non-expert) parameters of ``model``, each in ``named_parameters`` order.
+
+    Experts are what :func:`moepec.experts.discover` finds (both layouts), so there is
+    one definition of "expert" in the project. Local, no communication.
+    """
+    owner = discover(model).owner
+    expert: list[nn.Parameter] = []
+    other: list[nn.Parameter] = []
+    for name, p in model.named_parameters():
+        (expert if name in owner else other).append(p)
+    return expert, other
+
+
+def average_gradients_ep(model: nn.Module, ep: ExpertParallel,
+                         world_group: dist.ProcessGroup | None = None) -> None:
+    """Turn every rank's local ``.grad`` into the data-parallel gradient (blocking).
+
+    Collective over the whole job: every rank calls it after backward. Non-expert
+    gradients are averaged over ``world_group`` (the default group: all W ranks, as in
+    :func:`average_gradients`). Expert gradients are summed over ``ep.expert_dp_group``
+    and divided by W. Without expert parallelism this is :func:`average_gradients`.
+    """
+    if not ep.enabled:
+        average_gradients(model.parameters(), world_group)
+        return
+    expert, other = split_expert_parameters(model)
+    average_gradients(other, world_group)
+    # Why sum-over-replicas / W is the data-parallel gradient: rank r's loss_r depends
+    # on expert e only through the token copies its EP group sent to e's holder, and
+    # the all-to-all backward returns d loss_r / d(output) of exactly those copies to
+    # the holder. So after backward the holder's expert .grad is the sum over the ranks
+    # r of its EP group of d loss_r / d w_e. Summing over the expert-DP group (one
+    # holder of e per EP group) makes it the sum over all W ranks; the DP gradient,
+    # the mean of the W per-rank losses' gradients, is (1/W) * sum_r d loss_r / d w_e.
+    _sum_gradients(expert, ep.expert_dp_group, divisor=world_size(world_group))
+
+
+def clip_grad_norm_ep(model: nn.Module, max_norm: float, ep: ExpertParallel) -> float:
+    """Clip all gradients of ``model`` to a global norm of ``max_norm``; returns the norm.
+
+    The norm is that of the whole (non-EP) model's gradient: non-expert gradients
+    (equal on every rank after averaging) plus every expert's once, each EP group
+    holding each expert once. Collective over ``ep.group`` when EP is enabled, so
+    every rank clips by the same factor; otherwise plain ``clip_grad_norm_``.
+    """
+    if not ep.enabled:
+        return float(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    expert, other = split_expert_parameters(model)
+    other_norm = nn.utils.get_total_norm([p.grad for p in other if p.grad is not None])
+    expert_norm = nn.utils.get_total_norm([p.grad for p in expert if p.grad is not None])
+    expert_sq = all_reduce_sum(expert_norm.double().pow(2).reshape(1), ep.group)
+    total = (other_norm.double().pow(2) + expert_sq[0]).sqrt().to(other_norm.dtype)
+    nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+    return float(total)
 
 
 def barrier(timeout_s: float = DEFAULT_TIMEOUT_S, group: dist.ProcessGroup | None = None) -> None:

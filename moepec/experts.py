@@ -179,11 +179,41 @@ def discover(model: nn.Module, spec: ExpertSpec | None = None) -> ExpertMap:
     return ExpertMap(layers=list(layers.values()), non_expert=non_expert, owner=owner)
 
 
-def structure_of(model: nn.Module, emap: ExpertMap) -> dict:
-    """A JSON-able description of the model's structure and its fingerprint."""
-    params = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")]
-              for name, p in model.named_parameters()]
-    experts = [[layer.prefix, layer.layout, layer.n_experts] for layer in emap.layers]
+def canonical_expert_name(layer: ExpertLayer, name: str, expert: int) -> str:
+    """The layout- and placement-independent name of one expert's parameter.
+
+    Stacked parameters keep their full name (the expert is a slice). Per-expert modules
+    are named ``<layer prefix>.experts.<global id>.<name>`` whatever local index
+    the module has on this rank, so a checkpoint saved under one expert-parallel
+    placement restores under another.
+    """
+    if layer.layout == "stacked":
+        return layer.stacked[name]
+    return f"{layer.prefix}.experts.{expert}.{name}"
+
+
+def structure_of(model: nn.Module, emap: ExpertMap, ep_size: int = 1) -> dict:
+    """A JSON-able description of the model's global structure and its fingerprint.
+
+    Expert tensors are described at their global size (all ``ep_size`` shards), so
+    the same model trained at any (DP, EP) layout has the same structure.
+    """
+    params = []
+    for name, p in model.named_parameters():
+        dtype = str(p.dtype).removeprefix("torch.")
+        owner = emap.owner.get(name)
+        if owner is None:
+            params.append([name, list(p.shape), dtype])
+            continue
+        layer = emap.layers[owner[0]]
+        if layer.layout == "stacked":
+            params.append([name, [p.shape[0] * ep_size] + list(p.shape[1:]), dtype])
+        elif owner[1] == 0:
+            local = next(n for n, full in layer.modules[0].items() if full == name)
+            for g in range(layer.n_experts * ep_size):
+                params.append([canonical_expert_name(layer, local, g), list(p.shape), dtype])
+    params.sort()
+    experts = [[layer.prefix, layer.layout, layer.n_experts * ep_size] for layer in emap.layers]
     digest = hashlib.sha256(repr((params, experts)).encode()).hexdigest()[:16]
     return {"fingerprint": digest, "params": params, "experts": experts}
 

@@ -219,3 +219,34 @@ def _dcp_save(out: str, tensors: dict[str, torch.Tensor]) -> None:
     import torch.distributed.checkpoint as dcp
 
     dcp.save(tensors, checkpoint_id=out, no_dist=True)
+
+
+def format_inspect(info: dict[str, Any]) -> str:
+    """The `moepec inspect` table."""
+    rows: list[CheckpointRow] = info["checkpoints"]
+    if not rows:
+        return f"{info['path']}: no checkpoints"
+    lines = [f"{info['path']}: {sum(r.committed for r in rows)} committed, "
+             f"{sum(not r.committed for r in rows)} uncommitted"]
+    lines.append(f"{'checkpoint':<28}{'step':>8}  {'state':<12}{'MB':>9}  {'K':>2}  "
+                 f"{'PLT':>8}  experts saved per layer")
+    for r in rows:
+        state = "committed" if r.committed else ("DAMAGED" if r.error else "uncommitted")
+        experts = "all (full)" if r.full else " ".join(
+            ",".join(map(str, layer)) for layer in r.experts_saved)
+        plt = f"{100 * r.plt:.3f}%" if r.plt is not None else "-"
+        k = str(r.k_persist) if r.k_persist is not None else "-"
+        lines.append(f"{r.name:<28}{r.step:>8}  {state:<12}{r.bytes / 1e6:>9.2f}  {k:>2}  "
+                     f"{plt:>8}  {experts if r.committed else (r.error or '')}")
+        if r.committed and len(r.bytes_per_rank) > 1:
+            lines.append(f"{'':<28}{'':>8}  bytes per rank: "
+                         + ", ".join(f"{b / 1e6:.2f}MB" for b in r.bytes_per_rank))
+    if info.get("head"):
+        head = next(r for r in rows if r.name == info["head"])
+        lines.append("")
+        lines.append(f"view of {info['head']} (step {head.step}); full checkpoint would be "
+                     f"{info['full_bytes'] / 1e6:.2f} MB, this one is {head.bytes / 1e6:.2f} MB")
+        lines.append("age of each expert's newest copy, in steps (layer: e0 e1 ...):")
+        for layer, ages in enumerate(info["view_age"]):
+            lines.append(f"  layer {layer}: " + " ".join(str(a) for a in ages))
+    return "\n".join(lines)

@@ -14,7 +14,6 @@ process survived, else storage). ``close`` waits for the persist in flight.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -26,20 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moepec import manifest as mf
 from moepec.config import CheckpointConfig
 from moepec.errors import (
     CheckpointError,
     ConfigError,
     DistributedError,
-    NoCheckpointError,
-    StructureMismatchError,
 )
-from moepec.experts import ExpertSpec, discover, structure_mismatches, structure_of
+from moepec.experts import ExpertSpec, discover, structure_of
 from moepec.persist import Persister
 from moepec.plan import Item, make_plan
 from moepec.plt import PLTLedger
-from moepec.recovery import RestoreReport, Source, lost_tokens, recover
+from moepec.recovery import RestoreReport
 from moepec.selection import Selector, select_two_tier
 from moepec.snapshot import BufferPool, Snapshot, Snapshotter
 from moepec.state import StateCatalog, parse_key
@@ -65,21 +61,31 @@ class CheckpointManager:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  config: CheckpointConfig, *, extra_state: Mapping[str, Any] | None = None,
-                 expert_spec: ExpertSpec | None = None) -> None:
+                 expert_spec: ExpertSpec | None = None,
+                 expert_parallel: tuple[int, int] | None = None) -> None:
         self.config = config
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        self.ep_rank, self.ep_size = expert_parallel or (0, 1)
+        if self.ep_size > 1 and (self.world_size % self.ep_size
+                                 or self.ep_rank != self.rank % self.ep_size):
+            raise ConfigError(
+                f"expert_parallel={expert_parallel} on rank {self.rank} of {self.world_size}: "
+                f"ep_size must divide the world size and ep_rank must be rank % ep_size "
+                f"(EP groups are contiguous ranks)")
         self.emap = discover(model, expert_spec)
-        self.n_experts = self.emap.n_experts
+        # Global expert counts: a rank holds n_local of them per layer under EP.
+        self.n_experts = tuple(n * self.ep_size for n in self.emap.n_experts)
         if not self.n_experts:
             log.warning("no experts found in the model: every checkpoint will be a full one")
         elif config.k_snapshot > min(self.n_experts):
             raise ConfigError(
                 f"k_snapshot={config.k_snapshot} (and k_persist={config.k_persist}) must be "
                 f"<= the experts per MoE layer ({min(self.n_experts)})")
-        self.catalog = StateCatalog(model, optimizer, self.emap, extra_state)
-        self.structure = structure_of(model, self.emap)
+        self.catalog = StateCatalog(model, optimizer, self.emap, extra_state,
+                                    ep_rank=self.ep_rank, ep_size=self.ep_size)
+        self.structure = structure_of(model, self.emap, self.ep_size)
         self.storage = Storage(config.path, config.storage_options)
         if self.rank == 0:
             self.storage.check_writable()
@@ -197,7 +203,7 @@ class CheckpointManager:
                         snapshot_experts=[tuple(s) for s in snap_sel],
                         persist_experts=[tuple(p) for p in persist_sel] if persist else None,
                         persist_keys=frozenset(k for k in persist_keys if k in mine),
-                        meta={}, refs=2 if persist else 1)
+                        meta={}, refs=2 if persist else 1, all_keys=snap_keys)
         # Objects (RNG, scheduler, loader, hyper-parameters) and buffers change during
         # the next forward; they are captured here, on the training thread.
         for k in mine:
@@ -253,115 +259,16 @@ class CheckpointManager:
     def restore(self) -> RestoreReport | None:
         """Restore the newest view into the model, optimizer and extra state.
 
-        Uses the RAM snapshot when this process holds one (the loop restarted in
-        the same process), else storage. Returns None when there is nothing to
-        restore. Raises StructureMismatchError (nothing changed, on disk or in
-        memory) when the checkpoint is of a different model, NoCheckpointError /
-        CorruptCheckpointError when no intact copy remains. On several ranks every
-        rank calls it; all agree on the base.
+        Uses RAM snapshots where processes survived (the loop restarted in the same
+        process), else storage. Returns None when there is nothing to restore.
+        Raises StructureMismatchError (nothing changed, on disk or in memory) when
+        the checkpoint is of a different model, NoCheckpointError /
+        CorruptCheckpointError when no intact copy remains. With several ranks,
+        every rank calls it and all restore the same step.
         """
-        t0 = time.perf_counter()
-        try:
-            self.snapshotter.wait()
-        except CheckpointError as exc:
-            log.warning("discarding the snapshot in progress: %s", exc)
-        self.persister.wait_idle()
-        try:
-            self.persister.check()
-        except CheckpointError as exc:
-            log.warning("%s", exc)
-        manifests = self._read_manifests()
-        self.seq = max(self.seq, self._next_seq())
-        ram = self.ram if (self.ram is not None and self.ram.done.is_set()
-                           and self.ram.error is None) else None
-        if self.distributed:
-            ram = self._agree_on_ram(ram)
-        if not manifests and ram is None:
-            return None
-        newest = mf.newest(manifests)
-        if newest is not None:
-            mismatches = structure_mismatches(manifests[newest]["structure"], self.structure)
-            if mismatches:
-                raise StructureMismatchError(
-                    f"the checkpoint at {self.config.path} was saved from a different model: "
-                    + "; ".join(mismatches)
-                    + ". Restore into the same model configuration or use another path")
-        sources = {n: self._storage_source(n, m) for n, m in manifests.items()}
-        bases = sorted(sources.values(), key=lambda s: mf.seq_of(s.name), reverse=True)
-        head_for_ram = self.persister.head if self.persister.head in manifests else newest
-        if ram is not None:
-            bases.insert(0, self._ram_source(ram))
+        from moepec.restoring import restore
 
-        def lineage_of(base: Source) -> list[Source]:
-            if base.tier == "ram":
-                chain = mf.lineage(manifests, head_for_ram) if head_for_ram else []
-                return [base] + [sources[n] for n in chain]
-            return [sources[n] for n in mf.lineage(manifests, base.name)]
-
-        def required_of(base: Source) -> set[str]:
-            if base.tier == "ram":
-                head_view = manifests[head_for_ram]["view"] if head_for_ram else {}
-                return set(head_view) | set(base.keys)
-            return set(base.meta["view"])
-
-        for base in bases[:1]:
-            if not self._covers_all_experts({k for k in required_of(base)
-                                             if parse_key(k).is_expert}):
-                raise NoCheckpointError(
-                    f"{base.name} does not hold every expert of the model (was it saved "
-                    f"with a different ExpertSpec?); restore with the spec it was saved with")
-        rec = recover(bases, lineage_of, required_of, verify=self.config.verify)
-        shapes = {}
-        for key, value in rec.values.items():
-            shapes[key] = (list(value.shape), str(value.dtype).removeprefix("torch."))
-        self.catalog.ensure_optimizer_state(shapes)
-        self.catalog.load(rec.values)
-
-        meta = rec.base.meta
-        self.ledger.load_state_dict(meta["ledger"])
-        base_seq = meta["seq"]
-        extra_lost = self._recoveries_since(base_seq)
-        for layer, row in enumerate(extra_lost):
-            for e, v in enumerate(row):
-                self.ledger.lost[layer][e] += v
-        at_base, at_copy = lost_tokens(rec, self.n_experts)
-        lost = self.ledger.record_recovery(at_base, at_copy)
-        self.persist_selector.load_state_dict(meta["selectors"]["persist"])
-        self.ram_selector.load_state_dict(meta["selectors"]["ram"])
-        self.k_persist, self.k_snapshot = meta["k_persist"], meta["k_snapshot"]
-        self.k_history = [list(x) for x in meta["k_history"]]
-        self._index = meta["index"] + 1
-        self._adjust_k(meta["step"])
-        if rec.base.tier == "storage":
-            self.persister.head = rec.base.name
-            self.ram = None
-        else:
-            self.persister.head = head_for_ram
-        head_manifest = manifests.get(self.persister.head) if self.persister.head else None
-        self.persister.head_view = dict(head_manifest["view"]) if head_manifest else {}
-        self.persister.head_ancestors = (list(head_manifest.get("ancestors", []))
-                                         if head_manifest else [])
-        expert_keys = {k for k in self.persister.head_view if parse_key(k).is_expert}
-        self._need_full = not self._covers_all_experts(expert_keys)
-        self._pending_counts = [[0] * n for n in self.n_experts]
-        sources_report = {}
-        for (layer, expert, part), src in sorted(rec.unit_source.items()):
-            if part == "model" or f"{layer}/{expert}" not in sources_report:
-                sources_report[f"{layer}/{expert}"] = {"step": src.step, "tier": src.tier,
-                                                       "checkpoint": src.name}
-        keys_from: dict[str, int] = {}
-        for src in rec.unit_source.values():
-            keys_from[src.tier] = keys_from.get(src.tier, 0) + 1
-        report = RestoreReport(step=meta["step"], checkpoint=rec.base.name, tier=rec.base.tier,
-                               sources=sources_report, lost=lost, plt=self.ledger.plt(),
-                               warnings=rec.warnings, seconds=time.perf_counter() - t0,
-                               keys_from=keys_from)
-        self._record_recovery(report, base_seq)
-        self.restores.append(report)
-        log.info("restored step %d from %s (%s); lost %d token assignments, PLT %.4f%%",
-                 report.step, report.checkpoint, report.tier, report.lost_total,
-                 100 * report.plt)
-        return report
+        return restore(self)
 
     # -- internals --------------------------------------------------------------
     def _keys_for(self, selected: Sequence[Sequence[int]]) -> list[str]:
@@ -376,28 +283,32 @@ class CheckpointManager:
         return keys
 
     def _my_keys(self, keys: list[str]) -> list[str]:
-        """This rank's share of ``keys`` under the write plan (all of them on one rank)."""
+        """This rank's share of ``keys`` under the write plan (all of them on one rank).
+
+        Every rank computes the same plan: non-expert items are held by all ranks,
+        an expert by the ranks of its expert-data-parallel group.
+        """
         if self.world_size == 1:
             return keys
+        everyone = tuple(range(self.world_size))
         items = []
         for k in keys:
             if k.startswith("objects/"):
-                nbytes = 0
-            else:
-                t = self.catalog.tensor(k)
-                nbytes = t.numel() * t.element_size()
+                continue  # replicated small objects: rank 0 writes them
             info = parse_key(k)
-            group = info.layer if info.is_expert else _module_group(k)
-            items.append(Item(key=k, nbytes=nbytes, holders=tuple(range(self.world_size)),
+            if info.is_expert:
+                n_local = self.emap.layers[info.layer].n_experts
+                owner_ep = info.expert // n_local
+                holders = tuple(r for r in everyone if r % self.ep_size == owner_ep)
+                group = info.layer
+            else:
+                holders, group = everyone, _module_group(k)
+            items.append(Item(key=k, nbytes=self.catalog.nbytes(k), holders=holders,
                               layer=group, expert=info.expert))
-        # Objects (RNG, loader, scheduler) are replicated on data-parallel ranks: rank 0
-        # writes them.
         plan = make_plan(items, self.world_size, self.config.write_mode)
         mine = set(plan.keys_for(self.rank))
         if self.rank == 0:
             mine.update(k for k in keys if k.startswith("objects/"))
-        else:
-            mine.difference_update(k for k in keys if k.startswith("objects/"))
         return [k for k in keys if k in mine]
 
     def _manifest_fields(self, snap: Snapshot, full: bool) -> dict[str, Any]:
@@ -452,56 +363,6 @@ class CheckpointManager:
         seqs = [parse_checkpoint_name(n)[0] for n, _ in self.storage.list_checkpoints()]
         return max(seqs, default=-1) + 1
 
-    def _read_manifests(self) -> dict[str, dict[str, Any]]:
-        out = {}
-        for name, committed in self.storage.list_checkpoints():
-            if not committed:
-                continue
-            try:
-                out[name] = self.storage.read_manifest(name)
-            except CheckpointError as exc:
-                log.warning("ignoring %s: %s", name, exc)
-        return out
-
-    def _storage_source(self, name: str, manifest: dict[str, Any]) -> Source:
-        return Source(name=name, tier="storage", step=manifest["step"],
-                      counts=manifest["counts"], keys=manifest["keys"],
-                      read=lambda targets, n=name: self.storage.read(n, targets),
-                      meta=manifest)
-
-    def _ram_source(self, snap: Snapshot) -> Source:
-        keys = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                for k, t in snap.tensors.items()}
-
-        def read(targets: dict[str, torch.Tensor]) -> None:
-            for k, t in targets.items():
-                t.copy_(snap.tensors[k])
-
-        return Source(name=f"ram:{snap.seq}", tier="ram", step=snap.step,
-                      counts=snap.meta["counts"], keys=keys, read=read, meta=snap.meta)
-
-    def _agree_on_ram(self, ram: Snapshot | None) -> Snapshot | None:
-        """Use RAM only if every rank holds the same snapshot (else all use storage)."""
-        mine = torch.tensor([ram.seq if ram is not None else -1], dtype=torch.int64)
-        low, high = mine.clone(), mine.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        if low.item() != high.item() or low.item() < 0:
-            return None
-        if self.world_size > 1:
-            # Each rank holds only its share of a snapshot: RAM recovery across ranks
-            # would need a broadcast per key; storage is the common ground.
-            return None
-        return ram
-
-    def _covers_all_experts(self, expert_keys: set[str]) -> bool:
-        layers_seen: dict[int, set[int]] = {}
-        for k in expert_keys:
-            info = parse_key(k)
-            if info.part == "model" or self.config.pec_scope == "optimizer":
-                layers_seen.setdefault(info.layer, set()).add(info.expert)
-        return all(len(layers_seen.get(i, ())) == n for i, n in enumerate(self.n_experts))
-
     def _adjust_k(self, step: int) -> None:
         """Dynamic K (the paper's rule): double K_persist while PLT is over budget."""
         if not self.config.dynamic_k or not self.n_experts:
@@ -519,52 +380,6 @@ class CheckpointManager:
             self.k_persist = new
             self.k_snapshot = max(self.k_snapshot, new)
             self.k_history.append([step, new])
-
-    def _recoveries_dir(self) -> str:
-        return f"{self.storage.root}/recoveries"
-
-    def _record_recovery(self, report: RestoreReport, base_seq: int) -> None:
-        """Append a recovery record (rank 0): keeps PLT cumulative across restarts even if
-        another fault strikes before the next checkpoint commits."""
-        if self.rank != 0:
-            return
-        record = {"time": time.time(), "base_seq": base_seq, "next_seq": self.seq,
-                  "step": report.step, "checkpoint": report.checkpoint, "tier": report.tier,
-                  "lost": report.lost, "plt": report.plt, "seconds": report.seconds,
-                  "k_persist": self.k_persist, "warnings": report.warnings}
-        try:
-            self.storage.fs.makedirs(self._recoveries_dir(), exist_ok=True)
-            self.storage.fs.pipe_file(
-                f"{self._recoveries_dir()}/rec-{self.seq:06d}-{time.time_ns()}.json",
-                json.dumps(record).encode())
-        except Exception as exc:  # noqa: BLE001 - the log is advisory; training goes on
-            log.warning("could not write the recovery record: %s", exc)
-
-    def _recoveries_since(self, base_seq: int) -> list[list[int]]:
-        """Lost counts of recoveries that happened after checkpoint ``base_seq`` was made
-        (so its ledger does not include them)."""
-        total = [[0] * n for n in self.n_experts]
-        try:
-            paths = self.storage.fs.ls(self._recoveries_dir(), detail=False)
-        except FileNotFoundError:
-            return total
-        for path in paths:
-            try:
-                rec = json.loads(self.storage.fs.cat_file(path))
-            except Exception:  # noqa: BLE001
-                continue
-            if rec.get("next_seq", -1) > base_seq and rec.get("base_seq", -1) <= base_seq:
-                for layer, row in enumerate(rec["lost"][:len(total)]):
-                    for e, v in enumerate(row[:len(total[layer])]):
-                        total[layer][e] += v
-        if self.distributed:
-            flat = torch.tensor([v for row in total for v in row] or [0], dtype=torch.int64)
-            dist.broadcast(flat, src=0)
-            values, i = flat.tolist(), 0
-            for layer, n in enumerate(self.n_experts):
-                total[layer] = values[i:i + n]
-                i += n
-        return total
 
 
 def _module_group(key: str) -> int:

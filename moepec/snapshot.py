@@ -72,6 +72,8 @@ class Snapshot:
     copy_seconds: float = 0.0
     refs: int = 1
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    all_keys: list[str] = field(default_factory=list)
+    """Every key of this snapshot over all ranks (each rank holds its share)."""
 
     @property
     def nbytes(self) -> int:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from moepec.errors import ConfigError, StructureMismatchError
-from moepec.experts import ExpertMap, expert_slice
+from moepec.experts import ExpertMap, canonical_expert_name, expert_slice
 
 EXPERT_PREFIX = "experts/"
 
@@ -101,8 +101,20 @@ class StateCatalog:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 emap: ExpertMap, extra_state: Mapping[str, Any] | None = None) -> None:
+                 emap: ExpertMap, extra_state: Mapping[str, Any] | None = None,
+                 ep_rank: int = 0, ep_size: int = 1) -> None:
         self.model = model
+        # Expert parallelism: this rank holds experts [offset, offset + n_local) of
+        # each layer; keys always carry global expert ids and canonical names.
+        self.offsets = [ep_rank * lay.n_experts for lay in emap.layers]
+        self.n_global = [lay.n_experts * ep_size for lay in emap.layers]
+        self._full_of_canon: dict[str, str] = {}
+        for lay in emap.layers:
+            if lay.layout == "modules":
+                for local, names in lay.modules.items():
+                    g = self.offsets[lay.index] + local
+                    for short, full in names.items():
+                        self._full_of_canon[canonical_expert_name(lay, short, g)] = full
         self.optimizer = optimizer
         self.emap = emap
         self.extra_state = dict(extra_state or {})
@@ -139,23 +151,55 @@ class StateCatalog:
         keys += [f"objects/extra/{n}" for n in self.extra_state]
         return keys
 
+    def owns(self, layer: int, expert: int) -> bool:
+        """Whether this rank holds global expert ``expert`` of ``layer``."""
+        off = self.offsets[layer]
+        return off <= expert < off + self.emap.layers[layer].n_experts
+
     def expert_keys(self, layer: int, expert: int, parts: Iterable[str] = ("model", "optim")
                     ) -> list[str]:
+        """Keys of global expert ``expert`` (owned or not: experts of a layer are alike,
+        so the keys of another rank's expert follow from this rank's first one)."""
         parts = tuple(parts)
         lay = self.emap.layers[layer]
+        local = expert - self.offsets[layer] if self.owns(layer, expert) else 0
+        names = lay.stacked if lay.layout == "stacked" else lay.modules[local]
         keys = []
-        for pname in lay.param_names(expert):
+        for short, full in names.items():
+            canon = canonical_expert_name(lay, short, expert)
             if "model" in parts:
-                keys.append(expert_key(layer, expert, "model", pname))
+                keys.append(expert_key(layer, expert, "model", canon))
             if "optim" in parts:
-                for sk, _ in self._param_state(pname):
-                    if self._is_expert_state(pname, sk):
-                        keys.append(expert_key(layer, expert, "optim", f"{pname}/{sk}"))
+                for sk, _ in self._param_state(full):
+                    if self._is_expert_state(full, sk):
+                        keys.append(expert_key(layer, expert, "optim", f"{canon}/{sk}"))
         return keys
 
     def all_expert_keys(self) -> list[str]:
-        return [k for lay in self.emap.layers for e in range(lay.n_experts)
+        return [k for lay in self.emap.layers for e in range(self.n_global[lay.index])
                 for k in self.expert_keys(lay.index, e)]
+
+    def nbytes(self, key: str) -> int:
+        """Bytes of a tensor key, also for experts held by other ranks (alike by layer)."""
+        info = parse_key(key)
+        if info.is_expert and not self.owns(info.layer, info.expert):
+            g0 = self.offsets[info.layer]
+            key = key.replace(f"{EXPERT_PREFIX}{info.layer}/{info.expert}/",
+                              f"{EXPERT_PREFIX}{info.layer}/{g0}/", 1)
+            key = key.replace(f".experts.{info.expert}.", f".experts.{g0}.")
+        t = self.tensor(key)
+        return t.numel() * t.element_size()
+
+    def _expert_param(self, layer: int, canon: str) -> str:
+        """Local parameter name behind a canonical expert parameter name."""
+        if self.emap.layers[layer].layout == "stacked":
+            return canon
+        return self._full_of_canon[canon]
+
+    def _local_index(self, layer: int, expert: int) -> int:
+        if not self.owns(layer, expert):
+            raise KeyError(f"expert {expert} of layer {layer} is not held by this rank")
+        return expert - self.offsets[layer]
 
     # -- live access -----------------------------------------------------------
     def tensor(self, key: str) -> torch.Tensor:
@@ -163,10 +207,14 @@ class StateCatalog:
         info = parse_key(key)
         if info.is_expert:
             lay = self.emap.layers[info.layer]
+            local = self._local_index(info.layer, info.expert)
+            rest = key.split("/", 4)[4]
             if info.part == "model":
-                return expert_slice(self.params[key.split("/", 4)[4]].detach(), lay, info.expert)
-            pname, sk = key.split("/", 4)[4].rsplit("/", 1)
-            return expert_slice(self._state(pname)[sk], lay, info.expert)
+                pname = self._expert_param(info.layer, rest)
+                return expert_slice(self.params[pname].detach(), lay, local)
+            canon, sk = rest.rsplit("/", 1)
+            pname = self._expert_param(info.layer, canon)
+            return expert_slice(self._state(pname)[sk], lay, local)
         if info.part == "model":
             name = key[len("model/"):]
             t = self.params.get(name)
@@ -201,6 +249,10 @@ class StateCatalog:
                 continue
             rest = key.split("/", 4)[4] if info.is_expert else key[len("optim/"):]
             pname, sk = rest.rsplit("/", 1)
+            if info.is_expert:
+                if not self.owns(info.layer, info.expert):
+                    continue
+                pname = self._expert_param(info.layer, pname)
             if pname not in self.params:
                 raise StructureMismatchError(
                     f"checkpoint has optimizer state for {pname!r}, which the model lacks; "

@@ -1,10 +1,14 @@
-"""The trainer: data-parallel GPT-MoE training, one process or under torchrun.
+"""The trainer: data- and expert-parallel GPT-MoE training, one process or under torchrun.
 
 ``train(TrainConfig(...)) -> TrainResult`` is the Python API; ``moepec train`` wraps it.
 Data parallelism is explicit: every rank holds the whole model (same seed, same init,
 checked), reads a disjoint shard of every global batch, and gradients are averaged with
-:func:`moepec.dist.average_gradients` (one all_reduce over a flat buffer, not DDP, so
-later expert parallelism can choose which group averages which gradient).
+:func:`moepec.dist.average_gradients` (one all_reduce over a flat buffer, not DDP).
+With ``ep`` > 1 (expert parallelism, :mod:`moepec.parallel`) each rank holds only its
+EP group's share of the experts, tokens reach their experts by all-to-all, and expert
+gradients are combined over the expert's replicas
+(:func:`moepec.dist.average_gradients_ep`); the run computes what the ep=1 run would.
+The per-step functions live in :mod:`moepec.steps`.
 
 The loop has the shape the checkpoint manager expects (DESIGN.md "Public API contract"):
 the batch for ``step`` is taken at the top of the iteration, so the loader state saved
@@ -15,25 +19,34 @@ before ``optimizer.step()`` mutates the weights.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
-import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import torch
-import torch.distributed as torch_dist
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from moepec import dist
 from moepec.data import TokenLoader, check_vocab, eval_batches, load_corpus
 from moepec.errors import ConfigError, DataError
-from moepec.models import GPTMoE, GPTMoEConfig, RoutingStats, get_config
+from moepec.models import GPTMoE, GPTMoEConfig, get_config
+from moepec.parallel import init_expert_parallel
+
+# Re-exported so `from moepec.train import train_step` (tests, notebooks) keeps working.
+from moepec.steps import (
+    StepResult,
+    build_optimizer,
+    build_scheduler,
+    evaluate,
+    forward_backward,
+    optimizer_step,
+    param_digest,
+    train_step,
+)
 
 __all__ = [
     "StepResult",
@@ -113,7 +126,11 @@ class TrainConfig:
     restarts: int = 0
     """After a failed step, rebuild and resume from the last checkpoint this many times."""
     return_state: bool = False
-    """Put the final model state dict (on CPU) into TrainResult.model_state."""
+    """Put the final model state dict (on CPU) into TrainResult.model_state (under expert
+    parallelism: this rank's experts only, local indices)."""
+    ep: int = 1
+    """Expert-parallel degree: ranks that split each MoE layer's experts between them;
+    must divide the number of ranks and n_experts. 1: every rank holds every expert."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -146,24 +163,15 @@ class TrainConfig:
         need(self.restarts >= 0, f"restarts must be >= 0, got {self.restarts}")
         need(self.restarts == 0 or self.ckpt_dir is not None,
              "restarts need checkpoints to resume from; set ckpt_dir or restarts=0")
+        need(isinstance(self.ep, int) and self.ep >= 1,
+             f"ep must be a positive integer, got {self.ep!r}; use --ep 1 to turn it off")
+        need(model_cfg.n_experts % self.ep == 0,
+             f"ep={self.ep} does not divide n_experts={model_cfg.n_experts}; use an --ep "
+             "that divides the number of experts")
 
     def model_config(self) -> GPTMoEConfig:
         """The model config this run trains."""
         return get_config(self.config, **self.model_overrides)
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What one forward/backward produced, already averaged over ranks."""
-
-    loss: float
-    """Language-model cross-entropy (nats/token), mean over ranks."""
-    aux_loss: float
-    """Load-balancing loss (summed over MoE layers), mean over ranks."""
-    dropped: int
-    """Token assignments dropped for capacity, summed over MoE layers and ranks."""
-    routing: list[RoutingStats]
-    """This rank's routing stats, one per MoE layer."""
 
 
 @dataclass(slots=True)
@@ -189,7 +197,9 @@ class TrainResult:
     dropped: int = 0
     """Token assignments dropped for capacity over the run (all ranks, all layers)."""
     world_size: int = 1
-    """Number of data-parallel ranks."""
+    """Number of ranks."""
+    ep_size: int = 1
+    """Expert-parallel degree of the run (cfg.ep)."""
     resumed_from: int | None = None
     """Step of the checkpoint the run resumed from, if any."""
     model_state: dict[str, torch.Tensor] | None = None
@@ -200,117 +210,6 @@ class TrainResult:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out.pop("model_state")
         return out
-
-
-def param_digest(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 of a model's (or state dict's) tensors by name: equal digests = equal weights."""
-    state = (model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module)
-             else model_or_state)
-    h = hashlib.sha256()
-    for name, p in sorted(state.items()):
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings, none on biases and norms.
-
-    Decided by name rather than ``p.dim()`` because stacked expert biases are 2-D
-    ([E, F]); this way both expert layouts train identically.
-    """
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        is_bias = leaf in ("bias", "b1", "b2") or ".ln" in name or name.startswith("ln")
-        (no_decay if is_bias else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> LambdaLR:
-    """Linear warm-up to cfg.lr, then cosine decay to cfg.min_lr at cfg.steps."""
-    floor = cfg.min_lr / cfg.lr
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        span = max(1, cfg.steps - cfg.warmup)
-        progress = min(1.0, (step - cfg.warmup) / span)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return LambdaLR(optimizer, factor)
-
-
-def forward_backward(model: GPTMoE, x: torch.Tensor, y: torch.Tensor,
-                     group: torch_dist.ProcessGroup | None = None) -> StepResult:
-    """Forward, backward and gradient averaging over ``group`` (collective on all ranks).
-
-    Gradients are accumulated into ``.grad`` (the caller zeroes them after the
-    optimizer step). Returns losses averaged and drops summed over ranks.
-    """
-    model.train()
-    out = model(x, y)
-    assert out.loss is not None and out.lm_loss is not None
-    out.loss.backward()
-    dist.average_gradients(model.parameters(), group)
-    dropped = sum(s.dropped for s in out.routing)
-    # One small all_reduce for the scalars the log shows.
-    stats = torch.tensor([out.lm_loss.item(), out.aux_loss.item(), float(dropped)],
-                         dtype=torch.float64, device=x.device)
-    dist.all_reduce_sum(stats, group)
-    n = dist.world_size(group)
-    return StepResult(loss=stats[0].item() / n, aux_loss=stats[1].item() / n,
-                      dropped=int(stats[2].item()), routing=out.routing)
-
-
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   scheduler: LambdaLR, grad_clip: float) -> float:
-    """Clip, step the optimizer and the schedule, zero the gradients; returns grad norm.
-
-    Gradients must already be averaged over ranks, so every rank clips alike and the
-    weights stay identical. Returns NaN when clipping is disabled.
-    """
-    norm = math.nan
-    if grad_clip > 0:
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
-
-
-def train_step(model: GPTMoE, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
-               x: torch.Tensor, y: torch.Tensor, grad_clip: float,
-               group: torch_dist.ProcessGroup | None = None) -> StepResult:
-    """One whole step without checkpoint hooks: forward_backward then optimizer_step."""
-    result = forward_backward(model, x, y, group)
-    optimizer_step(model, optimizer, scheduler, grad_clip)
-    return result
-
-
-@torch.no_grad()
-def evaluate(model: GPTMoE, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             group: torch_dist.ProcessGroup | None = None,
-             device: torch.device | str = "cpu") -> float | None:
-    """Mean validation LM loss per token over all ranks' batches (collective).
-
-    Returns None when no rank has a validation batch.
-    """
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss * tokens, tokens]
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        out = model(x, y)
-        assert out.lm_loss is not None
-        total[0] += out.lm_loss.double() * y.numel()
-        total[1] += y.numel()
-    dist.all_reduce_sum(total, group)
-    model.train()
-    return None if total[1].item() == 0 else total[0].item() / total[1].item()
 
 
 class _Metrics:
@@ -363,6 +262,11 @@ def _setup(cfg: TrainConfig, info: dist.DistInfo) -> _Run:
             f"batch_size {cfg.batch_size} is not divisible by {info.world_size} ranks; "
             "use a multiple of the number of ranks"
         )
+    if info.world_size % cfg.ep:
+        raise ConfigError(
+            f"ep={cfg.ep} does not divide the {info.world_size} rank(s); use an --ep that "
+            "divides the number of ranks (torchrun --nproc_per_node)"
+        )
     device = _device(cfg, info)
     corpus = load_corpus(cfg.data)
     loader = TokenLoader(corpus.train, model_cfg.seq_len, cfg.batch_size, cfg.seed,
@@ -372,11 +276,19 @@ def _setup(cfg: TrainConfig, info: dist.DistInfo) -> _Run:
     if cfg.eval_batches and not val and info.rank == 0:
         log.warning("validation split (%d tokens) is shorter than one sequence; "
                     "no validation loss", len(corpus.val))
+    # Collective: every rank creates every EP group (a no-op for ep=1).
+    ep = init_expert_parallel(cfg.ep, cfg.dist_timeout_s)
     # Same seed on every rank -> same init; built on CPU so CUDA runs start identically.
+    # Under EP each rank keeps its experts' part of the same full init.
     torch.manual_seed(cfg.seed)
-    model = GPTMoE(model_cfg).to(device)
-    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-    dist.check_same_across_ranks(checksum, "the initial weights", device=device)
+    model = GPTMoE(model_cfg, ep).to(device)
+    # Non-expert weights must agree on all ranks, experts over their replicas (the
+    # expert-data-parallel group; everyone when ep=1).
+    expert, other = dist.split_expert_parameters(model)
+    for params, group, what in ((other, None, "the initial non-expert weights"),
+                                (expert, ep.expert_dp_group, "the initial expert weights")):
+        checksum = sum(float(p.detach().double().sum()) for p in params)
+        dist.check_same_across_ranks(checksum, what, group=group, device=device)
     # Different dropout masks per rank (the data already differs; this keeps it so).
     torch.manual_seed(cfg.seed + info.rank)
     optimizer = build_optimizer(model, cfg)
@@ -390,13 +302,16 @@ def _setup(cfg: TrainConfig, info: dist.DistInfo) -> _Run:
         ckpt_cfg = CheckpointConfig(path=cfg.ckpt_dir, interval=cfg.ckpt_interval,
                                     k_persist=cfg.k_persist, k_snapshot=cfg.k_snapshot,
                                     selection=cfg.selection)
+        # Only under EP, so a manager without expert-parallel support keeps working.
+        ep_kwargs = {"expert_parallel": (ep.rank, ep.size)} if ep.enabled else {}
         manager = CheckpointManager(model, optimizer, ckpt_cfg,
-                                    extra_state={"scheduler": scheduler, "data": loader})
+                                    extra_state={"scheduler": scheduler, "data": loader},
+                                    **ep_kwargs)
     if info.rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        log.info("training %s (%.2fM params) on %d rank(s), %s, %d steps, global batch "
-                 "%d x %d tokens", cfg.config, n_params / 1e6, info.world_size, device,
-                 cfg.steps, cfg.batch_size, model_cfg.seq_len)
+        log.info("training %s (%.2fM params on rank 0) on %d rank(s), ep %d, %s, %d steps, "
+                 "global batch %d x %d tokens", cfg.config, n_params / 1e6, info.world_size,
+                 ep.size, device, cfg.steps, cfg.batch_size, model_cfg.seq_len)
     return _Run(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, val=val,
                 device=device, manager=manager,
                 tokens_per_step=cfg.batch_size * model_cfg.seq_len)
@@ -496,7 +411,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     run: _Run | None = None
     try:
         run = _setup(cfg, info)
-        result = TrainResult(steps=0, final_step=-1, world_size=info.world_size)
+        result = TrainResult(steps=0, final_step=-1, world_size=info.world_size,
+                             ep_size=cfg.ep)
         train_time = 0.0
         for attempt in range(cfg.restarts + 1):
             try:

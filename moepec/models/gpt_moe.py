@@ -25,18 +25,35 @@ are admitted first-choice before second-choice (as in GShard), and within one ch
 rank in token order (batch row, then position). Assignments past an expert's capacity
 are dropped: that token gets no contribution from that expert and keeps only its
 residual stream. Drops are reported in :class:`RoutingStats`.
+
+Expert parallelism (``GPTMoE(cfg, ep)``, see :mod:`moepec.parallel`): a rank holds
+E_local = E / ep.size experts per MoE layer (global ids ``ep.rank * E_local + i``), under
+the same parameter names with E_local in place of E. The router stays replicated. Each
+rank routes its own tokens exactly as without EP (gating, top-k, capacity on its local
+T), so an EP run computes what the data-parallel run computes. Kept token copies then
+travel to the ranks holding their experts and back with two autograd-aware
+``all_to_all_single`` calls (``torch.distributed.nn.functional``) with variable splits;
+gloo supports it in our torch build (checked with a 2-process probe, forward and
+backward), so no all_gather fallback is needed. Variable splits, rather than buffers
+padded to capacity, send only real tokens and stay correct when ranks hold different
+numbers of tokens (e.g. a short last validation batch); the price is one small
+all-to-all of the per-expert counts per layer.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
 
 from moepec.errors import ConfigError
+from moepec.parallel import NO_EXPERT_PARALLEL, ExpertParallel
 
 __all__ = [
     "EXPERT_LAYOUTS",
@@ -132,9 +149,11 @@ class RoutingStats:
     """Token counts of one MoE layer for one forward pass (detached, on CPU)."""
 
     assigned: torch.Tensor
-    """int64 [E]: assignments the router sent to each expert; sums to T * top_k."""
+    """int64 [E]: assignments the router sent to each global expert; sums to T * top_k
+    (T: this rank's tokens, also under expert parallelism)."""
     processed: torch.Tensor
-    """int64 [E]: assignments each expert actually processed (<= capacity)."""
+    """int64 [E]: assignments of this rank's tokens each global expert processed
+    (<= capacity)."""
     dropped: int
     """assigned.sum() - processed.sum(): assignments lost to the capacity limit."""
     capacity: int
@@ -226,20 +245,26 @@ class GroupedExperts(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """Top-k routed mixture of FFN experts with a capacity limit."""
+    """Top-k routed mixture of FFN experts with a capacity limit.
 
-    def __init__(self, cfg: GPTMoEConfig) -> None:
+    Holds the ``n_local`` experts of this rank (all E without expert parallelism);
+    local expert i is global expert ``ep.rank * n_local + i``.
+    """
+
+    def __init__(self, cfg: GPTMoEConfig, ep: ExpertParallel = NO_EXPERT_PARALLEL) -> None:
         super().__init__()
         self.n_experts = cfg.n_experts
+        self.n_local = ep.n_local(cfg.n_experts)
+        self.ep = ep
         self.top_k = cfg.top_k
         self.capacity_factor = cfg.capacity_factor
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts: GroupedExperts | nn.ModuleList
         if cfg.expert_layout == "stacked":
-            self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.d_ff)
+            self.experts = GroupedExperts(self.n_local, cfg.d_model, cfg.d_ff)
         else:
             self.experts = nn.ModuleList(
-                Expert(cfg.d_model, cfg.d_ff) for _ in range(cfg.n_experts)
+                Expert(cfg.d_model, cfg.d_ff) for _ in range(self.n_local)
             )
 
     def _expert_tensors(self, e: int) -> tuple[torch.Tensor, ...]:
@@ -285,18 +310,10 @@ class MoEFeedForward(nn.Module):
         kept_token = flat_token[keep][order]
         kept_gate = flat_gate[keep][order]
         processed = torch.bincount(kept_expert, minlength=E)
-        counts = processed.tolist()
-
-        out = torch.zeros_like(tokens)
-        start = 0
-        # Every expert runs, even on zero tokens, so each gets a (possibly zero) gradient
-        # in both layouts and every data-parallel rank has the same set of gradients.
-        for e in range(E):
-            end = start + counts[e]
-            idx = kept_token[start:end]
-            y = ffn(tokens[idx], *self._expert_tensors(e))
-            out.index_add_(0, idx, y * kept_gate[start:end, None].to(y.dtype))
-            start = end
+        if self.ep.enabled:
+            out = self._experts_parallel(tokens, kept_token, kept_gate, processed)
+        else:
+            out = self._experts_local(tokens, kept_token, kept_gate, processed.tolist())
 
         assigned = torch.bincount(flat_expert, minlength=E).detach().cpu()
         processed = processed.detach().cpu()
@@ -308,17 +325,88 @@ class MoEFeedForward(nn.Module):
         )
         return out.view(shape), aux, stats
 
+    def _experts_local(self, tokens: torch.Tensor, kept_token: torch.Tensor,
+                       kept_gate: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """All experts on this rank: kept assignments grouped by expert -> [T, D]."""
+        out = torch.zeros_like(tokens)
+        start = 0
+        # Every expert runs, even on zero tokens, so each gets a (possibly zero) gradient
+        # in both layouts and every data-parallel rank has the same set of gradients.
+        for e in range(self.n_experts):
+            end = start + counts[e]
+            idx = kept_token[start:end]
+            y = ffn(tokens[idx], *self._expert_tensors(e))
+            out.index_add_(0, idx, y * kept_gate[start:end, None].to(y.dtype))
+            start = end
+        return out
+
+    def _experts_parallel(self, tokens: torch.Tensor, kept_token: torch.Tensor,
+                          kept_gate: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
+        """Experts spread over the EP group: dispatch, compute, return, combine -> [T, D].
+
+        Collective over ``ep.group``: every rank of the group runs every MoE layer's
+        forward (and backward) in the same order. The kept assignments arrive grouped
+        by global expert, hence by destination rank (rank d holds experts
+        [d*L, (d+1)*L)), which is the layout ``all_to_all_single`` sends.
+        """
+        P, L = self.ep.size, self.n_local
+        group = self.ep.group
+        send_counts = processed.view(P, L)  # [P, L]: to rank d, for its local expert i
+        recv_counts = torch.empty_like(send_counts)  # [P, L]: from rank s, for my expert i
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send_splits = send_counts.sum(dim=1).tolist()
+        recv_splits = recv_counts.sum(dim=1).tolist()
+
+        recv = _all_to_all(tokens[kept_token], recv_splits, send_splits, group)  # [R, D]
+        # recv is source-rank-major; regroup by local expert (stable: source order kept).
+        local_expert = torch.arange(L, device=tokens.device).repeat(P)
+        row_expert = local_expert.repeat_interleave(recv_counts.reshape(-1))  # [R]
+        order = torch.sort(row_expert, stable=True).indices
+        per_expert = recv_counts.sum(dim=0).tolist()
+        grouped = recv[order]
+        ys, start = [], 0
+        # Every local expert runs, even on zero tokens, as in _experts_local.
+        for i in range(L):
+            end = start + per_expert[i]
+            ys.append(ffn(grouped[start:end], *self._expert_tensors(i)))
+            start = end
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y = torch.cat(ys)[inverse]  # back to source-rank-major order
+
+        back = _all_to_all(y, send_splits, recv_splits, group)  # [N_kept, D], send order
+        out = torch.zeros_like(tokens)
+        return out.index_add_(0, kept_token, back * kept_gate[:, None].to(back.dtype))
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Autograd-aware all_to_all_single of the rows of ``x`` [N, D] (collective).
+
+    The backward pass runs the reverse all-to-all, so a rank receives the gradients
+    of the rows it sent.
+    """
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    with warnings.catch_warnings():
+        # torch marks torch.distributed.nn.functional deprecated in favour of the
+        # private _functional_collectives; it is the public autograd-aware all-to-all
+        # that works on gloo, so keep it and silence the per-call FutureWarning.
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"torch\.distributed\.nn\.functional")
+        return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
 
 class Block(nn.Module):
     """Pre-LN transformer block: x + attn(ln1(x)), then x + ffn(ln2(x))."""
 
-    def __init__(self, cfg: GPTMoEConfig, moe: bool) -> None:
+    def __init__(self, cfg: GPTMoEConfig, moe: bool,
+                 ep: ExpertParallel = NO_EXPERT_PARALLEL) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.ffn: MoEFeedForward | FeedForward = (
-            MoEFeedForward(cfg) if moe else FeedForward(cfg.d_model, cfg.d_ff)
+            MoEFeedForward(cfg, ep) if moe else FeedForward(cfg.d_model, cfg.d_ff)
         )
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -332,15 +420,23 @@ class Block(nn.Module):
 
 
 class GPTMoE(nn.Module):
-    """The GPT-MoE language model. ``forward(idx, targets=None) -> ModelOutput``."""
+    """The GPT-MoE language model. ``forward(idx, targets=None) -> ModelOutput``.
 
-    def __init__(self, cfg: GPTMoEConfig) -> None:
+    ``ep`` (from :func:`moepec.parallel.init_expert_parallel`) splits the experts over
+    an expert-parallel group; then forward and backward are collectives over
+    ``ep.group`` and every rank of it must call them together. None: all experts
+    here. Raises ConfigError when ``ep.size`` does not divide ``cfg.n_experts``.
+    """
+
+    def __init__(self, cfg: GPTMoEConfig, ep: ExpertParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ep = ep if ep is not None else NO_EXPERT_PARALLEL
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i)) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i), self.ep)
+                                    for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.reset_parameters()
 
@@ -357,19 +453,51 @@ class GPTMoE(nn.Module):
         0.02 / sqrt(2 * n_layer) so the residual stream's variance does not grow with
         depth. Parameters are visited in ``named_parameters`` order, so a fixed
         ``torch.manual_seed`` gives a fixed model.
+
+        Under expert parallelism the parameters of the whole (non-EP) model are drawn
+        in that same order and each rank keeps its own experts' part, so every rank gets
+        the same non-expert weights and global expert e is initialised exactly as in
+        a non-EP model with the same seed.
         """
+        if not self.ep.enabled:
+            for name, p in self.named_parameters():
+                self._init_param(name, p)
+            return
+        with torch.device("meta"):  # names and shapes only; meta init draws no RNG
+            full = GPTMoE(self.cfg)
+        local = dict(self.named_parameters())
+        n_local = self.cfg.n_experts // self.ep.size
+        lo = self.ep.rank * n_local
+        prefixes = tuple(f"{name}.experts." for name, m in full.named_modules()
+                         if isinstance(m, MoEFeedForward))
+        for name, meta in full.named_parameters():
+            value = torch.empty(meta.shape, dtype=meta.dtype, device=self.tok_emb.weight.device)
+            self._init_param(name, value)
+            prefix = next((pre for pre in prefixes if name.startswith(pre)), None)
+            if prefix is None:
+                local[name].copy_(value)
+                continue
+            tail = name[len(prefix):]
+            if "." not in tail:  # stacked [E, ...]: keep this rank's slice of dim 0
+                local[name].copy_(value[lo:lo + n_local])
+                continue
+            e, leaf = tail.split(".", 1)  # modules: experts.{global e}.{leaf}
+            if lo <= int(e) < lo + n_local:
+                local[f"{prefix}{int(e) - lo}.{leaf}"].copy_(value)
+
+    def _init_param(self, name: str, p: torch.Tensor) -> None:
+        """Initialise one parameter (named as in the non-EP model) in place."""
         std = 0.02
         resid_std = std / math.sqrt(2 * self.cfg.n_layer)
-        for name, p in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if name.startswith("ln") or ".ln" in name:
-                nn.init.ones_(p) if leaf == "weight" else nn.init.zeros_(p)
-            elif leaf in ("bias", "b1", "b2"):
-                nn.init.zeros_(p)
-            elif leaf == "w2" or name.endswith("attn.proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=resid_std)
-            else:
-                nn.init.normal_(p, mean=0.0, std=std)
+        leaf = name.rsplit(".", 1)[-1]
+        if name.startswith("ln") or ".ln" in name:
+            nn.init.ones_(p) if leaf == "weight" else nn.init.zeros_(p)
+        elif leaf in ("bias", "b1", "b2"):
+            nn.init.zeros_(p)
+        elif leaf == "w2" or name.endswith("attn.proj.weight"):
+            nn.init.normal_(p, mean=0.0, std=resid_std)
+        else:
+            nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> ModelOutput:
         """idx, targets: int64 [B, S] with S <= seq_len. Routing stats are on CPU."""
