@@ -64,29 +64,16 @@ def inspect_path(path: str, storage_options: dict | None = None) -> dict[str, An
         m = manifests[head]
         out["view_age"] = mf.view_age(m)
         out["structure"] = m["structure"]["experts"]
-        out["full_bytes"] = _full_bytes(m)
+        out["full_bytes"] = _full_bytes(m, manifests)
     return out
 
 
-def _full_bytes(m: dict) -> int:
-    """Bytes a full checkpoint of the same state would hold (every key of the view)."""
+def _full_bytes(m: dict, manifests: dict[str, dict]) -> int:
+    """Bytes of every key of the view (what a full checkpoint of that state holds)."""
     total = 0
-    sizes: dict[str, int] = {}
-    for key, info in m["keys"].items():
-        sizes[key] = info["nbytes"]
-    for key in m["view"]:
-        total += sizes.get(key, 0)
-    # keys not in this checkpoint: size of an identical-shaped key of the same param
-    missing = [k for k in m["view"] if k not in sizes]
-    if missing:
-        by_shape: dict[str, int] = {}
-        for key, info in m["keys"].items():
-            info_k = parse_key(key)
-            if info_k.is_expert:
-                by_shape[f"{info_k.layer}/{key.split('/', 4)[3:]}"] = info["nbytes"]
-        for key in missing:
-            info_k = parse_key(key)
-            total += by_shape.get(f"{info_k.layer}/{key.split('/', 4)[3:]}", 0)
+    for key, src in m["view"].items():
+        info = manifests.get(src, {}).get("keys", {}).get(key)
+        total += info["nbytes"] if info else 0
     return total
 
 
@@ -210,15 +197,11 @@ def export_view(path: str, out: str, fmt: str, storage_options: dict | None = No
                                           "moepec_checkpoint": manifest["name"]})
         return len(weights)
     if fmt == "dcp":
-        Storage(out).write("", tensors) if False else _dcp_save(out, tensors)
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(tensors, checkpoint_id=out, no_dist=True)
         return len(tensors)
     raise CheckpointError(f"unknown export format {fmt!r}; use dcp or safetensors")
-
-
-def _dcp_save(out: str, tensors: dict[str, torch.Tensor]) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(tensors, checkpoint_id=out, no_dist=True)
 
 
 def format_inspect(info: dict[str, Any]) -> str:

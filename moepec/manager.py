@@ -117,6 +117,7 @@ class CheckpointManager:
         self.restores: list[RestoreReport] = []
         self._blocked = 0.0
         self._closed = False
+        self._key_cache: dict[Any, Any] = {}
 
     # -- the training-loop API --------------------------------------------------
     def observe_routing(self, counts: Sequence[Any]) -> None:
@@ -138,8 +139,15 @@ class CheckpointManager:
                 pend[e] += int(v)
 
     def wait_for_snapshot(self) -> None:
-        """Block until the RAM snapshot in progress is complete. Call before optimizer.step()."""
+        """Block until the RAM snapshot in progress is complete. Call before optimizer.step().
+
+        Raises PersistError (once) for a background persist that failed since the last
+        call; the snapshot is complete all the same, and training may go on.
+        """
         self.persister_check()
+        self._finish_snapshot()
+
+    def _finish_snapshot(self) -> None:
         if self.snapshotter.busy or self.snapshotter._pending is not None:
             t0 = time.perf_counter()
             snap = self.snapshotter.wait()
@@ -154,10 +162,11 @@ class CheckpointManager:
         """Checkpoint the state after optimizer step ``step`` if one is due.
 
         Returns at once when asynchronous (True if a checkpoint was started).
-        Raises PersistError for an earlier background failure.
+        Raises PersistError for an earlier background failure: after taking this
+        checkpoint's RAM snapshot, so a failing storage never stops the RAM tier.
         """
-        self.persister_check()
         if (step + 1) % self.config.interval != 0:
+            self.persister_check()
             return False
         self.save(step)
         return True
@@ -167,7 +176,7 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("CheckpointManager is closed")
         t0 = time.perf_counter()
-        self.wait_for_snapshot()
+        self._finish_snapshot()
         counts = self._reduce_counts()
         for tracker in (self.ledger, self.persist_selector, self.ram_selector):
             tracker.observe(counts)
@@ -179,7 +188,15 @@ class CheckpointManager:
                 persist = False
                 log.info("step %d: previous persist still writing; keeping this checkpoint "
                          "in RAM only (busy_policy=skip)", step)
-        self.persister_check()
+        pending_error = self.persister.take_error() if persist else None
+        if pending_error is not None:
+            # The previous persist failed: keep this checkpoint in RAM, report the error
+            # once the snapshot is under way, and persist again at the next checkpoint
+            # (a full one if storage still lacks some expert).
+            persist = False
+            from moepec.restoring import covers_owned_experts
+
+            self._need_full = not covers_owned_experts(self, set(self.persister.head_view))
         full = self._need_full or (self.config.full_every > 0
                                    and self._index % self.config.full_every == 0)
         if full:
@@ -198,7 +215,7 @@ class CheckpointManager:
         persist_keys = self._keys_for(persist_sel) if persist else []
         mine = self._my_keys(snap_keys)
         objects = self.catalog.capture_objects()
-        sources = {k: self.catalog.tensor(k) for k in mine if not k.startswith("objects/")}
+        sources = {k: self._live(k) for k in mine if not k.startswith("objects/")}
         snap = Snapshot(seq=self.seq, step=step, tensors={},
                         snapshot_experts=[tuple(s) for s in snap_sel],
                         persist_experts=[tuple(p) for p in persist_sel] if persist else None,
@@ -220,12 +237,16 @@ class CheckpointManager:
         self.seq += 1
         self._index += 1
         if not self.config.async_snapshot:
-            self.wait_for_snapshot()
-        if persist:
-            self.persister.submit(snap, snap.meta)
-        blocked = time.perf_counter() - t0
-        event["blocked_step_s"] = blocked
-        self._blocked += blocked
+            self._finish_snapshot()
+        try:
+            if persist:
+                self.persister.submit(snap, snap.meta)
+        finally:
+            blocked = time.perf_counter() - t0
+            event["blocked_step_s"] = blocked
+            self._blocked += blocked
+        if pending_error is not None:
+            raise pending_error
 
     def close(self) -> None:
         """Wait for the snapshot and persist in flight; re-raise any background error.
@@ -271,15 +292,37 @@ class CheckpointManager:
         return restore(self)
 
     # -- internals --------------------------------------------------------------
+    def _cache(self) -> dict[Any, Any]:
+        """Key lists and live tensors, stable between checkpoints: rebuilt only when the
+        optimizer grew state (its first step) or a restore replaced tensors."""
+        opt = self.catalog.optimizer
+        sig = len(opt.state) if opt is not None else 0
+        if self._key_cache.get("sig") != sig:
+            self._key_cache = {"sig": sig, "live": {},
+                               "base": self.catalog.non_expert_tensor_keys()
+                               + self.catalog.object_keys()}
+        return self._key_cache
+
+    def _live(self, key: str) -> torch.Tensor:
+        live = self._cache()["live"]
+        t = live.get(key)
+        if t is None:
+            t = live[key] = self.catalog.tensor(key)
+        return t
+
     def _keys_for(self, selected: Sequence[Sequence[int]]) -> list[str]:
+        cache = self._cache()
         sel_parts, all_parts = _SCOPE_PARTS[self.config.pec_scope]
-        keys = self.catalog.non_expert_tensor_keys() + self.catalog.object_keys()
+        keys = list(cache["base"])
         for layer, n in enumerate(self.n_experts):
             chosen = set(selected[layer])
             for e in range(n):
                 parts = all_parts + (sel_parts if e in chosen else ())
                 if parts:
-                    keys += self.catalog.expert_keys(layer, e, parts)
+                    ck = (layer, e, parts)
+                    if ck not in cache:
+                        cache[ck] = self.catalog.expert_keys(layer, e, parts)
+                    keys += cache[ck]
         return keys
 
     def _my_keys(self, keys: list[str]) -> list[str]:

@@ -39,6 +39,13 @@ def _hook(point: str, name: str) -> None:
         fault_hook(point, name)
 
 
+def _retention_fields(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """What retention needs of a manifest: its lineage and the sources of its view."""
+    return {"name": manifest["name"], "seq": manifest["seq"],
+            "parent": manifest.get("parent"), "ancestors": manifest.get("ancestors", []),
+            "view": {src: src for src in set(manifest["view"].values())}}
+
+
 def root_cause(exc: BaseException) -> BaseException:
     """The underlying error of a DCP CheckpointException (one per failed rank)."""
     failures = getattr(exc, "failures", None)
@@ -81,6 +88,7 @@ class Persister:
         self.head_ancestors: list[str] = []
         self.records: list[PersistRecord] = []
         self._error: BaseException | None = None
+        self._manifest_cache: dict[str, Any] = {}
         self._idle = threading.Event()
         self._idle.set()
         self._queue: queue.Queue = queue.Queue()
@@ -92,8 +100,8 @@ class Persister:
         return not self._idle.is_set()
 
     def submit(self, snap: Snapshot, fields: Mapping[str, Any]) -> None:
-        """Persist ``snap`` (inline or in the background). Caller checked ``busy``."""
-        self.check()
+        """Persist ``snap`` (inline or in the background). Caller checked ``busy`` and
+        took any earlier error. Inline, raises PersistError if this persist fails."""
         self._idle.clear()
         if not self.background:
             self._run_one(snap, fields)
@@ -113,11 +121,20 @@ class Persister:
 
     def check(self) -> None:
         """Re-raise (once) an error of the worker on the calling thread."""
-        if self._error is not None:
-            err, self._error = self._error, None
-            cause = root_cause(err)
-            raise PersistError(f"checkpoint persist failed: {type(cause).__name__}: {cause}. "
-                               f"The last committed checkpoint is intact.") from err
+        err = self.take_error()
+        if err is not None:
+            raise err
+
+    def take_error(self) -> PersistError | None:
+        """The worker's error as a PersistError (once), or None."""
+        if self._error is None:
+            return None
+        err, self._error = self._error, None
+        cause = root_cause(err)
+        wrapped = PersistError(f"checkpoint persist failed: {type(cause).__name__}: {cause}. "
+                               f"The last committed checkpoint is intact.")
+        wrapped.__cause__ = err
+        return wrapped
 
     def close(self) -> None:
         """Wait for the persist in flight, stop the worker; idempotent."""
@@ -182,6 +199,7 @@ class Persister:
             _hook("before_commit", name)
             try:
                 self.storage.write_manifest(name, manifest)
+                self._manifest_cache[name] = _retention_fields(manifest)
             except Exception:
                 ok = [False]
                 if self.world_size == 1:
@@ -206,10 +224,15 @@ class Persister:
         manifests: dict[str, Any] = {}
         for n, committed in listing:
             if committed:
-                try:
-                    manifests[n] = self.storage.read_manifest(n)
-                except CheckpointError as exc:
-                    log.warning("retention skips %s: %s", n, exc)
+                if n not in self._manifest_cache:  # committed manifests never change
+                    try:
+                        fields = _retention_fields(self.storage.read_manifest(n))
+                        self._manifest_cache[n] = fields
+                    except CheckpointError as exc:
+                        log.warning("retention skips %s: %s", n, exc)
+                        continue
+                manifests[n] = self._manifest_cache[n]
+        self._manifest_cache = {n: m for n, m in self._manifest_cache.items() if n in manifests}
         uncommitted = [n for n, c in listing if not c]
         for n in mf.to_delete(manifests, uncommitted, self.keep_last):
             log.info("retention deletes %s", n)

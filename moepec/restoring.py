@@ -89,7 +89,7 @@ def restore(mgr: CheckpointManager) -> RestoreReport | None:
     if not bases:
         raise NoCheckpointError(
             f"no committed checkpoint under {mgr.config.path} and no complete RAM snapshot")
-    if not _covers_owned_experts(mgr, required_of(bases[0])):
+    if not covers_owned_experts(mgr, required_of(bases[0])):
         raise NoCheckpointError(
             f"{bases[0].name} does not hold every expert of the model (saved with a "
             f"different ExpertSpec?); restore with the spec it was saved with")
@@ -99,6 +99,7 @@ def restore(mgr: CheckpointManager) -> RestoreReport | None:
               for k, v in rec.values.items()}
     mgr.catalog.ensure_optimizer_state(shapes)
     mgr.catalog.load(rec.values)
+    mgr._key_cache = {}  # restored optimizer state may be new tensors
 
     meta = rec.base.meta
     mgr.ledger.load_state_dict(meta["ledger"])
@@ -125,7 +126,7 @@ def restore(mgr: CheckpointManager) -> RestoreReport | None:
     head = manifests.get(mgr.persister.head) if mgr.persister.head else None
     mgr.persister.head_view = dict(head["view"]) if head else {}
     mgr.persister.head_ancestors = list(head.get("ancestors", [])) if head else []
-    mgr._need_full = not _covers_owned_experts(
+    mgr._need_full = not covers_owned_experts(
         mgr, {k for k in mgr.persister.head_view if _mine(mgr, k)})
     mgr._pending_counts = [[0] * n for n in mgr.n_experts]
 
@@ -246,7 +247,7 @@ def _ram_source(name: str, step: int, meta: dict[str, Any], values: dict[str, to
                   read=read, meta=meta)
 
 
-def _covers_owned_experts(mgr: CheckpointManager, keys: set[str]) -> bool:
+def covers_owned_experts(mgr: CheckpointManager, keys: set[str]) -> bool:
     seen: dict[int, set[int]] = {}
     for k in keys:
         info = parse_key(k)

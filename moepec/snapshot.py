@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,10 @@ import torch
 from moepec.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+
+# Fault-injection seam (tests and moepec.faults set it; None in normal runs): called
+# with ("copy", step) on the copying thread before a snapshot's copy starts.
+fault_hook: Callable[[str, int], None] | None = None
 
 
 class BufferPool:
@@ -147,6 +151,8 @@ class Snapshotter:
     def _copy(self, snap: Snapshot, sources: Mapping[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
         try:
+            if fault_hook is not None:
+                fault_hook("copy", snap.step)
             if self._stream is not None:
                 # Side stream: copies overlap compute on the default stream; the
                 # caller waited for the optimizer step before starting us.

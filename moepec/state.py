@@ -18,7 +18,7 @@ back into the model, optimizer and extra state in place.
 
 from __future__ import annotations
 
-import io
+import pickle
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -61,17 +61,16 @@ def expert_key(layer: int, expert: int, part: str, rest: str) -> str:
 
 
 def to_bytes_tensor(obj: Any) -> torch.Tensor:
-    """Serialise a small object to a uint8 tensor (torch.save format)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    """Serialise a small object to a uint8 tensor (pickle; tensors inside pickle too)."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                            dtype=torch.uint8)
 
 
 def from_bytes_tensor(t: torch.Tensor) -> Any:
-    data = t.numpy().tobytes() if t.numel() else b""
-    # weights_only=False: these bytes were written by moepec itself from the
-    # job's own state_dicts (schedulers, loaders), which may hold plain objects.
-    return torch.load(io.BytesIO(data), weights_only=False)
+    # These bytes were written by moepec itself from the job's own state_dicts
+    # (RNG, schedulers, loaders); like torch.load(weights_only=False), only load
+    # checkpoints you trust.
+    return pickle.loads(t.numpy().tobytes())
 
 
 def rng_state() -> dict[str, Any]:

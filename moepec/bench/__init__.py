@@ -1,0 +1,1 @@
+"""Benchmarks that run a baseline in the same run and report ratios (`moepec bench`)."""

@@ -1,0 +1,260 @@
+"""Checkpoint overhead on the training loop: moepec PEC vs full and vs PyTorch baselines.
+
+One process, one model (`small` GPT-MoE by default), one interval; for each method
+the loop trains the same steps and we record, per checkpoint, the time the training
+loop is blocked, and the mean iteration time against a run without checkpoints:
+
+  none             no checkpointing (the baseline iteration time)
+  torch.save       sync torch.save of model+optimizer state dicts, fsync'd
+  dcp.save         sync torch.distributed.checkpoint.save
+  dcp.async_save   DCP's async save (stage in the loop, write in a thread)
+  moepec-full      moepec, K = N (every expert), asynchronous snapshot + persist
+  moepec-pec       moepec, K_persist = 1 (K_snapshot = 1), asynchronous
+
+It also measures this machine's host memcpy and fsync'd write bandwidth in the same
+run, and reports moepec's snapshot and persist throughput as fractions of them.
+Batches are random tokens: this measures time, not learning.
+
+Run: python benchmarks/overhead.py (or: moepec bench overhead) [--steps 60 --interval 10 --threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from moepec import CheckpointConfig, CheckpointManager
+from moepec.models.configs import get_config
+from moepec.models.gpt_moe import GPTMoE
+
+METHODS = ("none", "torch.save", "dcp.save", "dcp.async_save", "moepec-full", "moepec-pec")
+
+
+def memcpy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def write_bandwidth(directory: Path, nbytes: int = 128 << 20) -> float:
+    data = os.urandom(1 << 20) * (nbytes >> 20)
+    path = directory / "bw.bin"
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        best = min(best, time.perf_counter() - t0)
+        path.unlink()
+    return nbytes / best
+
+
+def fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def run(method: str, args, workdir: Path) -> dict:
+    torch.manual_seed(0)
+    cfg = get_config(args.config)
+    model = GPTMoE(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    root = workdir / method.replace(".", "_")
+    manager = None
+    if method.startswith("moepec"):
+        k = cfg.n_experts if method == "moepec-full" else 1
+        manager = CheckpointManager(model, opt, CheckpointConfig(
+            path=str(root), interval=args.interval, k_persist=k, k_snapshot=k, keep_last=2))
+    pending = None
+    iter_times, blocked = [], []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen)
+        out = model(idx, idx)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if manager:
+            manager.wait_for_snapshot()
+        elif pending is not None and method == "dcp.async_save" and not pending.done():
+            # DCP's staged copy must not be mutated while it is written: wait here
+            tb = time.perf_counter()
+            pending.result()
+            blocked[-1] += time.perf_counter() - tb
+        opt.step()
+        due = (step + 1) % args.interval == 0
+        tb = time.perf_counter()
+        if manager:
+            manager.observe_routing([r.assigned for r in out.routing])
+            manager.step(step)
+        elif due and method == "torch.save":
+            path = root / f"step{step}.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+            fsync_tree(path.parent)
+        elif due and method == "dcp.save":
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                     checkpoint_id=str(root / f"step{step}"), no_dist=True)
+        elif due and method == "dcp.async_save":
+            if pending is not None:
+                pending.result()
+            pending = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
+                                     checkpoint_id=str(root / f"step{step}"), no_dist=True)
+        if due and not manager:
+            blocked.append(time.perf_counter() - tb)
+        iter_times.append(time.perf_counter() - t0)
+    t_close = time.perf_counter()
+    if pending is not None:
+        pending.result()
+    result = {"method": method}
+    if manager:
+        manager.close()
+        events = manager.events
+        blocked = [e["blocked_step_s"] + e["blocked_wait_s"] for e in events]
+        snaps = [(e["snapshot_bytes"], e["snapshot_copy_s"]) for e in events
+                 if e.get("snapshot_copy_s")]
+        recs = [r for r in manager.persister.records if r.committed]
+        result["snapshot_bytes"] = statistics.mean(b for b, _ in snaps)
+        result["snapshot_Bps"] = sum(b for b, _ in snaps) / sum(s for _, s in snaps)
+        result["persist_bytes"] = statistics.mean(r.bytes_written for r in recs)
+        result["persist_Bps"] = sum(r.bytes_written for r in recs) / sum(r.seconds for r in recs)
+    result["drain_s"] = time.perf_counter() - t_close
+    warm = iter_times[args.warmup:]
+    result["iter_s"] = statistics.mean(warm)
+    result["blocked_s"] = statistics.mean(blocked) if blocked else 0.0
+    result["checkpoints"] = len(blocked)
+    shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def bandwidth_phase(args, workdir: Path) -> dict:
+    """Snapshot and persist throughput on a larger model, where per-item costs amortise:
+    a 1/scale copy of --bw-config, K_persist = 1 (after the first, full checkpoint)."""
+    base = get_config(args.bw_config)
+    s = args.bw_scale
+    cfg = get_config(args.bw_config, d_model=base.d_model // s, d_ff=base.d_ff // s,
+                     vocab_size=base.vocab_size // s, seq_len=base.seq_len // s)
+    torch.manual_seed(0)
+    model = GPTMoE(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(idx, idx).loss.backward()
+    opt.step()
+    manager = CheckpointManager(model, opt, CheckpointConfig(
+        path=str(workdir / "bw"), interval=1, k_persist=1, keep_last=1))
+    for step in range(args.bw_saves + 1):
+        manager.save(step)
+        manager.wait_for_snapshot()
+        manager.persister.wait_idle()
+    manager.close()
+    events = [e for e in manager.events if not e["full"]]
+    recs = [r for r in manager.persister.records if r.committed][1:]
+    snap_bytes = sum(e["snapshot_bytes"] for e in events)
+    return {"config": f"{args.bw_config}/{s}",
+            "params": sum(p.numel() for p in model.parameters()),
+            "snapshot_bytes": snap_bytes / len(events),
+            "snapshot_Bps": snap_bytes / sum(e["snapshot_copy_s"] for e in events),
+            "persist_bytes": sum(r.bytes_written for r in recs) / len(recs),
+            "persist_Bps": sum(r.bytes_written for r in recs) / sum(r.seconds for r in recs)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="small")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--interval", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for training (leave a core to the writer on 2 cores)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--bw-config", default="gpt-125m-8e",
+                    help="model whose 1/--bw-scale copy measures snapshot/persist throughput")
+    ap.add_argument("--bw-scale", type=int, default=4)
+    ap.add_argument("--bw-saves", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/overhead.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("MOEPEC_BENCH_DIR")) as tmp:
+        workdir = Path(tmp)
+        memcpy = memcpy_bandwidth()
+        write = write_bandwidth(workdir)
+        rows = [run(m, args, workdir) for m in args.methods]
+        bw = bandwidth_phase(args, workdir) if args.bw_saves > 0 else None
+    base = next((r["iter_s"] for r in rows if r["method"] == "none"), None)
+    for r in rows:
+        r["blocked_frac_iter"] = r["blocked_s"] / base if base else None
+        r["iter_overhead"] = r["iter_s"] / base - 1 if base else None
+        if "snapshot_Bps" in r:
+            r["snapshot_frac_memcpy"] = r["snapshot_Bps"] / memcpy
+            r["persist_frac_write"] = r["persist_Bps"] / write
+    if bw:
+        bw["snapshot_frac_memcpy"] = bw["snapshot_Bps"] / memcpy
+        bw["persist_frac_write"] = bw["persist_Bps"] / write
+    result = {"config": vars(args), "memcpy_Bps": memcpy, "write_Bps": write,
+              "baseline_iter_s": base, "rows": rows, "bandwidth": bw,
+              "torch": torch.__version__}
+    by = {r["method"]: r for r in rows}
+    if "moepec-pec" in by and "dcp.async_save" in by:
+        pec, dasync = by["moepec-pec"], by["dcp.async_save"]
+        result["targets"] = {
+            "pec_blocked_le_5pct_iter": pec["blocked_frac_iter"] <= 0.05,
+            "pec_5x_less_blocked_than_dcp_async": dasync["blocked_s"] >= 5 * pec["blocked_s"],
+            "snapshot_ge_50pct_memcpy": (bw or pec)["snapshot_frac_memcpy"] >= 0.5,
+            "persist_ge_50pct_write": (bw or pec)["persist_frac_write"] >= 0.5,
+            "dcp_async_over_pec_blocked": dasync["blocked_s"] / max(pec["blocked_s"], 1e-9),
+        }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    report(result)
+    return result
+
+
+def report(res: dict) -> None:
+    print(f"machine: memcpy {res['memcpy_Bps'] / 1e9:.2f} GB/s, fsync'd write "
+          f"{res['write_Bps'] / 1e9:.2f} GB/s; baseline iteration "
+          f"{1e3 * res['baseline_iter_s']:.1f} ms ({res['config']['config']}, "
+          f"{res['config']['threads']} thread(s))")
+    print(f"{'method':<16}{'blocked/ckpt ms':>16}{'% of iter':>10}{'iter ms':>9}"
+          f"{'overhead':>10}{'snap GB/s':>11}{'%memcpy':>9}{'persist GB/s':>13}{'%write':>8}")
+    for r in res["rows"]:
+        line = (f"{r['method']:<16}{1e3 * r['blocked_s']:>16.2f}"
+                f"{100 * (r['blocked_frac_iter'] or 0):>9.1f}%{1e3 * r['iter_s']:>9.1f}"
+                f"{100 * (r['iter_overhead'] or 0):>9.1f}%")
+        if "snapshot_Bps" in r:
+            line += (f"{r['snapshot_Bps'] / 1e9:>11.2f}{100 * r['snapshot_frac_memcpy']:>8.0f}%"
+                     f"{r['persist_Bps'] / 1e9:>13.2f}{100 * r['persist_frac_write']:>7.0f}%")
+        print(line)
+    bw = res.get("bandwidth")
+    if bw:
+        print(f"throughput on {bw['config']} ({bw['params'] / 1e6:.1f}M params, K=1 "
+              f"checkpoint {bw['persist_bytes'] / 1e6:.1f} MB): snapshot "
+              f"{bw['snapshot_Bps'] / 1e9:.2f} GB/s ({100 * bw['snapshot_frac_memcpy']:.0f}% of "
+              f"memcpy), persist {bw['persist_Bps'] / 1e9:.2f} GB/s "
+              f"({100 * bw['persist_frac_write']:.0f}% of fsync'd write)")
+    for name, ok in res.get("targets", {}).items():
+        print(f"  {name}: {ok if isinstance(ok, bool) else f'{ok:.1f}x'}")
+
+
+if __name__ == "__main__":
+    main()
