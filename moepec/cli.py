@@ -127,8 +127,37 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    help="experts per MoE layer snapshotted to RAM (default: = --k)")
     g.add_argument("--selection", default=d("selection"),
                    help="sequential or load_aware (%(default)s)")
+    g.add_argument("--pec-scope", default=d("pec_scope"),
+                   help="all, optimizer or weights: what PEC skips for unselected experts "
+                        "(%(default)s)")
+    g.add_argument("--full-every", type=int, default=d("full_every"), metavar="M",
+                   help="every M-th checkpoint is a full one; 0 never (%(default)s)")
+    g.add_argument("--keep-last", type=int, default=d("keep_last"),
+                   help="committed views to retain (%(default)s)")
+    g.add_argument("--ckpt-sync", action="store_true",
+                   help="checkpoint synchronously (for comparison with the async default)")
+    g.add_argument("--busy-policy", default=d("busy_policy"),
+                   help="checkpoint due while the last persist writes: wait or skip "
+                        "(%(default)s)")
+    g.add_argument("--write-mode", default=d("write_mode"),
+                   help="baseline, sharded or adaptive write plan over ranks (%(default)s)")
+    g.add_argument("--dynamic-k", action="store_true",
+                   help="double K after a recovery that leaves PLT over --plt-budget")
+    g.add_argument("--dynamic-k-down", action="store_true",
+                   help="with --dynamic-k, also halve K when PLT is far under budget")
+    g.add_argument("--plt-budget", type=float, default=d("plt_budget"),
+                   help="budget of the proportion of lost tokens (%(default)s)")
+    g.add_argument("--on-persist-error", default=d("on_persist_error"),
+                   help="continue (log, keep training, retry) or stop (%(default)s)")
     g.add_argument("--restarts", type=int, default=d("restarts"),
                    help="resume from the last checkpoint after this many failures (%(default)s)")
+    g = p.add_argument_group("fault injection")
+    g.add_argument("--faults", default=d("faults"), metavar="SPEC",
+                   help="e.g. sigkill@40:r1,exception@90,kill_persist@150; kinds: sigkill, "
+                        "exception, kill_persist, kill_commit, storage_error, enospc, "
+                        "slow_storage, corrupt")
+    g.add_argument("--fault-mtbf", type=float, default=d("fault_mtbf"), metavar="STEPS",
+                   help="also inject random faults, this many steps apart on average")
 
 
 def train_config_from_args(args: argparse.Namespace) -> Any:
@@ -146,7 +175,12 @@ def train_config_from_args(args: argparse.Namespace) -> Any:
         progress=not args.no_progress, device=args.device, dist_timeout_s=args.dist_timeout,
         ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval, k_persist=args.k_persist,
         k_snapshot=args.k_snapshot, selection=args.selection, restarts=args.restarts,
-        ep=args.ep,
+        ep=args.ep, pec_scope=args.pec_scope, full_every=args.full_every,
+        keep_last=args.keep_last, ckpt_sync=args.ckpt_sync, busy_policy=args.busy_policy,
+        write_mode=args.write_mode, dynamic_k=args.dynamic_k,
+        dynamic_k_down=args.dynamic_k_down, plt_budget=args.plt_budget,
+        on_persist_error=args.on_persist_error, faults=args.faults,
+        fault_mtbf=args.fault_mtbf,
     )
 
 
@@ -237,8 +271,18 @@ register(Command("train", "train a GPT-MoE (one process, or every rank under tor
                  _add_train, _run_train))
 register(Command("model-info", "parameter counts and checkpoint sizes of the named configs",
                  _add_model_info, _run_model_info))
-register(Command("demo", "train the small model briefly on the CPU and summarise",
+register(Command("demo", "fault-tolerant training end to end: faults, recovery, report",
                  _add_demo, _run_demo))
+
+
+def _register_checkpoint_commands() -> None:
+    from moepec.cli_ckpt import commands
+
+    for name, help_, add, run in commands():
+        register(Command(name, help_, add, run))
+
+
+_register_checkpoint_commands()
 
 
 def build_parser() -> argparse.ArgumentParser:

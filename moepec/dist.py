@@ -88,6 +88,12 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = No
                         initialized_here=False)
     if "WORLD_SIZE" not in os.environ:
         return DistInfo(rank=0, world_size=1, local_rank=0, initialized_here=False)
+    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"):
+        # torch issue 135712: with the rendezvous store shared, restarted workers can read
+        # the previous round's addresses and fail to connect.
+        log.warning("torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: "
+                    "restarted workers may fail to connect; set it in torchrun's environment")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

@@ -23,6 +23,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,3 +169,110 @@ def kill_self() -> None:
     """SIGKILL this process (no cleanup, no atexit: a real crash)."""
     logging.shutdown()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def corrupt_newest(storage_url: str, rng: random.Random) -> str | None:
+    """Flip bytes in one expert item of the newest committed checkpoint (local paths only).
+    Returns 'checkpoint:key' or None when there is nothing to corrupt."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from moepec.storage import Storage
+
+    path = storage_url[len("faulty://"):] if storage_url.startswith("faulty://") else storage_url
+    st = Storage(path)
+    if not st.local:
+        return None
+    names = st.committed()
+    if not names:
+        return None
+    name = names[-1]
+    md = FileSystemReader(f"{st.root}/{name}").read_metadata()
+    items = sorted((idx.fqn, info) for idx, info in md.storage_data.items()
+                   if idx.fqn.startswith("experts/"))
+    if not items:
+        return None
+    fqn, info = items[rng.randrange(len(items))]
+    file = Path(st.root) / name / info.relative_path
+    data = bytearray(file.read_bytes())
+    for i in range(info.offset + info.length // 2, info.offset + info.length - 8):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+    return f"{name}:{fqn}"
+
+
+class FaultInjector:
+    """Fires a FaultPlan's faults from the training loop (one per rank).
+
+    Call ``before_step(step)`` at the top of every step and ``after_backward(step)``
+    after the backward pass. Fired faults are recorded before they act, so a restarted
+    process does not fire them again. ``on_event`` receives a dict per fault.
+    """
+
+    def __init__(self, plan: FaultPlan, rank: int, ckpt_url: str | None, seed: int = 0,
+                 storage_fault_steps: int = 16,
+                 on_event: Callable[[dict], None] | None = None,
+                 log_path: str | None = None) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.ckpt_url = ckpt_url
+        self.rng = random.Random(seed * 1000 + rank)
+        self.storage_fault_steps = storage_fault_steps
+        self.on_event = on_event or (lambda e: None)
+        self.log_path = log_path
+        self._storage_until = -1
+
+    def _fire(self, fault: Fault, step: int, **extra) -> None:
+        self.plan.mark(fault)
+        event = {"event": "fault", "kind": fault.kind, "step": step, "rank": self.rank,
+                 "time": time.time(), **extra}
+        log.warning("injecting fault %s at step %d on rank %d", fault.kind, step, self.rank)
+        if self.log_path:
+            # Any rank, before the fault acts (a SIGKILL leaves no chance later); one
+            # O_APPEND write per line keeps lines of several ranks whole.
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, (json.dumps(event) + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self.on_event(event)
+
+    def before_step(self, step: int) -> None:
+        if self._storage_until >= 0 and step >= self._storage_until:
+            FaultyFileSystem.mode = None
+            self._storage_until = -1
+            log.warning("storage healthy again at step %d", step)
+        for fault in self.plan.due(step, self.rank):
+            if fault.kind == "sigkill":
+                self._fire(fault, step)
+                kill_self()
+            elif fault.kind in ("kill_persist", "kill_commit"):
+                self._fire(fault, step)
+                self._arm_persist_kill(fault.kind)
+            elif fault.kind in ("storage_error", "enospc", "slow_storage"):
+                self._fire(fault, step, until=step + self.storage_fault_steps)
+                FaultyFileSystem.mode = {"storage_error": "error", "enospc": "enospc",
+                                         "slow_storage": "slow"}[fault.kind]
+                self._storage_until = step + self.storage_fault_steps
+            elif fault.kind == "corrupt":
+                target = corrupt_newest(self.ckpt_url, self.rng) if self.ckpt_url else None
+                self._fire(fault, step, target=target)
+
+    def after_backward(self, step: int) -> None:
+        for fault in self.plan.due(step, self.rank, kinds=("exception",)):
+            self._fire(fault, step)
+            raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
+
+    def _arm_persist_kill(self, kind: str) -> None:
+        from moepec import persist
+
+        delay = self.rng.uniform(0.0, 0.01)
+
+        def hook(where: str, name: str) -> None:
+            if kind == "kill_persist" and where == "write":
+                threading.Timer(delay, kill_self).start()  # while DCP writes the data
+            elif kind == "kill_commit" and where == ("before_commit" if self.rank == 0
+                                                     else "written"):
+                kill_self()  # data written, manifest not (rank 0 commits)
+
+        persist.fault_hook = hook

@@ -30,7 +30,8 @@ from moepec.storage import Storage, checkpoint_name
 log = logging.getLogger(__name__)
 
 # Fault-injection seam (moepec.faults sets it; None in normal runs). Called with a
-# point name: "write", "before_commit", "after_commit", "retention".
+# point name: "write", "written" (every rank, data written), "before_commit",
+# "after_commit" (rank 0), "retention".
 fault_hook: Callable[[str, str], None] | None = None
 
 
@@ -51,6 +52,8 @@ def root_cause(exc: BaseException) -> BaseException:
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
+        if isinstance(first, tuple) and first:  # DCP wraps (exception, traceback)
+            first = first[0]
         if isinstance(first, BaseException):
             return root_cause(first)
     return exc
@@ -178,6 +181,7 @@ class Persister:
                      "rank": self.rank} for k, t in tensors.items()}
         _hook("write", name)
         self.storage.write(name, tensors, self.group)
+        _hook("written", name)
         all_infos = infos
         if self.world_size > 1:
             gathered: list[Any] = [None] * self.world_size

@@ -123,6 +123,31 @@ class TrainConfig:
     None: equal to k_persist."""
     selection: str = "sequential"
     """Which experts each checkpoint saves: "sequential" or "load_aware"."""
+    pec_scope: str = "all"
+    """What PEC skips for unselected experts: "all", "optimizer" or "weights"."""
+    full_every: int = 0
+    """Make every M-th checkpoint a full one; 0 never."""
+    keep_last: int = 2
+    """Committed checkpoint views to retain."""
+    ckpt_sync: bool = False
+    """Checkpoint synchronously (snapshot and persist inside step()), for comparison."""
+    busy_policy: str = "wait"
+    """When a checkpoint is due while the last persist still writes: "wait" or "skip"."""
+    write_mode: str = "adaptive"
+    """Who writes what over ranks: "baseline", "sharded" or "adaptive"."""
+    dynamic_k: bool = False
+    """Double K_persist after a recovery that leaves PLT over plt_budget."""
+    dynamic_k_down: bool = False
+    """Also halve K_persist when PLT is far under the budget (with dynamic_k)."""
+    plt_budget: float = 0.0375
+    """Budget of the cumulative proportion of lost tokens for dynamic K."""
+    on_persist_error: str = "continue"
+    """A failed background persist: "continue" (log it, keep training and snapshotting to
+    RAM, retry at the next checkpoint) or "stop" (raise)."""
+    faults: str | None = None
+    """Faults to inject, e.g. "sigkill@40:r1,exception@90,kill_persist@150" (moepec.faults)."""
+    fault_mtbf: float = 0.0
+    """Also inject random faults with this mean steps between faults (0: none)."""
     restarts: int = 0
     """After a failed step, rebuild and resume from the last checkpoint this many times."""
     return_state: bool = False
@@ -161,6 +186,15 @@ class TrainConfig:
         need(self.selection in SELECTIONS,
              f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         need(self.restarts >= 0, f"restarts must be >= 0, got {self.restarts}")
+        need(self.on_persist_error in ("continue", "stop"),
+             f"on_persist_error must be 'continue' or 'stop', got {self.on_persist_error!r}")
+        need(self.fault_mtbf >= 0, f"fault_mtbf must be >= 0, got {self.fault_mtbf}")
+        need(not (self.faults or self.fault_mtbf) or self.ckpt_dir is not None,
+             "fault injection needs checkpoints to recover from; set --ckpt-dir")
+        if self.faults:
+            from moepec.faults import FaultPlan
+
+            FaultPlan.parse(self.faults)  # raises ConfigError for a bad spec
         need(self.restarts == 0 or self.ckpt_dir is not None,
              "restarts need checkpoints to resume from; set ckpt_dir or restarts=0")
         need(isinstance(self.ep, int) and self.ep >= 1,
@@ -202,6 +236,10 @@ class TrainResult:
     """Expert-parallel degree of the run (cfg.ep)."""
     resumed_from: int | None = None
     """Step of the checkpoint the run resumed from, if any."""
+    data_state: dict[str, Any] = field(default_factory=dict)
+    """The data loader's position at the end (epoch, position, seed)."""
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    """One record per restore in this process: step, checkpoint, tier, PLT, seconds."""
     model_state: dict[str, torch.Tensor] | None = None
     """Final model weights on CPU if cfg.return_state, else None."""
 
@@ -215,12 +253,13 @@ class TrainResult:
 class _Metrics:
     """JSON-lines metrics writer; a no-op on ranks other than 0 or without a path."""
 
-    def __init__(self, path: str | None, enabled: bool) -> None:
+    def __init__(self, path: str | None, enabled: bool, append: bool = False) -> None:
         self._file: IO[str] | None = None
         if path is not None and enabled:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             # Kept open for the whole run (closed in close()): one line per log step.
-            self._file = open(path, "w", encoding="utf-8")
+            # A checkpointed run appends: a restarted worker continues the same file.
+            self._file = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -253,6 +292,7 @@ class _Run:
     device: torch.device
     manager: Any  # CheckpointManager or None
     tokens_per_step: int
+    injector: Any = None  # moepec.faults.FaultInjector or None
 
 
 def _setup(cfg: TrainConfig, info: dist.DistInfo) -> _Run:
@@ -299,9 +339,14 @@ def _setup(cfg: TrainConfig, info: dist.DistInfo) -> _Run:
         from moepec.config import CheckpointConfig
         from moepec.manager import CheckpointManager
 
-        ckpt_cfg = CheckpointConfig(path=cfg.ckpt_dir, interval=cfg.ckpt_interval,
-                                    k_persist=cfg.k_persist, k_snapshot=cfg.k_snapshot,
-                                    selection=cfg.selection)
+        ckpt_cfg = CheckpointConfig(
+            path=_ckpt_url(cfg), interval=cfg.ckpt_interval, k_persist=cfg.k_persist,
+            k_snapshot=cfg.k_snapshot, selection=cfg.selection, pec_scope=cfg.pec_scope,
+            full_every=cfg.full_every, keep_last=cfg.keep_last,
+            async_snapshot=not cfg.ckpt_sync, async_persist=not cfg.ckpt_sync,
+            busy_policy=cfg.busy_policy, write_mode=cfg.write_mode, dynamic_k=cfg.dynamic_k,
+            dynamic_k_down=cfg.dynamic_k_down, plt_budget=cfg.plt_budget,
+            timeout_s=cfg.dist_timeout_s)
         # Only under EP, so a manager without expert-parallel support keeps working.
         ep_kwargs = {"expert_parallel": (ep.rank, ep.size)} if ep.enabled else {}
         manager = CheckpointManager(model, optimizer, ckpt_cfg,
@@ -314,7 +359,48 @@ def _setup(cfg: TrainConfig, info: dist.DistInfo) -> _Run:
                  ep.size, device, cfg.steps, cfg.batch_size, model_cfg.seq_len)
     return _Run(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, val=val,
                 device=device, manager=manager,
-                tokens_per_step=cfg.batch_size * model_cfg.seq_len)
+                tokens_per_step=cfg.batch_size * model_cfg.seq_len,
+                injector=_injector(cfg, info))
+
+
+_STORAGE_FAULTS = ("storage_error", "enospc", "slow_storage")
+
+
+def _ckpt_url(cfg: TrainConfig) -> str:
+    """The checkpoint path, routed through the fault-injecting filesystem when storage
+    faults are planned for a local directory."""
+    assert cfg.ckpt_dir is not None
+    wants = any(k in (cfg.faults or "") for k in _STORAGE_FAULTS) or cfg.fault_mtbf > 0
+    if wants and "://" not in cfg.ckpt_dir:
+        return "faulty://" + str(Path(cfg.ckpt_dir).resolve())
+    return cfg.ckpt_dir
+
+
+def _fault_state_dir(cfg: TrainConfig) -> str:
+    # Fired faults are remembered next to the run so that restarted workers skip them.
+    if cfg.out_dir:
+        return cfg.out_dir
+    assert cfg.ckpt_dir is not None
+    if "://" in cfg.ckpt_dir:
+        raise ConfigError("fault injection with a remote --ckpt-dir needs --out-dir (a local "
+                          "folder that remembers which faults already fired)")
+    return cfg.ckpt_dir
+
+
+def _injector(cfg: TrainConfig, info: dist.DistInfo):
+    if not (cfg.faults or cfg.fault_mtbf):
+        return None
+    from moepec.faults import KINDS, FaultInjector, FaultPlan
+
+    state = _fault_state_dir(cfg)
+    plan = FaultPlan.parse(cfg.faults or "", state_dir=state)
+    if cfg.fault_mtbf:
+        kinds = tuple(k for k in KINDS if k != "corrupt")
+        plan.faults += FaultPlan.random(cfg.seed, cfg.steps, cfg.fault_mtbf, kinds,
+                                        info.world_size).faults
+    return FaultInjector(plan, info.rank, _ckpt_url(cfg), seed=cfg.seed,
+                         storage_fault_steps=2 * cfg.ckpt_interval,
+                         log_path=str(Path(state) / "faults.jsonl"))
 
 
 def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: _Metrics,
@@ -324,12 +410,21 @@ def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: _Metrics,
     The shape of this loop is the checkpoint manager's contract (module docstring).
     """
     model, optimizer, scheduler, manager = run.model, run.optimizer, run.scheduler, run.manager
+    injector = run.injector
     start = manager.restore() if manager else None  # RestoreReport or None; .step
     first = start.step + 1 if start else 0
     if start is not None:
         result.resumed_from = start.step
+        record = {"event": "recovery", "time": time.time(), "step": start.step,
+                  "checkpoint": start.checkpoint, "tier": start.tier, "plt": start.plt,
+                  "lost": start.lost_total, "seconds": start.seconds,
+                  "k_persist": manager.k_persist, "warnings": start.warnings}
+        result.recoveries.append(record)
+        metrics.write(record)
         if is_main:
-            log.info("resumed from the checkpoint of step %d", start.step)
+            log.info("resumed from the checkpoint of step %d (%s, %.2fs); PLT %.3f%%, "
+                     "K_persist %d", start.step, start.tier, start.seconds, 100 * start.plt,
+                     manager.k_persist)
     # disable=None: tqdm shows the bar only on a terminal; in log files the per-interval
     # log lines below take its place.
     bar = tqdm(total=cfg.steps, initial=first, disable=None if cfg.progress and is_main else True,
@@ -339,16 +434,28 @@ def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: _Metrics,
     try:
         for step in range(first, cfg.steps):
             t0 = time.perf_counter()
+            if injector is not None:
+                injector.before_step(step)
             x, y = run.loader.next_batch()  # the batch of `step`: loader state matches step
             x, y = x.to(run.device), y.to(run.device)
             lr = optimizer.param_groups[0]["lr"]
             out = forward_backward(model, x, y)
+            if injector is not None:
+                injector.after_backward(step)
             if manager:
-                manager.wait_for_snapshot()  # before the optimizer mutates weights
+                _persist_guard(cfg, metrics, step, manager.wait_for_snapshot)
             grad_norm = optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
             if manager:
                 manager.observe_routing([s.assigned for s in out.routing])
-                manager.step(step)
+                n_events = len(manager.events)
+                _persist_guard(cfg, metrics, step, manager.step, step)
+                if len(manager.events) > n_events:
+                    ev = manager.events[-1]
+                    metrics.write({"event": "checkpoint", "step": step, "time": time.time(),
+                                   "blocked_s": ev["blocked_step_s"],
+                                   "snapshot_bytes": ev["snapshot_bytes"],
+                                   "persist": ev["persist"], "full": ev["full"],
+                                   "k_persist": manager.k_persist})
             dt = time.perf_counter() - t0
             train_time += dt
             window_time += dt
@@ -385,6 +492,21 @@ def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: _Metrics,
     return train_time
 
 
+def _persist_guard(cfg: TrainConfig, metrics: _Metrics, step: int, call, *args) -> None:
+    """Run a manager call; a failed background persist is logged and training goes on
+    (on_persist_error="continue": snapshots to RAM continue, the next checkpoint retries)."""
+    from moepec.errors import PersistError
+
+    try:
+        call(*args)
+    except PersistError as exc:
+        metrics.write({"event": "persist_error", "step": step, "time": time.time(),
+                       "error": str(exc)})
+        if cfg.on_persist_error == "stop":
+            raise
+        log.error("step %d: %s; training continues", step, exc)
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Train as ``cfg`` says; every rank of a torchrun job calls this.
 
@@ -407,7 +529,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     is_main = info.rank == 0
     out_dir = Path(cfg.out_dir) if cfg.out_dir else None
     jsonl = cfg.log_jsonl or (str(out_dir / "metrics.jsonl") if out_dir else None)
-    metrics = _Metrics(jsonl, enabled=is_main)
+    metrics = _Metrics(jsonl, enabled=is_main, append=cfg.ckpt_dir is not None)
     run: _Run | None = None
     try:
         run = _setup(cfg, info)
@@ -430,6 +552,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             run.manager.close()  # waits for the last persist; raises its error
             run.manager = None
         result.val_loss = result.val_history[-1][1] if result.val_history else None
+        result.data_state = dict(run.loader.state_dict())
         result.tokens_per_s = result.tokens / train_time if train_time > 0 else 0.0
         result.wall_time_s = time.perf_counter() - t_start
         if cfg.return_state:
