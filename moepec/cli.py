@@ -249,21 +249,25 @@ def _run_model_info(args: argparse.Namespace) -> int:
 
 
 def _add_demo(p: argparse.ArgumentParser) -> None:
+    from moepec.demo import DemoSettings
+
+    d = DemoSettings()
     p.add_argument("--out-dir", default="demo-out", help="where outputs go (%(default)s)")
-    p.add_argument("--steps", type=int, default=400, help="training steps (%(default)s)")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch (%(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed (%(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--steps", type=int, default=d.steps, help="training steps (%(default)s)")
+    p.add_argument("--ranks", type=int, default=d.ranks, help="torchrun ranks (%(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed (%(default)s)")
+    p.add_argument("--faults", default=d.faults, help="fault spec (%(default)s)")
+    p.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval,
+                   help="steps between checkpoints (%(default)s)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from moepec.demo import format_summary, run_demo
+    from moepec.demo import DemoSettings, run_demo
 
-    result = run_demo(args.out_dir, steps=args.steps, batch_size=args.batch_size,
-                      seed=args.seed, threads=args.threads, progress=not args.no_progress)
-    print(format_summary(result))
-    print(f"metrics: {os.path.join(args.out_dir, 'metrics.jsonl')}")
+    settings = DemoSettings(steps=args.steps, ranks=args.ranks, seed=args.seed,
+                            faults=args.faults, ckpt_interval=args.ckpt_interval)
+    run_demo(args.out_dir, settings)
+    print(f"report: {os.path.join(args.out_dir, 'report.md')}")
     return 0
 
 

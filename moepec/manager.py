@@ -333,6 +333,16 @@ class CheckpointManager:
         """
         if self.world_size == 1:
             return keys
+        cache = self._cache()
+        plans = cache.setdefault("plans", {})
+        key = tuple(keys)
+        if key not in plans:
+            if len(plans) >= 64:  # load_aware can pick many combinations: stay bounded
+                plans.clear()
+            plans[key] = self._plan_keys(keys)
+        return plans[key]
+
+    def _plan_keys(self, keys: list[str]) -> list[str]:
         everyone = tuple(range(self.world_size))
         items = []
         for k in keys:

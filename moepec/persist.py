@@ -90,6 +90,8 @@ class Persister:
         self.head_view: dict[str, str] = {}
         self.head_ancestors: list[str] = []
         self.records: list[PersistRecord] = []
+        self.on_commit: Callable[[PersistRecord, Mapping[str, Any]], None] | None = None
+        """Called on the worker thread after each commit (record, manifest fields)."""
         self._error: BaseException | None = None
         self._manifest_cache: dict[str, Any] = {}
         self._idle = threading.Event()
@@ -216,8 +218,14 @@ class Persister:
             raise CheckpointError(f"rank 0 could not commit {name}; it is not a checkpoint")
         self.head, self.head_view, self.head_ancestors = name, view, ancestors
         seconds = time.perf_counter() - t0
-        self.records.append(PersistRecord(name, snap.step, sum(bytes_per_rank), bytes_per_rank,
-                                          seconds, True))
+        record = PersistRecord(name, snap.step, sum(bytes_per_rank), bytes_per_rank, seconds,
+                               True)
+        self.records.append(record)
+        if self.on_commit is not None:
+            try:
+                self.on_commit(record, fields)
+            except Exception:  # noqa: BLE001 - an observer must not fail the checkpoint
+                log.exception("on_commit callback failed")
         log.info("committed %s (%d bytes, %.2fs)", name, sum(bytes_per_rank), seconds)
         if self.rank == 0:
             self._retain()

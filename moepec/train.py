@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,6 +256,7 @@ class _Metrics:
 
     def __init__(self, path: str | None, enabled: bool, append: bool = False) -> None:
         self._file: IO[str] | None = None
+        self._lock = threading.Lock()
         if path is not None and enabled:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             # Kept open for the whole run (closed in close()): one line per log step.
@@ -262,14 +264,17 @@ class _Metrics:
             self._file = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        # Also called from the checkpoint persist thread (commit records): one lock.
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def _device(cfg: TrainConfig, info: dist.DistInfo) -> torch.device:
@@ -411,6 +416,14 @@ def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: _Metrics,
     """
     model, optimizer, scheduler, manager = run.model, run.optimizer, run.scheduler, run.manager
     injector = run.injector
+    if manager is not None and is_main:
+        def on_commit(rec, fields) -> None:  # persist worker thread
+            metrics.write({"event": "commit", "step": rec.step, "time": time.time(),
+                           "checkpoint": rec.name, "bytes": rec.bytes_written,
+                           "bytes_per_rank": rec.bytes_per_rank, "seconds": rec.seconds,
+                           "k_persist": fields["k_persist"], "full": fields["full"]})
+
+        manager.persister.on_commit = on_commit
     start = manager.restore() if manager else None  # RestoreReport or None; .step
     first = start.step + 1 if start else 0
     if start is not None:

@@ -1,0 +1,33 @@
+"""`moepec demo` end to end on the tiny model: faults, recovery, report and plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moepec.demo import DemoSettings, run_demo
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_end_to_end(tmp_path):
+    s = DemoSettings(config="tiny", steps=60, ckpt_interval=6, batch_size=8,
+                     faults="sigkill@20:r1,kill_persist@33:r0,enospc@40,exception@52:r1")
+    lines = []
+    report = run_demo(tmp_path, s, say=lines.append)
+    kinds = [f["kind"] for f in report["faults"]]
+    assert kinds == ["sigkill", "kill_persist", "enospc", "exception"]
+    assert report["recoveries"] == 3 and report["persist_errors"] >= 1
+    assert report["final_step"] == 59 and report["data_state"] == report["clean_data_state"]
+    assert all(f["recovered_to"] < f["step"] for f in report["faults"] if f["recovered_to"])
+    assert 0 < report["bytes_partial"] < report["bytes_full"]
+    for name in ("loss.png", "plt.png", "timeline.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (tmp_path / "report.md").read_text()
+    assert "automatic recoveries: 3" in text and "final validation loss" in text
+    assert json.loads((tmp_path / "report.json").read_text())["recoveries"] == 3
+    # the fault-free reference is cached: a second demo reuses it
+    lines.clear()
+    run_demo(tmp_path, s, say=lines.append)
+    assert any("cached" in line for line in lines)
