@@ -343,23 +343,37 @@ class CheckpointManager:
         return plans[key]
 
     def _plan_keys(self, keys: list[str]) -> list[str]:
+        """The write plan over ranks. An expert's weights (and, separately, its optimizer
+        state) form one item: a unit restored whole must be written whole by one rank,
+        so that the RAM share of a surviving rank holds complete units."""
         everyone = tuple(range(self.world_size))
+        units: dict[str, list[str]] = {}
         items = []
         for k in keys:
             if k.startswith("objects/"):
                 continue  # replicated small objects: rank 0 writes them
             info = parse_key(k)
             if info.is_expert:
+                unit = f"{info.layer}/{info.expert}/{info.part}"
+                if unit in units:
+                    units[unit].append(k)
+                    continue
+                units[unit] = [k]
                 n_local = self.emap.layers[info.layer].n_experts
                 owner_ep = info.expert // n_local
                 holders = tuple(r for r in everyone if r % self.ep_size == owner_ep)
-                group = info.layer
+                items.append(Item(key=unit, nbytes=0, holders=holders, layer=info.layer,
+                                  expert=info.expert))
             else:
-                holders, group = everyone, _module_group(k)
-            items.append(Item(key=k, nbytes=self.catalog.nbytes(k), holders=holders,
-                              layer=group, expert=info.expert))
+                items.append(Item(key=k, nbytes=self.catalog.nbytes(k), holders=everyone,
+                                  layer=_module_group(k)))
+        sizes = {u: sum(self.catalog.nbytes(k) for k in ks) for u, ks in units.items()}
+        items = [Item(key=it.key, nbytes=sizes[it.key], holders=it.holders, layer=it.layer,
+                      expert=it.expert) if it.key in sizes else it for it in items]
         plan = make_plan(items, self.world_size, self.config.write_mode)
-        mine = set(plan.keys_for(self.rank))
+        mine = set()
+        for key in plan.keys_for(self.rank):
+            mine.update(units.get(key, [key]))
         if self.rank == 0:
             mine.update(k for k in keys if k.startswith("objects/"))
         return [k for k in keys if k in mine]

@@ -124,7 +124,8 @@ def _groups(world: int, ep: int):
 
 def train_worker(rank: int, world: int, store: str, out: str, ep: int, layout: str,
                  steps: int, ckpt: str, k_persist: int, k_snapshot: int, write_mode: str,
-                 kill: str | None = None, ram_restore: bool = False) -> None:
+                 kill: str | None = None, ram_restore: bool = False,
+                 drop_ram_rank: int | None = None) -> None:
     from moepec import CheckpointConfig, CheckpointManager, persist
 
     result = {"rank": rank}
@@ -174,6 +175,12 @@ def train_worker(rank: int, world: int, store: str, out: str, ep: int, layout: s
                 torch.save(expert_state(model, opt, ep_rank, n_local),
                            Path(out) / f"hist-r{rank}-s{step}.pt")
         if ram_restore:
+            mgr.wait_for_snapshot()
+            mgr.persister.wait_idle()
+            if rank == drop_ram_rank:
+                # this rank "restarted": its RAM tier is gone, the others' survived
+                mgr._release(mgr.ram)
+                mgr.ram = None
             # a fault inside the step on every rank: processes survive, RAM is intact
             with torch.no_grad():
                 for p in model.parameters():

@@ -135,3 +135,41 @@ def test_buffers_are_reused_and_memory_bounded(tmp_path):
     largest = max(e["snapshot_bytes"] for e in mgr.events)
     # triple buffer: at most three snapshots alive (the first, full one, is the largest)
     assert mgr.pool.allocated_bytes <= 3 * largest
+
+
+def test_torn_state_slow_snapshot_overlaps_training(tmp_path):
+    """The copy of step t runs while step t+1's forward/backward run; the optimizer waits
+    for it, so restore gives exactly step t's state, never a mix with t+1."""
+    import time
+
+    from moepec import snapshot
+
+    overlapped = []
+
+    def slow(where, step):
+        time.sleep(0.05)
+
+    snapshot.fault_hook = slow
+    try:
+        mgr, model, opt, sched, counter = setup(tmp_path / "c", interval=3, k_persist=4)
+        saved = {}
+        gen = torch.Generator().manual_seed(1)
+        for step in range(9):
+            _, counts = train_step(model, opt, sched, gen)  # runs during the copy
+            overlapped.append(mgr.snapshotter.busy)
+            mgr.wait_for_snapshot()
+            opt.step()
+            sched.step()
+            counter.position += 1
+            mgr.observe_routing(counts)
+            if mgr.step(step):
+                saved[step] = full_state(model, opt)
+        mgr.close()
+    finally:
+        snapshot.fault_hook = None
+    assert any(overlapped)  # forward/backward really ran while a copy was in flight
+    fresh, model2, opt2, _, c2 = setup(tmp_path / "c", interval=3, k_persist=4)
+    report = fresh.restore()
+    assert report.step == 8 and c2.position == 9
+    got = full_state(model2, opt2)
+    assert all(torch.equal(got[k], saved[8][k]) for k in saved[8])

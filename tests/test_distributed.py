@@ -142,6 +142,27 @@ def test_ram_recovery_across_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_restarted_rank_uses_storage_survivor_serves_its_ram(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    results, out = spawn(dw.train_worker, 2, tmp_path, 1, "stacked", 8, str(ckpt), 1, 3,
+                         "sharded", None, True, 1)
+    ok(results)
+    # base: the newest committed checkpoint (rank 1 lost its share of the RAM snapshot)
+    assert {r["step"] for r in results} == {7} and {r["tier"] for r in results} == {"storage"}
+    # ...but rank 0's surviving RAM copies of that step supply experts storage lacks
+    assert all(r["keys_from"].get("ram", 0) > 0 for r in results)
+    a, b = (torch.load(out / f"restored-r{r}.pt") for r in range(2))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    hist = torch.load(out / "hist-r0-s7.pt")
+    assert torch.equal(a["embed.weight"], hist["embed.weight"])
+    assert results[0]["lost"] == results[1]["lost"]
+    # fewer tokens lost than from storage alone
+    res, _ = spawn(dw.restore_worker, 2, tmp_path, 1, "stacked", str(ckpt))
+    ok(res)
+    assert sum(map(sum, results[0]["lost"])) < sum(map(sum, res[0]["lost"]))
+
+
+@pytest.mark.slow
 def test_rank_killed_during_save_aborts_that_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     results, codes = spawn_nojoin(dw.train_worker, 2, tmp_path, 1, "stacked", 8, str(ckpt),

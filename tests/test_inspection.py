@@ -55,3 +55,22 @@ def test_export_safetensors_and_dcp_equal_restored_model(tmp_path):
     assert all(torch.equal(target[f"model.{k}"], v) for k, v in expect.items())
     opt_state = mgr.catalog.optimizer.state[model.moe[0].experts.w1]["exp_avg"]
     assert torch.equal(target[f"optim.{w1}.exp_avg"], opt_state)
+
+
+def test_cli_inspect_verify_export_exit_codes(tmp_path, capsys):
+    from moepec.cli import main
+
+    ckpt = tmp_path / "c"
+    manager, _ = _train(ckpt, steps=6, keep_last=5)
+    assert main(["inspect", str(ckpt)]) == 0
+    assert "committed" in capsys.readouterr().out
+    assert main(["inspect", str(ckpt), "--json"]) == 0
+    assert '"checkpoints"' in capsys.readouterr().out
+    assert main(["verify", str(ckpt)]) == 0
+    assert main(["export", str(ckpt), str(tmp_path / "w.safetensors")]) == 0
+    assert (tmp_path / "w.safetensors").exists()
+    _corrupt(ckpt / manager.storage.committed()[-1], "model/embed.weight")
+    assert main(["verify", str(ckpt)]) == 1
+    assert "BAD item" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "c"), "--storage-options", "{bad"]) == 2
+    assert "storage-options" in capsys.readouterr().err
