@@ -102,7 +102,7 @@ class CheckpointManager:
         self.ledger = PLTLedger.create(self.n_experts)
         self._pending_counts = [[0] * n for n in self.n_experts]
         self._index = 0
-        self._need_full = True
+        self._covered: tuple[str | None, bool] = (None, False)
         self._refs_lock = threading.Lock()
         self.pool = BufferPool()
         self.snapshotter = Snapshotter(self.pool, background=config.async_snapshot,
@@ -191,14 +191,13 @@ class CheckpointManager:
         pending_error = self.persister.take_error() if persist else None
         if pending_error is not None:
             # The previous persist failed: keep this checkpoint in RAM, report the error
-            # once the snapshot is under way, and persist again at the next checkpoint
-            # (a full one if storage still lacks some expert).
+            # once the snapshot is under way, and persist again at the next checkpoint.
             persist = False
-            from moepec.restoring import covers_owned_experts
-
-            self._need_full = not covers_owned_experts(self, set(self.persister.head_view))
-        full = self._need_full or (self.config.full_every > 0
-                                   and self._index % self.config.full_every == 0)
+        # The persister is idle here whenever this checkpoint is to be persisted, so the
+        # committed view is current: while it lacks an expert (the first checkpoint of a
+        # run, or every one after failed persists), the checkpoint is a full one.
+        full = (persist and not self._storage_has_all_experts()) or (
+            self.config.full_every > 0 and self._index % self.config.full_every == 0)
         if full:
             snap_sel = [tuple(range(n)) for n in self.n_experts]
             persist_sel = snap_sel
@@ -208,8 +207,6 @@ class CheckpointManager:
         self.ram_selector.commit(snap_sel, self._index)
         if persist:
             self.persist_selector.commit(persist_sel, self._index)
-            if full:
-                self._need_full = False
 
         snap_keys = self._keys_for(snap_sel)
         persist_keys = self._keys_for(persist_sel) if persist else []
@@ -407,6 +404,16 @@ class CheckpointManager:
                 i += n
             return out
         return counts
+
+    def _storage_has_all_experts(self) -> bool:
+        """Whether the committed view holds a copy of every expert this rank owns."""
+        head = self.persister.head
+        if self._covered[0] != head or head is None:
+            from moepec.restoring import covers_owned_experts
+
+            self._covered = (head, head is not None and covers_owned_experts(
+                self, set(self.persister.head_view)))
+        return self._covered[1]
 
     def _promote(self, snap: Snapshot) -> None:
         """A complete snapshot becomes the RAM recovery copy (the triple buffer's third)."""

@@ -126,8 +126,7 @@ def restore(mgr: CheckpointManager) -> RestoreReport | None:
     head = manifests.get(mgr.persister.head) if mgr.persister.head else None
     mgr.persister.head_view = dict(head["view"]) if head else {}
     mgr.persister.head_ancestors = list(head.get("ancestors", [])) if head else []
-    mgr._need_full = not covers_owned_experts(
-        mgr, {k for k in mgr.persister.head_view if _mine(mgr, k)})
+    mgr._covered = (None, False)  # recomputed from the restored head at the next save
     mgr._pending_counts = [[0] * n for n in mgr.n_experts]
 
     sources_report: dict[str, dict[str, Any]] = {}

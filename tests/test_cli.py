@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from moepec import cli
-from moepec.demo import format_summary, run_demo
+from moepec.demo import format_summary
+from moepec.train import TrainConfig, train
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["train", "--config", "tiny", "--no-progress", "--threads", "1"]
@@ -85,9 +86,9 @@ def test_every_registered_command_has_help() -> None:
         assert cli.main([name, "--help"]) == 0
 
 
-def test_run_demo_summary(tmp_path: Path) -> None:
-    result = run_demo(tmp_path, steps=3, batch_size=4, threads=1, progress=False,
-                      config="tiny")
+def test_train_summary(tmp_path: Path) -> None:
+    result = train(TrainConfig(config="tiny", steps=3, batch_size=4, threads=1,
+                               progress=False, out_dir=str(tmp_path)))
     text = format_summary(result)
     assert "tokens/s" in text and "val loss" in text
     assert (tmp_path / "summary.json").exists() and (tmp_path / "metrics.jsonl").exists()

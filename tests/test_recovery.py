@@ -42,17 +42,19 @@ def test_torchrun_sigkill_one_rank_recovers_to_the_same_end(tmp_path, uninterrup
            "40", "--batch-size", "8", "--eval-batches", "1", "--eval-interval", "0",
            "--no-progress", "--threads", "1", "--ckpt-dir", str(tmp_path / "ckpt"),
            "--ckpt-interval", "8", "--k", "1", "--k-snapshot", "2", "--out-dir",
-           str(tmp_path), "--faults", "sigkill@21:r1", "--dist-timeout", "30"]
+           str(tmp_path), "--faults", "sigkill@35:r1", "--dist-timeout", "30"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_step"] == 39
     assert summary["data_state"] == uninterrupted.data_state
-    assert summary["resumed_from"] in (7, 15)  # a committed checkpoint before step 21
+    # a committed checkpoint before the kill (persists are asynchronous: which one
+    # had committed depends on timing)
+    assert summary["resumed_from"] in (7, 15, 23, 31)
     ev = events(tmp_path)
     faults = [json.loads(x) for x in (tmp_path / "faults.jsonl").read_text().splitlines()]
-    assert [(f["kind"], f["rank"], f["step"]) for f in faults] == [("sigkill", 1, 21)]
+    assert [(f["kind"], f["rank"], f["step"]) for f in faults] == [("sigkill", 1, 35)]
     recoveries = [e for e in ev if e["event"] == "recovery"]
     assert len(recoveries) == 1 and recoveries[0]["tier"] == "storage"
     assert recoveries[0]["plt"] > 0
@@ -91,7 +93,7 @@ def test_dynamic_k_keeps_plt_under_budget(tmp_path):
 def test_failing_storage_training_continues_error_visible(tmp_path, uninterrupted):
     try:
         res = train(TrainConfig(**BASE, out_dir=str(tmp_path), ckpt_dir=str(tmp_path / "ckpt"),
-                                faults="storage_error@10"))
+                                faults="storage_error@10", keep_last=10, ckpt_sync=True))
     finally:
         FaultyFileSystem.mode = None
     assert res.final_step == 39 and res.data_state == uninterrupted.data_state
@@ -100,5 +102,7 @@ def test_failing_storage_training_continues_error_visible(tmp_path, uninterrupte
     assert errors and "Input/output error" in errors[0]["error"]
     st = Storage(str(tmp_path / "ckpt"))
     steps = [st.read_manifest(n)["step"] for n in st.committed()]
-    assert 7 in steps and 39 in steps  # the checkpoint before the failure, and after healing
+    # the checkpoint before the failure is intact; those while storage failed never
+    # committed; after healing, checkpoints commit again
+    assert steps == [7, 31, 39]
     assert verify_path(str(tmp_path / "ckpt")).ok
