@@ -31,37 +31,21 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from moepec import dist
+# Re-exported so `from moepec.train import train_step` (tests, notebooks) keeps working.
+from moepec import dist, steps
 from moepec.data import TokenLoader, check_vocab, eval_batches, load_corpus
 from moepec.errors import ConfigError, DataError
 from moepec.models import GPTMoE, GPTMoEConfig, get_config
 from moepec.parallel import init_expert_parallel
-
-# Re-exported so `from moepec.train import train_step` (tests, notebooks) keeps working.
 from moepec.steps import (
-    StepResult,
     build_optimizer,
     build_scheduler,
     evaluate,
     forward_backward,
     optimizer_step,
-    param_digest,
-    train_step,
 )
 
-__all__ = [
-    "StepResult",
-    "TrainConfig",
-    "TrainResult",
-    "build_optimizer",
-    "build_scheduler",
-    "evaluate",
-    "forward_backward",
-    "optimizer_step",
-    "param_digest",
-    "train",
-    "train_step",
-]
+__all__ = ["TrainConfig", "TrainResult", "train", *steps.__all__]
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moepec import CheckpointConfig, CheckpointManager, persist  # noqa: E402
-from tests.toy import Counter, make, train_step  # noqa: E402
+from tests.toy import Counter, make, run_loop  # noqa: E402
 
 
 def main() -> None:
@@ -30,15 +30,7 @@ def main() -> None:
     counter = Counter()
     cfg = CheckpointConfig(path=path, interval=2, k_persist=1, keep_last=2)
     manager = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
-    gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        _, counts = train_step(model, opt, sched, gen)
-        manager.wait_for_snapshot()
-        opt.step()
-        sched.step()
-        counter.position += 1
-        manager.observe_routing(counts)
-        manager.step(step)
+    run_loop(manager, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, steps)
     manager.close()
 
 

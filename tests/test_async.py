@@ -7,7 +7,7 @@ import torch
 
 from moepec import CheckpointConfig, CheckpointManager, PersistError
 from moepec.faults import FaultyFileSystem
-from tests.toy import Counter, full_state, make, train_step
+from tests.toy import Counter, full_state, make, run_loop, train_step
 
 
 @pytest.fixture(autouse=True)
@@ -28,15 +28,7 @@ def setup(path, **kw):
 
 def loop(mgr, model, opt, sched, counter, steps, start=0, gen=None, on_save=None):
     gen = gen or torch.Generator().manual_seed(1)
-    for step in range(start, start + steps):
-        _, counts = train_step(model, opt, sched, gen)
-        mgr.wait_for_snapshot()
-        opt.step()
-        sched.step()
-        counter.position += 1
-        mgr.observe_routing(counts)
-        if mgr.step(step) and on_save:
-            on_save(step)
+    run_loop(mgr, model, opt, sched, counter, gen, start, steps, on_save)
     return gen
 
 

@@ -21,7 +21,7 @@ from moepec.errors import (
     StructureMismatchError,
 )
 from moepec.storage import Storage
-from tests.toy import Counter, make, train_step
+from tests.toy import Counter, make, run_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,15 +110,10 @@ def _train(path, steps=8, **kw):
     sched = manager.catalog.extra_state["sched"]
     gen = torch.Generator().manual_seed(1)
     states = {}
-    for step in range(steps):
-        _, counts = train_step(model, opt, sched, gen)
-        manager.wait_for_snapshot()
-        opt.step()
-        sched.step()
-        counter.position += 1
-        manager.observe_routing(counts)
-        if manager.step(step):
-            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    def save(step):
+        states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    run_loop(manager, model, opt, sched, counter, gen, 0, steps, on_save=save)
     manager.close()
     return manager, states
 

@@ -11,7 +11,7 @@ import torch
 
 from moepec import CheckpointConfig, CheckpointManager
 from moepec.state import parse_key
-from tests.toy import Counter, full_state, make, train_step
+from tests.toy import Counter, full_state, make, run_loop, train_step
 
 N_EXPERTS = 4
 
@@ -29,16 +29,17 @@ def run(cfg: CheckpointConfig, steps: int, layout: str, seed: int = 0, data_seed
     gen = torch.Generator().manual_seed(data_seed)
     manager = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
     history, counts_hist = {}, {}
-    for step in range(steps):
-        _, counts = train_step(model, opt, sched, gen)
-        manager.wait_for_snapshot()
-        opt.step()
-        sched.step()
-        counter.position += 1
-        manager.observe_routing(counts)
-        counts_hist[step] = [c.tolist() for c in counts]
-        if manager.step(step):
-            history[step] = (full_state(model, opt), sched.state_dict(), counter.position)
+    observe = manager.observe_routing
+
+    def record(counts):  # keep the routing history for the independent PLT reference
+        counts_hist[len(counts_hist)] = [c.tolist() for c in counts]
+        observe(counts)
+
+    def save(step):
+        history[step] = (full_state(model, opt), sched.state_dict(), counter.position)
+
+    manager.observe_routing = record
+    run_loop(manager, model, opt, sched, counter, gen, 0, steps, on_save=save)
     manager.close()
     return manager, history, counts_hist
 

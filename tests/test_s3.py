@@ -9,7 +9,7 @@ import torch
 
 from moepec import CheckpointConfig, CheckpointManager
 from moepec.inspection import verify_path
-from tests.toy import Counter, full_state, make, train_step
+from tests.toy import Counter, full_state, make, run_loop
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -37,17 +37,9 @@ def test_s3_round_trip_and_verify(s3_options):
     counter = Counter()
     cfg = CheckpointConfig(path=url, interval=2, k_persist=1, storage_options=s3_options)
     mgr = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
-    gen = torch.Generator().manual_seed(1)
     saved = {}
-    for step in range(6):
-        _, counts = train_step(model, opt, sched, gen)
-        mgr.wait_for_snapshot()
-        opt.step()
-        sched.step()
-        counter.position += 1
-        mgr.observe_routing(counts)
-        if mgr.step(step):
-            saved[step] = full_state(model, opt)
+    run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, 6,
+             on_save=lambda step: saved.__setitem__(step, full_state(model, opt)))
     mgr.close()
     assert len(mgr.storage.committed()) == 3
     model2, opt2, sched2 = make(5, "modules", 4)

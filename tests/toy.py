@@ -111,3 +111,17 @@ def full_state(model, opt) -> dict[str, torch.Tensor]:
         for k, v in st.items():
             out[f"optim/{names[id(p)]}/{k}"] = v.detach().clone()
     return out
+
+
+def run_loop(mgr, model, opt, sched, counter, gen: torch.Generator, start: int, steps: int,
+             on_save=None) -> None:
+    """The DESIGN.md training loop over the toy model, steps [start, start + steps)."""
+    for step in range(start, start + steps):
+        _, counts = train_step(model, opt, sched, gen)
+        mgr.wait_for_snapshot()
+        opt.step()
+        sched.step()
+        counter.position += 1
+        mgr.observe_routing(counts)
+        if mgr.step(step) and on_save is not None:
+            on_save(step)

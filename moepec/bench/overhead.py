@@ -150,16 +150,10 @@ def run(method: str, args, workdir: Path) -> dict:
 def bandwidth_phase(args, workdir: Path) -> dict:
     """Snapshot and persist throughput on a larger model, where per-item costs amortise:
     a 1/scale copy of --bw-config, K_persist = 1 (after the first, full checkpoint)."""
-    base = get_config(args.bw_config)
+    from moepec.bench.size import scaled, trained_model
+
     s = args.bw_scale
-    cfg = get_config(args.bw_config, d_model=base.d_model // s, d_ff=base.d_ff // s,
-                     vocab_size=base.vocab_size // s, seq_len=base.seq_len // s)
-    torch.manual_seed(0)
-    model = GPTMoE(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    idx = torch.randint(0, cfg.vocab_size, (2, 16))
-    model(idx, idx).loss.backward()
-    opt.step()
+    model, opt = trained_model(scaled(args.bw_config, s))
     manager = CheckpointManager(model, opt, CheckpointConfig(
         path=str(workdir / "bw"), interval=1, k_persist=1, keep_last=1))
     for step in range(args.bw_saves + 1):

@@ -55,13 +55,19 @@ def scaled(name: str, s: int):
                       vocab_size=base.vocab_size // s, seq_len=base.seq_len // s)
 
 
-def measure(cfg, ks: list[int], scopes, workdir: Path) -> list[dict]:
+def trained_model(cfg) -> tuple[GPTMoE, torch.optim.Optimizer]:
+    """A model and an AdamW optimizer after one step (so the Adam state exists)."""
     torch.manual_seed(0)
     model = GPTMoE(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, cfg.vocab_size, (2, 16))
     model(idx, idx).loss.backward()
     opt.step()
+    return model, opt
+
+
+def measure(cfg, ks: list[int], scopes, workdir: Path) -> list[dict]:
+    model, opt = trained_model(cfg)
     full_dir = workdir / f"full-{uuid.uuid4().hex}"
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.save(state, checkpoint_id=str(full_dir), no_dist=True)
