@@ -21,31 +21,44 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-# Re-exported so `from moepec.train import train_step` (tests, notebooks) keeps working.
-from moepec import dist, steps
+from moepec import dist
 from moepec.data import TokenLoader, check_vocab, eval_batches, load_corpus
 from moepec.errors import ConfigError, DataError
 from moepec.models import GPTMoE, GPTMoEConfig, get_config
 from moepec.parallel import init_expert_parallel
-from moepec.steps import (
+from moepec.run_support import (
+    MetricsWriter,
+    build_injector,
+    build_manager,
+    log_commits,
+    persist_guard,
+    recovery_record,
+)
+
+# Re-exported so `from moepec.train import train_step` (tests, notebooks) keeps working.
+from moepec.steps import (  # noqa: F401
+    StepResult,
     build_optimizer,
     build_scheduler,
     evaluate,
     forward_backward,
     optimizer_step,
+    param_digest,
+    train_step,
 )
 
-__all__ = ["TrainConfig", "TrainResult", "train", *steps.__all__]
+__all__ = ["StepResult", "TrainConfig", "TrainResult", "build_optimizer", "build_scheduler",
+           "evaluate", "forward_backward", "optimizer_step", "param_digest", "train",
+           "train_step"]
 
 log = logging.getLogger(__name__)
 
@@ -235,32 +248,6 @@ class TrainResult:
         return out
 
 
-class _Metrics:
-    """JSON-lines metrics writer; a no-op on ranks other than 0 or without a path."""
-
-    def __init__(self, path: str | None, enabled: bool, append: bool = False) -> None:
-        self._file: IO[str] | None = None
-        self._lock = threading.Lock()
-        if path is not None and enabled:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            # Kept open for the whole run (closed in close()): one line per log step.
-            # A checkpointed run appends: a restarted worker continues the same file.
-            self._file = open(path, "a" if append else "w", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        # Also called from the checkpoint persist thread (commit records): one lock.
-        with self._lock:
-            if self._file is not None:
-                self._file.write(json.dumps(record) + "\n")
-                self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
-
-
 def _device(cfg: TrainConfig, info: dist.DistInfo) -> torch.device:
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -322,25 +309,7 @@ def _setup(cfg: TrainConfig, info: dist.DistInfo) -> _Run:
     torch.manual_seed(cfg.seed + info.rank)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
-    manager = None
-    if cfg.ckpt_dir is not None:
-        # Imported lazily: checkpointing sits above the trainer's core and is optional.
-        from moepec.config import CheckpointConfig
-        from moepec.manager import CheckpointManager
-
-        ckpt_cfg = CheckpointConfig(
-            path=_ckpt_url(cfg), interval=cfg.ckpt_interval, k_persist=cfg.k_persist,
-            k_snapshot=cfg.k_snapshot, selection=cfg.selection, pec_scope=cfg.pec_scope,
-            full_every=cfg.full_every, keep_last=cfg.keep_last,
-            async_snapshot=not cfg.ckpt_sync, async_persist=not cfg.ckpt_sync,
-            busy_policy=cfg.busy_policy, write_mode=cfg.write_mode, dynamic_k=cfg.dynamic_k,
-            dynamic_k_down=cfg.dynamic_k_down, plt_budget=cfg.plt_budget,
-            timeout_s=cfg.dist_timeout_s)
-        # Only under EP, so a manager without expert-parallel support keeps working.
-        ep_kwargs = {"expert_parallel": (ep.rank, ep.size)} if ep.enabled else {}
-        manager = CheckpointManager(model, optimizer, ckpt_cfg,
-                                    extra_state={"scheduler": scheduler, "data": loader},
-                                    **ep_kwargs)
+    manager = build_manager(cfg, model, optimizer, scheduler, loader, ep)
     if info.rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         log.info("training %s (%.2fM params on rank 0) on %d rank(s), ep %d, %s, %d steps, "
@@ -349,50 +318,10 @@ def _setup(cfg: TrainConfig, info: dist.DistInfo) -> _Run:
     return _Run(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, val=val,
                 device=device, manager=manager,
                 tokens_per_step=cfg.batch_size * model_cfg.seq_len,
-                injector=_injector(cfg, info))
+                injector=build_injector(cfg, info))
 
 
-_STORAGE_FAULTS = ("storage_error", "enospc", "slow_storage")
-
-
-def _ckpt_url(cfg: TrainConfig) -> str:
-    """The checkpoint path, routed through the fault-injecting filesystem when storage
-    faults are planned for a local directory."""
-    assert cfg.ckpt_dir is not None
-    wants = any(k in (cfg.faults or "") for k in _STORAGE_FAULTS) or cfg.fault_mtbf > 0
-    if wants and "://" not in cfg.ckpt_dir:
-        return "faulty://" + str(Path(cfg.ckpt_dir).resolve())
-    return cfg.ckpt_dir
-
-
-def _fault_state_dir(cfg: TrainConfig) -> str:
-    # Fired faults are remembered next to the run so that restarted workers skip them.
-    if cfg.out_dir:
-        return cfg.out_dir
-    assert cfg.ckpt_dir is not None
-    if "://" in cfg.ckpt_dir:
-        raise ConfigError("fault injection with a remote --ckpt-dir needs --out-dir (a local "
-                          "folder that remembers which faults already fired)")
-    return cfg.ckpt_dir
-
-
-def _injector(cfg: TrainConfig, info: dist.DistInfo):
-    if not (cfg.faults or cfg.fault_mtbf):
-        return None
-    from moepec.faults import KINDS, FaultInjector, FaultPlan
-
-    state = _fault_state_dir(cfg)
-    plan = FaultPlan.parse(cfg.faults or "", state_dir=state)
-    if cfg.fault_mtbf:
-        kinds = tuple(k for k in KINDS if k != "corrupt")
-        plan.faults += FaultPlan.random(cfg.seed, cfg.steps, cfg.fault_mtbf, kinds,
-                                        info.world_size).faults
-    return FaultInjector(plan, info.rank, _ckpt_url(cfg), seed=cfg.seed,
-                         storage_fault_steps=2 * cfg.ckpt_interval,
-                         log_path=str(Path(state) / "faults.jsonl"))
-
-
-def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: _Metrics,
+def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: MetricsWriter,
           is_main: bool) -> float:
     """Restore (when checkpointing) and train up to cfg.steps; returns training seconds.
 
@@ -401,21 +330,12 @@ def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: _Metrics,
     model, optimizer, scheduler, manager = run.model, run.optimizer, run.scheduler, run.manager
     injector = run.injector
     if manager is not None and is_main:
-        def on_commit(rec, fields) -> None:  # persist worker thread
-            metrics.write({"event": "commit", "step": rec.step, "time": time.time(),
-                           "checkpoint": rec.name, "bytes": rec.bytes_written,
-                           "bytes_per_rank": rec.bytes_per_rank, "seconds": rec.seconds,
-                           "k_persist": fields["k_persist"], "full": fields["full"]})
-
-        manager.persister.on_commit = on_commit
+        log_commits(manager, metrics)
     start = manager.restore() if manager else None  # RestoreReport or None; .step
     first = start.step + 1 if start else 0
     if start is not None:
         result.resumed_from = start.step
-        record = {"event": "recovery", "time": time.time(), "step": start.step,
-                  "checkpoint": start.checkpoint, "tier": start.tier, "plt": start.plt,
-                  "lost": start.lost_total, "seconds": start.seconds,
-                  "k_persist": manager.k_persist, "warnings": start.warnings}
+        record = recovery_record(start, manager)
         result.recoveries.append(record)
         metrics.write(record)
         if is_main:
@@ -440,12 +360,12 @@ def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: _Metrics,
             if injector is not None:
                 injector.after_backward(step)
             if manager:
-                _persist_guard(cfg, metrics, step, manager.wait_for_snapshot)
+                persist_guard(cfg, metrics, step, manager.wait_for_snapshot)
             grad_norm = optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
             if manager:
                 manager.observe_routing([s.assigned for s in out.routing])
                 n_events = len(manager.events)
-                _persist_guard(cfg, metrics, step, manager.step, step)
+                persist_guard(cfg, metrics, step, manager.step, step)
                 if len(manager.events) > n_events:
                     ev = manager.events[-1]
                     metrics.write({"event": "checkpoint", "step": step, "time": time.time(),
@@ -489,21 +409,6 @@ def _loop(cfg: TrainConfig, run: _Run, result: TrainResult, metrics: _Metrics,
     return train_time
 
 
-def _persist_guard(cfg: TrainConfig, metrics: _Metrics, step: int, call, *args) -> None:
-    """Run a manager call; a failed background persist is logged and training goes on
-    (on_persist_error="continue": snapshots to RAM continue, the next checkpoint retries)."""
-    from moepec.errors import PersistError
-
-    try:
-        call(*args)
-    except PersistError as exc:
-        metrics.write({"event": "persist_error", "step": step, "time": time.time(),
-                       "error": str(exc)})
-        if cfg.on_persist_error == "stop":
-            raise
-        log.error("step %d: %s; training continues", step, exc)
-
-
 def train(cfg: TrainConfig) -> TrainResult:
     """Train as ``cfg`` says; every rank of a torchrun job calls this.
 
@@ -526,7 +431,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     is_main = info.rank == 0
     out_dir = Path(cfg.out_dir) if cfg.out_dir else None
     jsonl = cfg.log_jsonl or (str(out_dir / "metrics.jsonl") if out_dir else None)
-    metrics = _Metrics(jsonl, enabled=is_main, append=cfg.ckpt_dir is not None)
+    metrics = MetricsWriter(jsonl, enabled=is_main, append=cfg.ckpt_dir is not None)
     run: _Run | None = None
     try:
         run = _setup(cfg, info)
