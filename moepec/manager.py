@@ -29,16 +29,15 @@ from moepec.config import CheckpointConfig
 from moepec.errors import (
     CheckpointError,
     ConfigError,
-    DistributedError,
 )
 from moepec.experts import ExpertSpec, discover, structure_of
 from moepec.persist import Persister
-from moepec.plan import Item, make_plan
 from moepec.plt import PLTLedger
+from moepec.rank_share import rank_share
 from moepec.recovery import RestoreReport
 from moepec.selection import Selector, select_two_tier
 from moepec.snapshot import BufferPool, Snapshot, Snapshotter
-from moepec.state import StateCatalog, parse_key
+from moepec.state import StateCatalog
 from moepec.storage import Storage, parse_checkpoint_name
 
 log = logging.getLogger(__name__)
@@ -336,44 +335,10 @@ class CheckpointManager:
         if key not in plans:
             if len(plans) >= 64:  # load_aware can pick many combinations: stay bounded
                 plans.clear()
-            plans[key] = self._plan_keys(keys)
+            plans[key] = rank_share(keys, self.catalog, rank=self.rank,
+                                    world_size=self.world_size, ep_size=self.ep_size,
+                                    mode=self.config.write_mode)
         return plans[key]
-
-    def _plan_keys(self, keys: list[str]) -> list[str]:
-        """The write plan over ranks. An expert's weights (and, separately, its optimizer
-        state) form one item: a unit restored whole must be written whole by one rank,
-        so that the RAM share of a surviving rank holds complete units."""
-        everyone = tuple(range(self.world_size))
-        units: dict[str, list[str]] = {}
-        items = []
-        for k in keys:
-            if k.startswith("objects/"):
-                continue  # replicated small objects: rank 0 writes them
-            info = parse_key(k)
-            if info.is_expert:
-                unit = f"{info.layer}/{info.expert}/{info.part}"
-                if unit in units:
-                    units[unit].append(k)
-                    continue
-                units[unit] = [k]
-                n_local = self.emap.layers[info.layer].n_experts
-                owner_ep = info.expert // n_local
-                holders = tuple(r for r in everyone if r % self.ep_size == owner_ep)
-                items.append(Item(key=unit, nbytes=0, holders=holders, layer=info.layer,
-                                  expert=info.expert))
-            else:
-                items.append(Item(key=k, nbytes=self.catalog.nbytes(k), holders=everyone,
-                                  layer=_module_group(k)))
-        sizes = {u: sum(self.catalog.nbytes(k) for k in ks) for u, ks in units.items()}
-        items = [Item(key=it.key, nbytes=sizes[it.key], holders=it.holders, layer=it.layer,
-                      expert=it.expert) if it.key in sizes else it for it in items]
-        plan = make_plan(items, self.world_size, self.config.write_mode)
-        mine = set()
-        for key in plan.keys_for(self.rank):
-            mine.update(units.get(key, [key]))
-        if self.rank == 0:
-            mine.update(k for k in keys if k.startswith("objects/"))
-        return [k for k in keys if k in mine]
 
     def _manifest_fields(self, snap: Snapshot, full: bool) -> dict[str, Any]:
         return {
@@ -454,22 +419,3 @@ class CheckpointManager:
             self.k_persist = new
             self.k_snapshot = max(self.k_snapshot, new)
             self.k_history.append([step, new])
-
-
-def _module_group(key: str) -> int:
-    """Group non-expert keys by transformer block (``blocks.<i>.``) for layer-wise sharding."""
-    for part in key.split("/", 2)[-1].split(".")[:-1]:
-        if part.isdigit():
-            return int(part)
-    return -1
-
-
-def check_distributed_agreement(value: int, what: str) -> None:
-    """Raise DistributedError on every rank if ranks disagree on ``value``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    t = torch.tensor([value, -value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if t[0].item() != -t[1].item():
-        raise DistributedError(f"ranks disagree on {what}; start every rank with the same "
-                               f"settings")
