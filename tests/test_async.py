@@ -191,3 +191,18 @@ def test_first_persist_failing_makes_the_next_commit_full(tmp_path):
     assert manifests and manifests[0]["full"]  # storage had no copy of any expert yet
     fresh, *_ = setup(url, interval=2, k_persist=1, keep_last=10)
     assert fresh.restore().step == 9
+
+
+def test_dynamic_k_down_halves_k_when_plt_has_headroom(tmp_path):
+    mgr, model, opt, sched, counter = setup(tmp_path / "c", interval=2, k_persist=4,
+                                            dynamic_k=True, dynamic_k_down=True)
+    gen = torch.Generator().manual_seed(1)
+    ks = []
+    for start in (0, 4, 8):
+        loop(mgr, model, opt, sched, counter, 4, start=start, gen=gen)
+        report = mgr.restore()  # a fault: K=N checkpoints lose nothing, PLT stays 0
+        assert report.plt == 0.0
+        ks.append(mgr.k_persist)
+    mgr.close()
+    assert ks == [2, 1, 1]
+    assert mgr.k_history[-2:] == [[3, 2], [7, 1]]

@@ -234,7 +234,7 @@ def report(result: dict) -> None:
         best = r.get("best_possible_max_over_mean")
         print(f"{r['model']:<14}{r['dp']:>3}{r['ep']:>3}{r['k']:>3}  {r['source']:<22}{cells}"
               f"{r['adaptive']['mean'] / 1e6:>9.1f}{r['adaptive']['max_over_mean']:>9.3f}"
-              f"{best if best is None else f'{best:.3f}':>7}"
+              f"{'-' if best is None else f'{best:.3f}':>7}"
               f"{r['adaptive-replan']['max_over_mean']:>8.3f}"
               f"{100 * r['reduction_vs_full_baseline']:>8.1f}%"
               f"{100 * r['replan_reduction_vs_full_baseline']:>7.1f}%")
