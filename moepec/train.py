@@ -444,11 +444,13 @@ def train(cfg: TrainConfig) -> TrainResult:
                 break
             except (ConfigError, DataError):
                 raise  # a user mistake: retrying cannot help
-            except Exception:
+            except Exception as exc:
                 if attempt == cfg.restarts:
                     raise
-                log.exception("step failed; restart %d of %d from the last checkpoint",
-                              attempt + 1, cfg.restarts)
+                # An injected fault is expected: one line; anything else: the traceback.
+                (log.warning if type(exc).__name__ == "InjectedFault" else log.exception)(
+                    "step failed (%s); restart %d of %d from the last checkpoint", exc,
+                    attempt + 1, cfg.restarts)
                 run.optimizer.zero_grad(set_to_none=True)
         if run.manager:
             run.manager.close()  # waits for the last persist; raises its error
