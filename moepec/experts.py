@@ -74,11 +74,6 @@ class ExpertLayer:
     stacked: dict[str, str] = field(default_factory=dict)
     modules: dict[int, dict[str, str]] = field(default_factory=dict)
 
-    def param_names(self, expert: int) -> list[str]:
-        """Full parameter names holding ``expert`` (sliced at [expert] when stacked)."""
-        if self.layout == "stacked":
-            return list(self.stacked.values())
-        return list(self.modules[expert].values())
 
 
 @dataclass(slots=True)
@@ -93,15 +88,6 @@ class ExpertMap:
     @property
     def n_experts(self) -> tuple[int, ...]:
         return tuple(layer.n_experts for layer in self.layers)
-
-    def describe(self) -> str:
-        lines = [f"{len(self.layers)} MoE layer(s), {len(self.non_expert)} non-expert parameter(s)"]
-        for layer in self.layers:
-            names = (sorted(layer.stacked) if layer.layout == "stacked"
-                     else sorted(layer.modules[0]))
-            lines.append(f"  layer {layer.index}: {layer.prefix} [{layer.layout}] "
-                         f"{layer.n_experts} experts, tensors {names}")
-        return "\n".join(lines)
 
 
 def discover(model: nn.Module, spec: ExpertSpec | None = None) -> ExpertMap:

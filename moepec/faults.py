@@ -171,6 +171,20 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def corrupt_item(ckpt_dir: str | Path, fqn: str) -> None:
+    """Flip the bytes of the second half of item ``fqn`` in a local DCP checkpoint folder
+    (located through the checkpoint's own .metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt_dir)).read_metadata()
+    info = next(i for idx, i in md.storage_data.items() if idx.fqn == fqn)
+    file = Path(ckpt_dir) / info.relative_path
+    data = bytearray(file.read_bytes())
+    for i in range(info.offset + info.length // 2, info.offset + info.length - 8):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
 def corrupt_newest(storage_url: str, rng: random.Random) -> str | None:
     """Flip bytes in one expert item of the newest committed checkpoint (local paths only).
     Returns 'checkpoint:key' or None when there is nothing to corrupt."""
@@ -187,16 +201,11 @@ def corrupt_newest(storage_url: str, rng: random.Random) -> str | None:
         return None
     name = names[-1]
     md = FileSystemReader(f"{st.root}/{name}").read_metadata()
-    items = sorted((idx.fqn, info) for idx, info in md.storage_data.items()
-                   if idx.fqn.startswith("experts/"))
-    if not items:
+    fqns = sorted(idx.fqn for idx in md.storage_data if idx.fqn.startswith("experts/"))
+    if not fqns:
         return None
-    fqn, info = items[rng.randrange(len(items))]
-    file = Path(st.root) / name / info.relative_path
-    data = bytearray(file.read_bytes())
-    for i in range(info.offset + info.length // 2, info.offset + info.length - 8):
-        data[i] ^= 0xFF
-    file.write_bytes(bytes(data))
+    fqn = fqns[rng.randrange(len(fqns))]
+    corrupt_item(Path(st.root) / name, fqn)
     return f"{name}:{fqn}"
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from moepec import manifest as mf
-from moepec.checksum import tensor_checksum
 from moepec.errors import CheckpointError, NoCheckpointError
+from moepec.recovery import read_verified, storage_source
 from moepec.state import parse_key
 from moepec.storage import Storage
 
@@ -94,9 +94,8 @@ def verify_path(path: str, storage_options: dict | None = None,
     """Read every item of every committed checkpoint and compare checksums."""
     st = Storage(path, storage_options)
     res = VerifyResult()
-    listing = st.list_checkpoints()
     todo = []
-    for name, committed in listing:
+    for name, committed in st.list_checkpoints():
         if not committed:
             res.uncommitted.append(name)
             continue
@@ -106,20 +105,11 @@ def verify_path(path: str, storage_options: dict | None = None,
             res.damaged_manifests.append(f"{name}: {exc}")
     total = sum(len(m["keys"]) for _, m in todo)
     for name, m in todo:
-        for key, info in sorted(m["keys"].items()):
-            t = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
-            try:
-                st.read(name, {key: t})
-                good = tensor_checksum(t) == info["checksum"]
-            except BaseException as exc:  # noqa: BLE001 - DCP raises BaseException subclasses
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                good = False
-            res.checked += 1
-            if not good:
-                res.bad.append(f"{name}:{key}")
-            if progress:
-                progress(res.checked, total)
+        _, bad = read_verified(storage_source(st, name, m), sorted(m["keys"]))
+        res.checked += len(m["keys"])
+        res.bad += [f"{name}:{key}" for key in bad]
+        if progress:
+            progress(res.checked, total)
     return res
 
 
@@ -144,14 +134,11 @@ def read_view(path: str, storage_options: dict | None = None
     for src, keys in by_src.items():
         if src not in manifests:
             raise NoCheckpointError(f"{src}, needed by the view of {head}, is missing")
-        infos = manifests[src]["keys"]
-        targets = {k: torch.empty(infos[k]["shape"], dtype=getattr(torch, infos[k]["dtype"]))
-                   for k in keys}
-        st.read(src, targets)
-        for k, t in targets.items():
-            if tensor_checksum(t) != infos[k]["checksum"]:
-                raise CheckpointError(f"{src}:{k} fails its checksum; run `moepec verify`")
-        values.update(targets)
+        good, bad = read_verified(storage_source(st, src, manifests[src]), keys)
+        if bad:
+            raise CheckpointError(f"{src}:{bad[0]} fails its checksum or cannot be read; "
+                                  f"run `moepec verify {path}`")
+        values.update(good)
     return m, values
 
 

@@ -85,6 +85,7 @@ class CheckpointManager:
         self.catalog = StateCatalog(model, optimizer, self.emap, extra_state,
                                     ep_rank=self.ep_rank, ep_size=self.ep_size)
         self.structure = structure_of(model, self.emap, self.ep_size)
+        self._config_dict = config.to_dict()  # written into every manifest
         self.storage = Storage(config.path, config.storage_options)
         if self.rank == 0:
             self.storage.check_writable()
@@ -106,7 +107,7 @@ class CheckpointManager:
         self.pool = BufferPool()
         self.snapshotter = Snapshotter(self.pool, background=config.async_snapshot,
                                        timeout_s=config.timeout_s)
-        self.persister = Persister(self.storage, self.pool, rank=self.rank,
+        self.persister = Persister(self.storage, rank=self.rank,
                                    world_size=self.world_size, group=self._group,
                                    background=config.async_persist, timeout_s=config.timeout_s,
                                    keep_last=config.keep_last, release=self._release)
@@ -147,7 +148,7 @@ class CheckpointManager:
         self._finish_snapshot()
 
     def _finish_snapshot(self) -> None:
-        if self.snapshotter.busy or self.snapshotter._pending is not None:
+        if self.snapshotter.pending is not None:
             t0 = time.perf_counter()
             snap = self.snapshotter.wait()
             waited = time.perf_counter() - t0
@@ -210,12 +211,15 @@ class CheckpointManager:
         snap_keys = self._keys_for(snap_sel)
         persist_keys = self._keys_for(persist_sel) if persist else []
         mine = self._my_keys(snap_keys)
-        objects = self.catalog.capture_objects()
+        mine_set = set(mine)
+        # Only the rank that writes the objects pays for serialising them.
+        objects = (self.catalog.capture_objects()
+                   if any(k.startswith("objects/") for k in mine) else {})
         sources = {k: self._live(k) for k in mine if not k.startswith("objects/")}
         snap = Snapshot(seq=self.seq, step=step, tensors={},
                         snapshot_experts=[tuple(s) for s in snap_sel],
                         persist_experts=[tuple(p) for p in persist_sel] if persist else None,
-                        persist_keys=frozenset(k for k in persist_keys if k in mine),
+                        persist_keys=frozenset(k for k in persist_keys if k in mine_set),
                         meta={}, refs=2 if persist else 1, all_keys=snap_keys)
         # Objects (RNG, scheduler, loader, hyper-parameters) and buffers change during
         # the next forward; they are captured here, on the training thread.
@@ -343,7 +347,7 @@ class CheckpointManager:
     def _manifest_fields(self, snap: Snapshot, full: bool) -> dict[str, Any]:
         return {
             "step": snap.step, "seq": snap.seq, "index": self._index, "time": time.time(),
-            "structure": self.structure, "config": self.config.to_dict(),
+            "structure": self.structure, "config": self._config_dict,
             "k_persist": self.k_persist, "k_snapshot": self.k_snapshot, "full": full,
             "pec_scope": self.config.pec_scope, "selection": self.config.selection,
             "experts_saved": [list(p) for p in (snap.persist_experts or [])],

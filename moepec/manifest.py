@@ -76,16 +76,6 @@ def to_delete(manifests: Mapping[str, Mapping[str, Any]], uncommitted: Iterable[
     return sorted(out, key=seq_of)
 
 
-def experts_per_layer(keys: Iterable[str], n_layers: int) -> list[list[int]]:
-    """Which experts of each layer have a key in ``keys``."""
-    found: list[set[int]] = [set() for _ in range(n_layers)]
-    for key in keys:
-        info = parse_key(key)
-        if info.is_expert and info.layer < n_layers:
-            found[info.layer].add(info.expert)
-    return [sorted(s) for s in found]
-
-
 def view_age(manifest: Mapping[str, Any]) -> list[list[int]]:
     """Per (layer, expert): steps between the checkpoint and the newest copy of its weights
     (0 = saved in this checkpoint), from the view alone."""

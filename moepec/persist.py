@@ -24,7 +24,7 @@ import torch.distributed as dist
 from moepec import manifest as mf
 from moepec.checksum import tensor_checksum
 from moepec.errors import CheckpointError, PersistError
-from moepec.snapshot import BufferPool, Snapshot
+from moepec.snapshot import Snapshot
 from moepec.storage import Storage, checkpoint_name
 
 log = logging.getLogger(__name__)
@@ -74,11 +74,10 @@ class PersistRecord:
 class Persister:
     """Writes snapshots to storage, one in flight at most."""
 
-    def __init__(self, storage: Storage, pool: BufferPool, *, rank: int, world_size: int,
+    def __init__(self, storage: Storage, *, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, background: bool, timeout_s: float,
                  keep_last: int, release: Callable[[Snapshot], None]) -> None:
         self.storage = storage
-        self.pool = pool
         self.rank = rank
         self.world_size = world_size
         self.group = group

@@ -84,9 +84,17 @@ def _alloc(info: Mapping[str, Any]) -> torch.Tensor:
     return torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
 
 
-def _read_verified(src: Source, keys: Sequence[str], verify: bool
-                   ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Read ``keys`` from ``src``; return (good values, bad keys). Never raises for data."""
+def storage_source(storage, name: str, manifest: Mapping[str, Any]) -> Source:
+    """A committed checkpoint as a Source (``storage`` is a moepec.storage.Storage)."""
+    return Source(name=name, tier="storage", step=manifest["step"], counts=manifest["counts"],
+                  keys=manifest["keys"],
+                  read=lambda targets: storage.read(name, targets), meta=manifest)
+
+
+def read_verified(src: Source, keys: Sequence[str], verify: bool = True
+                  ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Read ``keys`` from ``src`` in one pass; return (good values, bad keys). A failed read
+    is retried key by key to isolate the bad ones. Never raises for bad data."""
     targets = {k: _alloc(src.keys[k]) for k in keys}
     try:
         src.read(targets)
@@ -97,7 +105,7 @@ def _read_verified(src: Source, keys: Sequence[str], verify: bool
         good: dict[str, torch.Tensor] = {}
         bad: list[str] = []
         for k in keys:
-            g, b = _read_verified(src, [k], verify)
+            g, b = read_verified(src, [k], verify)
             good.update(g)
             bad += b
         return good, bad
@@ -119,7 +127,7 @@ def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]
     warnings: list[str] = []
     for base in bases:
         ne_keys = [k for k in base.keys if not parse_key(k).is_expert]
-        values, bad = _read_verified(base, ne_keys, verify)
+        values, bad = read_verified(base, ne_keys, verify)
         if bad:
             msg = (f"{base.name}: {len(bad)} non-expert item(s) corrupt or missing "
                    f"(e.g. {bad[0]}); trying an older checkpoint")
@@ -148,7 +156,7 @@ def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]
             for group in by_src.values():
                 src = pending[group[0]][0]
                 keys = [k for u in group for k in sorted(units[u])]
-                good, bad = _read_verified(src, keys, verify)
+                good, bad = read_verified(src, keys, verify)
                 bad_set = set(bad)
                 for u in group:
                     if units[u] & bad_set:

@@ -31,7 +31,7 @@ from moepec.errors import (
     StructureMismatchError,
 )
 from moepec.experts import structure_mismatches
-from moepec.recovery import RestoreReport, Source, lost_tokens, recover
+from moepec.recovery import RestoreReport, Source, lost_tokens, recover, storage_source
 from moepec.state import parse_key
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def restore(mgr: CheckpointManager) -> RestoreReport | None:
                 f"the checkpoint at {mgr.config.path} was saved from a different model: "
                 + "; ".join(mismatches)
                 + ". Restore into the same model configuration or use another path")
-    sources = {n: _storage_source(mgr, n, m) for n, m in manifests.items()}
+    sources = {n: storage_source(mgr.storage, n, m) for n, m in manifests.items()}
     storage_bases = sorted(sources.values(), key=lambda s: mf.seq_of(s.name), reverse=True)
     ram_seq = ram.meta["seq"] if ram is not None else -1
     ram_is_base = ram is not None and ram.meta.get("complete", False)
@@ -172,12 +172,6 @@ def _read_manifests(mgr: CheckpointManager) -> dict[str, dict[str, Any]]:
         except CheckpointError as exc:
             log.warning("ignoring %s: %s", name, exc)
     return out
-
-
-def _storage_source(mgr: CheckpointManager, name: str, manifest: dict[str, Any]) -> Source:
-    return Source(name=name, tier="storage", step=manifest["step"], counts=manifest["counts"],
-                  keys=manifest["keys"],
-                  read=lambda targets, n=name: mgr.storage.read(n, targets), meta=manifest)
 
 
 def _mine(mgr: CheckpointManager, key: str) -> bool:

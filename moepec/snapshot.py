@@ -79,10 +79,6 @@ class Snapshot:
     all_keys: list[str] = field(default_factory=list)
     """Every key of this snapshot over all ranks (each rank holds its share)."""
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
 
 class Snapshotter:
     """Fills snapshots: inline, or on one background worker thread.
@@ -130,6 +126,11 @@ class Snapshotter:
             raise CheckpointError(f"snapshot of step {snap.step} failed: {snap.error}") \
                 from snap.error
         return snap
+
+    @property
+    def pending(self) -> Snapshot | None:
+        """The last started snapshot, until ``wait`` has returned it."""
+        return self._pending
 
     @property
     def busy(self) -> bool:

@@ -174,10 +174,6 @@ class StateCatalog:
                         keys.append(expert_key(layer, expert, "optim", f"{canon}/{sk}"))
         return keys
 
-    def all_expert_keys(self) -> list[str]:
-        return [k for lay in self.emap.layers for e in range(self.n_global[lay.index])
-                for k in self.expert_keys(lay.index, e)]
-
     def nbytes(self, key: str) -> int:
         """Bytes of a tensor key, also for experts held by other ranks (alike by layer)."""
         info = parse_key(key)

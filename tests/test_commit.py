@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from moepec import CheckpointConfig, CheckpointManager
 from moepec.errors import (
@@ -20,6 +19,7 @@ from moepec.errors import (
     CorruptCheckpointError,
     StructureMismatchError,
 )
+from moepec.faults import corrupt_item
 from moepec.storage import Storage
 from tests.toy import Counter, make, run_loop
 
@@ -88,20 +88,8 @@ def test_next_save_after_crash_does_not_reuse_names(tmp_path):
     assert len(new) == 1 and all(n > max(before) for n in new)
 
 
-def _item_location(ckpt_dir: Path, key: str) -> tuple[Path, int, int]:
-    md = FileSystemReader(str(ckpt_dir)).read_metadata()
-    for idx, info in md.storage_data.items():
-        if idx.fqn == key:
-            return ckpt_dir / info.relative_path, info.offset, info.length
-    raise KeyError(key)
-
-
 def _corrupt(ckpt_dir: Path, key: str) -> None:
-    path, offset, length = _item_location(ckpt_dir, key)
-    data = bytearray(path.read_bytes())
-    for i in range(offset + length // 2, offset + length - 8):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
+    corrupt_item(ckpt_dir, key)
 
 
 def _train(path, steps=8, **kw):
