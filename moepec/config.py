@@ -11,6 +11,7 @@ SELECTIONS = ("sequential", "load_aware")
 PEC_SCOPES = ("all", "optimizer", "weights")
 BUSY_POLICIES = ("wait", "skip")
 WRITE_MODES = ("baseline", "sharded", "adaptive")
+SERIALIZATIONS = ("raw", "torch_save")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,6 +51,10 @@ class CheckpointConfig:
     """After a recovery that leaves PLT over the budget, double K_persist (up to N)."""
     dynamic_k_down: bool = False
     """Also halve K_persist again when PLT is under a quarter of the budget after a recovery."""
+    serialization: str = "raw"
+    """How DCP items are stored: ``raw`` tensor bytes (fast; read by moepec's DCP reader,
+    ``moepec export --format dcp`` converts) or ``torch_save`` (stock DCP: any
+    ``dcp.load`` with a FileSystemReader reads it; slower to write many small items)."""
     verify: bool = True
     """Verify checksums of everything restored."""
     timeout_s: float = 600.0
@@ -74,6 +79,7 @@ class CheckpointConfig:
         _choice("pec_scope", self.pec_scope, PEC_SCOPES)
         _choice("busy_policy", self.busy_policy, BUSY_POLICIES)
         _choice("write_mode", self.write_mode, WRITE_MODES)
+        _choice("serialization", self.serialization, SERIALIZATIONS)
         if self.full_every < 0:
             raise ConfigError(f"full_every must be >= 0 (got {self.full_every}); 0 disables it")
         if self.keep_last < 1:

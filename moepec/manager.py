@@ -86,7 +86,7 @@ class CheckpointManager:
                                     ep_rank=self.ep_rank, ep_size=self.ep_size)
         self.structure = structure_of(model, self.emap, self.ep_size)
         self._config_dict = config.to_dict()  # written into every manifest
-        self.storage = Storage(config.path, config.storage_options)
+        self.storage = Storage(config.path, config.storage_options, config.serialization)
         if self.rank == 0:
             self.storage.check_writable()
         # A dedicated group for the persist worker: its collectives never interleave

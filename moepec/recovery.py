@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moepec.checksum import tensor_checksum
+from moepec.checksum import checksum_matches
 from moepec.errors import CorruptCheckpointError, NoCheckpointError
 from moepec.state import parse_key
 
@@ -112,7 +112,7 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True
     bad = []
     if verify and src.tier == "storage":
         for k, t in targets.items():
-            if tensor_checksum(t) != src.keys[k].get("checksum"):
+            if not checksum_matches(t, src.keys[k].get("checksum")):
                 bad.append(k)
     return {k: v for k, v in targets.items() if k not in bad}, bad
 

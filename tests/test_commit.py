@@ -137,6 +137,19 @@ def test_corrupt_non_expert_state_uses_older_base(tmp_path):
     assert torch.equal(model.embed.weight, states[5]["embed.weight"])
 
 
+@pytest.mark.parametrize("serialization", ["raw", "torch_save"])
+def test_truncated_data_file_falls_back_to_older_base(tmp_path, serialization):
+    ckpt = tmp_path / "c"
+    manager, states = _train(ckpt, keep_last=4, serialization=serialization)
+    names = manager.storage.committed()
+    data = next(p for p in (ckpt / names[-1]).iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    m2, model, counter = fresh(ckpt, keep_last=4, serialization=serialization)
+    report = m2.restore()
+    assert report.step == 5 and counter.position == 6
+    assert torch.equal(model.embed.weight, states[5]["embed.weight"])
+
+
 def test_everything_corrupt_is_an_error(tmp_path):
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=4, keep_last=4)
@@ -202,6 +215,6 @@ def test_manifest_records_what_design_promises(tmp_path):
     for field in ("step", "keys", "view", "k_persist", "selection", "counts", "plt",
                   "structure", "experts_saved", "bytes_per_rank"):
         assert field in m
-    assert all(v["checksum"].startswith("xxh64:") for v in m["keys"].values())
+    assert all(v["checksum"].startswith("xxh3:") for v in m["keys"].values())
     assert json.loads(json.dumps(m)) == m
     assert not os.path.exists(tmp_path / "c" / m["name"] / "moepec.json.tmp")

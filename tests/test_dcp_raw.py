@@ -1,0 +1,170 @@
+"""The raw-bytes DCP writer/reader pair, the save planner and the checksums."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan
+
+from moepec import CheckpointConfig
+from moepec.checksum import checksum_matches, tensor_checksum
+from moepec.dcp_raw import (
+    RAW_DESCRIPTOR,
+    RawFileSystemReader,
+    RawFileSystemWriter,
+    RawFsspecReader,
+    RawFsspecWriter,
+)
+from moepec.errors import CheckpointError, ConfigError
+from moepec.persist import root_cause
+from moepec.storage import Storage, _SavePlanner
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(6, 10, generator=g)
+    return {
+        "model/w": torch.randn(64, 48, generator=g),
+        "model/bf16": torch.randn(33, generator=g).to(torch.bfloat16),
+        "model/f16": torch.randn(5, 7, generator=g).to(torch.float16),
+        "optim/step": torch.tensor(17.0),  # 0-d
+        "objects/rng": torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=g),
+        "model/idx": torch.arange(-5, 300, dtype=torch.int64),
+        "model/mask": torch.rand(19, generator=g) > 0.5,
+        "model/empty": torch.empty(0, 4),
+        "model/strided": wide[:, ::3],  # not contiguous
+        "experts/0/1/model/moe.w1": torch.randn(3, 8, 8, generator=g)[1],
+    }
+
+
+def _targets(state):
+    return {k: torch.full(v.shape, 7, dtype=v.dtype) if v.numel() else torch.empty_like(v)
+            for k, v in state.items()}
+
+
+def _equal_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                       b.contiguous().view(-1).view(torch.uint8))
+
+
+def test_raw_round_trip_is_bit_exact_and_stores_only_tensor_bytes(tmp_path):
+    state = _state()
+    dcp.save(state, storage_writer=RawFileSystemWriter(str(tmp_path / "c")), no_dist=True)
+    data = [p for p in (tmp_path / "c").iterdir() if p.name != ".metadata"]
+    assert len(data) == 1  # one file per rank, items back to back
+    assert data[0].stat().st_size == sum(t.numel() * t.element_size() for t in state.values())
+    md = FileSystemReader(str(tmp_path / "c")).read_metadata()
+    assert all(i.transform_descriptors == [RAW_DESCRIPTOR] for i in md.storage_data.values())
+
+    got = _targets(state)
+    dcp.load(got, storage_reader=RawFileSystemReader(str(tmp_path / "c")), no_dist=True)
+    for k in state:
+        assert _equal_bits(got[k], state[k]), k
+
+    # a subset, into a non-contiguous target of a larger buffer
+    holder = torch.zeros(64, 96)
+    part = {"model/w": holder[:, ::2]}
+    dcp.load(part, storage_reader=RawFileSystemReader(str(tmp_path / "c")), no_dist=True)
+    assert torch.equal(holder[:, ::2], state["model/w"])
+    assert not holder[:, 1::2].any()
+
+
+def test_stock_reader_refuses_raw_items_by_name(tmp_path):
+    state = {"a": torch.ones(3)}
+    dcp.save(state, storage_writer=RawFileSystemWriter(str(tmp_path / "c")), no_dist=True)
+    with pytest.raises(CheckpointException) as err:
+        dcp.load({"a": torch.zeros(3)}, storage_reader=FileSystemReader(str(tmp_path / "c")),
+                 no_dist=True)
+    assert "moepec.raw" in str(root_cause(err.value))
+
+
+def test_raw_reader_reads_stock_dcp(tmp_path):
+    state = _state()
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "c")), no_dist=True)
+    got = _targets(state)
+    dcp.load(got, storage_reader=RawFileSystemReader(str(tmp_path / "c")), no_dist=True)
+    for k in state:
+        assert _equal_bits(got[k], state[k]), k
+
+
+def test_raw_over_fsspec_memory(tmp_path):
+    url = f"memory://raw-{uuid.uuid4().hex}"
+    state = _state()
+    dcp.save(state, storage_writer=RawFsspecWriter(url, sync_files=False), no_dist=True)
+    got = _targets(state)
+    dcp.load(got, storage_reader=RawFsspecReader(url), no_dist=True)
+    for k in state:
+        assert _equal_bits(got[k], state[k]), k
+
+
+def test_truncated_file_is_an_error_not_garbage(tmp_path):
+    state = {"a": torch.arange(1000, dtype=torch.float32)}
+    dcp.save(state, storage_writer=RawFileSystemWriter(str(tmp_path / "c")), no_dist=True)
+    data = next(p for p in (tmp_path / "c").iterdir() if p.name != ".metadata")
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(CheckpointException) as err:
+        dcp.load({"a": torch.zeros(1000)}, storage_reader=RawFileSystemReader(str(tmp_path / "c")),
+                 no_dist=True)
+    cause = root_cause(err.value)
+    assert isinstance(cause, OSError) and "truncated" in str(cause)
+
+
+@pytest.mark.parametrize("serialization", ["raw", "torch_save"])
+def test_storage_serializations(tmp_path, serialization):
+    st = Storage(str(tmp_path), serialization=serialization)
+    state = _state()
+    st.write("ckpt-000000-step00000000", {k: v.contiguous() for k, v in state.items()})
+    got = _targets(state)
+    st.read("ckpt-000000-step00000000", got)
+    for k in state:
+        assert _equal_bits(got[k], state[k]), k
+    if serialization == "torch_save":  # stock DCP: any FileSystemReader loads it
+        plain = _targets(state)
+        dcp.load(plain, storage_reader=FileSystemReader(str(tmp_path / "ckpt-000000-step00000000")),
+                 no_dist=True)
+        assert all(_equal_bits(plain[k], state[k]) for k in state)
+
+
+def test_bad_serialization_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="serialization"):
+        CheckpointConfig(path="x", serialization="pickle")
+    with pytest.raises(CheckpointError, match="serialization"):
+        Storage(str(tmp_path), serialization="pickle")
+
+
+def _plan_of(state) -> SavePlan:
+    planner = _SavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    return planner.create_local_plan()
+
+
+def test_planner_refuses_a_key_written_by_two_ranks():
+    a = _plan_of({"k": torch.ones(2)})
+    b = _plan_of({"k": torch.ones(2)})
+    with pytest.raises(AssertionError):
+        _SavePlanner().create_global_plan([a, b])
+    plans, md = _SavePlanner().create_global_plan([a, _plan_of({"j": torch.ones(3)})])
+    assert set(md.state_dict_metadata) == {"k", "j"} and len(plans) == 2
+
+
+def test_checksums_new_and_old_algorithm():
+    t = torch.randn(100)
+    new = tensor_checksum(t)
+    assert new.startswith("xxh3:") and checksum_matches(t, new)
+    old = tensor_checksum(t, "xxh64")  # what earlier versions wrote
+    assert old.startswith("xxh64:") and checksum_matches(t, old)
+    flipped = t.clone()
+    flipped.view(torch.int32)[50] ^= 1
+    assert not checksum_matches(flipped, new) and not checksum_matches(flipped, old)
+    assert not checksum_matches(t, None) and not checksum_matches(t, "md5:" + new[5:])
+    # shape and dtype are part of it
+    assert tensor_checksum(t.view(10, 10)) != new
