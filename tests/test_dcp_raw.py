@@ -22,7 +22,7 @@ from moepec.dcp_raw import (
 )
 from moepec.errors import CheckpointError, ConfigError
 from moepec.persist import root_cause
-from moepec.storage import Storage, _SavePlanner
+from moepec.storage import _ROOT, Storage, _SavePlanner
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -143,7 +143,7 @@ def test_bad_serialization_is_rejected(tmp_path):
 
 def _plan_of(state) -> SavePlan:
     planner = _SavePlanner()
-    planner.set_up_planner(state, is_coordinator=True)
+    planner.set_up_planner({_ROOT: state}, is_coordinator=True)
     return planner.create_local_plan()
 
 
