@@ -136,6 +136,8 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    help="committed views to retain (%(default)s)")
     g.add_argument("--ckpt-sync", action="store_true",
                    help="checkpoint synchronously (for comparison with the async default)")
+    g.add_argument("--ckpt-serialization", default=d("ckpt_serialization"),
+                   help="raw (tensor bytes, fast) or torch_save (stock DCP) (%(default)s)")
     g.add_argument("--busy-policy", default=d("busy_policy"),
                    help="checkpoint due while the last persist writes: wait or skip "
                         "(%(default)s)")
@@ -176,7 +178,8 @@ def train_config_from_args(args: argparse.Namespace) -> Any:
         ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval, k_persist=args.k_persist,
         k_snapshot=args.k_snapshot, selection=args.selection, restarts=args.restarts,
         ep=args.ep, pec_scope=args.pec_scope, full_every=args.full_every,
-        keep_last=args.keep_last, ckpt_sync=args.ckpt_sync, busy_policy=args.busy_policy,
+        keep_last=args.keep_last, ckpt_sync=args.ckpt_sync,
+        ckpt_serialization=args.ckpt_serialization, busy_policy=args.busy_policy,
         write_mode=args.write_mode, dynamic_k=args.dynamic_k,
         dynamic_k_down=args.dynamic_k_down, plt_budget=args.plt_budget,
         on_persist_error=args.on_persist_error, faults=args.faults,

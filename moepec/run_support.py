@@ -62,6 +62,7 @@ def build_manager(cfg: TrainConfig, model, optimizer, scheduler, loader, ep):
         k_snapshot=cfg.k_snapshot, selection=cfg.selection, pec_scope=cfg.pec_scope,
         full_every=cfg.full_every, keep_last=cfg.keep_last,
         async_snapshot=not cfg.ckpt_sync, async_persist=not cfg.ckpt_sync,
+        serialization=cfg.ckpt_serialization,
         busy_policy=cfg.busy_policy, write_mode=cfg.write_mode, dynamic_k=cfg.dynamic_k,
         dynamic_k_down=cfg.dynamic_k_down, plt_budget=cfg.plt_budget,
         timeout_s=cfg.dist_timeout_s)

@@ -129,6 +129,8 @@ class TrainConfig:
     """Committed checkpoint views to retain."""
     ckpt_sync: bool = False
     """Checkpoint synchronously (snapshot and persist inside step()), for comparison."""
+    ckpt_serialization: str = "raw"
+    """How checkpoint items are stored: "raw" tensor bytes or "torch_save" (stock DCP)."""
     busy_policy: str = "wait"
     """When a checkpoint is due while the last persist still writes: "wait" or "skip"."""
     write_mode: str = "adaptive"

@@ -104,3 +104,25 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith("moepec: error: unknown model config 'nope'")
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("serialization, stock_readable", [("torch_save", True), ("raw", False)])
+def test_train_ckpt_serialization_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                       serialization: str, stock_readable: bool) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from moepec.dcp_raw import RAW_DESCRIPTOR
+    from moepec.storage import Storage
+
+    ckpt = tmp_path / "ckpt"
+    argv = TINY + ["--steps", "4", "--batch-size", "2", "--ckpt-dir", str(ckpt),
+                   "--ckpt-interval", "2", "--ckpt-serialization", serialization]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    names = Storage(str(ckpt)).committed()
+    assert len(names) == 2
+    md = FileSystemReader(str(ckpt / names[-1])).read_metadata()
+    raw = [RAW_DESCRIPTOR in (i.transform_descriptors or ()) for i in md.storage_data.values()]
+    assert raw and all(r != stock_readable for r in raw)
+    _one_line_error(capsys, TINY + ["--ckpt-dir", str(ckpt), "--ckpt-serialization", "zip"],
+                    "unknown serialization")
