@@ -79,7 +79,6 @@ class Storage:
         self.serialization = serialization
         self.fs, self.root = url_to_fs(self.url, **self.options)
         self.local = "file" in _protocols(self.fs)
-        _quiet_dcp_debug_records()
 
     # -- paths -----------------------------------------------------------------
     def _dir(self, name: str) -> str:
@@ -243,18 +242,6 @@ class _SavePlanner(DefaultSavePlanner):
                 raise CheckpointError(f"{key}: moepec writes whole tensors, got {chunks}")
         self.global_plan, self.metadata = plans, metadata
         return plans, metadata
-
-
-def _quiet_dcp_debug_records() -> None:
-    """DCP logs two DEBUG records per top-level state-dict key into a logger whose only
-    handler discards them: ~30 us per item, 20 ms per checkpoint of 600 items. Raise that
-    logger to INFO, but only while nothing listens to it."""
-    from torch.distributed.checkpoint import logger as dcp_logger
-
-    lg = getattr(dcp_logger, "_dcp_logger", None)
-    if (isinstance(lg, logging.Logger) and lg.level < logging.INFO
-            and all(isinstance(h, logging.NullHandler) for h in lg.handlers)):
-        lg.setLevel(logging.INFO)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
