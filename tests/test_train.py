@@ -48,6 +48,21 @@ def test_same_seed_same_losses_bit_for_bit() -> None:
     assert c.losses != a.losses
 
 
+def test_run_freezes_gc_and_unfreezes_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    import moepec.train as train_mod
+
+    seen = []
+    loop = train_mod._loop
+    monkeypatch.setattr(train_mod, "_loop",
+                        lambda *a: (seen.append(gc.get_freeze_count()), loop(*a))[1])
+    assert gc.get_freeze_count() == 0
+    train(TrainConfig(**FAST, steps=2, batch_size=4, eval_interval=0))
+    assert seen and seen[0] > 1000  # the set-up's objects are out of the GC's scans
+    assert gc.get_freeze_count() == 0  # and given back at the end
+
+
 def test_metrics_jsonl_and_summary(tmp_path: Path) -> None:
     train(TrainConfig(**FAST, steps=12, batch_size=4, log_interval=5, eval_interval=6,
                       out_dir=str(tmp_path / "run")))
