@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moepec.bench.report import SECTIONS, main
+from moepec.bench.render import SECTIONS
+from moepec.bench.report import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
