@@ -28,8 +28,10 @@ def tensor_checksum(t: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
     return f"{algorithm}:{h.hexdigest()}"
 
 
-def checksum_matches(t: torch.Tensor, expected: str | None) -> bool:
-    """Whether ``t`` has the checksum ``expected`` (False if missing or of an unknown
-    algorithm: such a copy cannot be verified)."""
-    algorithm = (expected or "").partition(":")[0]
+def checksum_matches(t: torch.Tensor, expected: object) -> bool:
+    """Whether ``t`` has the checksum ``expected`` (False if missing, not a string or of
+    an unknown algorithm: such a copy cannot be verified)."""
+    if not isinstance(expected, str):
+        return False
+    algorithm = expected.partition(":")[0]
     return algorithm in ALGORITHMS and tensor_checksum(t, algorithm) == expected

@@ -19,6 +19,7 @@ writers, so one reader serves checkpoints of either serialization.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from collections import defaultdict
@@ -42,11 +43,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 RAW_DESCRIPTOR = "moepec.raw/1"
+SUPPORTED = "transform_descriptors" in {f.name for f in dataclasses.fields(_StorageInfo)}
+"""Whether this torch's DCP records per-item descriptors (newer torch does), which the raw
+items need to be told apart from torch.save-framed ones."""
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy (one copy if it is not contiguous)."""
-    t = t.detach()
+    """The tensor's bytes without a copy (one copy if it is not contiguous or is a lazy
+    conjugate/negative view)."""
+    t = t.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         raise ValueError(f"raw DCP writer needs CPU tensors (got {t.device})")
     if not t.is_contiguous():
@@ -58,7 +63,10 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 class _RawWrite:
     """``write_data`` for FileSystemWriter and FsspecWriter: one file per rank, the
-    items back to back, fsync'd when the writer syncs files."""
+    items back to back, fsync'd when the writer syncs files. Every tensor item must be
+    a whole tensor (one chunk): sharded tensors (DTensor, ShardedTensor) need the stock
+    writers. The stock writers' ``thread_count``, ``serialization_format`` and
+    ``_extensions`` options do not apply here."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
@@ -67,6 +75,12 @@ class _RawWrite:
         offset = 0
         bufs = []
         for item in plan.items:
+            td = item.tensor_data
+            if td is not None and (any(td.chunk.offsets) or td.chunk.sizes != td.size):
+                raise ValueError(
+                    f"{item.index.fqn}: the raw DCP writer stores whole tensors only, got "
+                    f"a shard {list(td.chunk.sizes)} at {list(td.chunk.offsets)} of "
+                    f"{list(td.size)}; save sharded tensors with DCP's FileSystemWriter")
             data = planner.resolve_data(item)
             buf = data.getbuffer() if item.type == WriteItemType.BYTE_IO else _bytes_of(data)
             info = _StorageInfo(name, offset, len(buf), transform_descriptors=[RAW_DESCRIPTOR])
@@ -79,7 +93,10 @@ class _RawWrite:
                 stream.write(buf)
             if self.sync_files:
                 stream.flush()
-                os.fsync(stream.fileno())
+                try:
+                    os.fsync(stream.fileno())
+                except (AttributeError, io.UnsupportedOperation):
+                    os.sync()  # what DCP's own writers do on streams without a descriptor
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -146,6 +163,7 @@ class _RawRead:
         target = planner.resolve_tensor(req).detach()
         whole = list(req.lengths) == list(size) and not any(req.storage_offsets)
         if (whole and target.is_cpu and target.is_contiguous() and target.dtype == dtype
+                and not target.is_conj() and not target.is_neg()
                 and target.numel() * target.element_size() == info.length):
             if info.length:
                 _read_exact(stream, _bytes_of(target), what)

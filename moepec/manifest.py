@@ -17,7 +17,10 @@ from typing import Any
 from moepec.state import parse_key
 from moepec.storage import parse_checkpoint_name
 
-FORMAT = "moepec/1"
+FORMAT = "moepec/2"
+"""2: items may be raw tensor bytes (moepec.dcp_raw; the manifest's ``serialization``
+says which) and checksums XXH3 (``xxh3:``). 1: torch.save-framed items, XXH64."""
+KNOWN_FORMATS = ("moepec/1", "moepec/2")
 
 
 def seq_of(name: str) -> int:

@@ -184,7 +184,6 @@ class Persister:
         name = checkpoint_name(snap.seq, snap.step)
         keys = sorted(k for k in snap.persist_keys if k in snap.tensors)
         tensors = {k: snap.tensors[k] for k in keys}
-        # Checksums overlap the write: xxhash and the write syscalls release the GIL.
         # Checksums before the write, on this thread: on 2 cores a checksum thread beside
         # the write slowed the write 2-3x (measured), more than the hashing costs.
         infos = _describe(tensors, self.rank)
@@ -205,7 +204,8 @@ class Persister:
         ok = [True]
         if self.rank == 0:
             manifest = dict(fields)
-            manifest.update(format=mf.FORMAT, name=name, parent=self.head,
+            manifest.update(format=mf.FORMAT, serialization=self.storage.serialization,
+                            name=name, parent=self.head,
                             ancestors=ancestors, keys=all_infos,
                             view=view, bytes_per_rank=bytes_per_rank,
                             bytes=sum(bytes_per_rank), committed_at=time.time())

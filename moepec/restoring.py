@@ -168,9 +168,17 @@ def _read_manifests(mgr: CheckpointManager) -> dict[str, dict[str, Any]]:
         if not committed:
             continue
         try:
-            out[name] = mgr.storage.read_manifest(name)
+            manifest = mgr.storage.read_manifest(name)
         except CheckpointError as exc:
             log.warning("ignoring %s: %s", name, exc)
+            continue
+        if manifest.get("format") not in mf.KNOWN_FORMATS:
+            # Not skipped: restoring older checkpoints past it would lose its progress.
+            raise CheckpointError(
+                f"{mgr.storage.url}/{name} has manifest format {manifest.get('format')!r}, "
+                f"which this moepec cannot read (it reads {', '.join(mf.KNOWN_FORMATS)}); "
+                f"it was written by a newer moepec: upgrade moepec")
+        out[name] = manifest
     return out
 
 

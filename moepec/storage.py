@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.planner import SavePlan
 
+from moepec import dcp_raw
 from moepec.config import SERIALIZATIONS
 from moepec.dcp_raw import (
     RawFileSystemReader,
@@ -74,6 +75,11 @@ class Storage:
         if serialization not in SERIALIZATIONS:
             raise CheckpointError(f"unknown serialization {serialization!r}; choose one of "
                                   f"{', '.join(SERIALIZATIONS)}")
+        if serialization == "raw" and not dcp_raw.SUPPORTED:
+            log.warning("serialization='raw' needs a torch whose DCP records per-item "
+                        "descriptors (torch %s does not); writing torch_save instead. "
+                        "Upgrade torch to get the faster raw format.", torch.__version__)
+            serialization = "torch_save"
         self.url = str(path).rstrip("/")
         self.options = dict(storage_options or {})
         self.serialization = serialization
@@ -223,7 +229,7 @@ class _SavePlanner(DefaultSavePlanner):
       and offsets, not by the hint.
     Ranks' keys are disjoint by construction (moepec.rank_share); a key written by two
     ranks still fails here (DCP's global plan refuses a second whole-tensor item), and so
-    does any item that is not one whole tensor.
+    does any tensor item that is not one whole tensor.
     """
 
     def __init__(self) -> None:

@@ -150,6 +150,22 @@ def test_truncated_data_file_falls_back_to_older_base(tmp_path, serialization):
     assert torch.equal(model.embed.weight, states[5]["embed.weight"])
 
 
+def test_newer_manifest_format_is_a_clear_error_and_changes_nothing(tmp_path):
+    ckpt = tmp_path / "c"
+    manager, _ = _train(ckpt, steps=4, keep_last=4)
+    newest = manager.storage.committed()[-1]
+    path = ckpt / newest / "moepec.json"
+    m = json.loads(path.read_text())
+    assert m["format"] == "moepec/2" and m["serialization"] == "raw"
+    m["format"] = "moepec/99"
+    path.write_text(json.dumps(m))
+    before = tree_digest(ckpt)
+    m2, _, _ = fresh(ckpt, keep_last=4)
+    with pytest.raises(CheckpointError, match="upgrade moepec"):
+        m2.restore()
+    assert tree_digest(ckpt) == before
+
+
 def test_everything_corrupt_is_an_error(tmp_path):
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=4, keep_last=4)

@@ -168,3 +168,44 @@ def test_checksums_new_and_old_algorithm():
     assert not checksum_matches(t, None) and not checksum_matches(t, "md5:" + new[5:])
     # shape and dtype are part of it
     assert tensor_checksum(t.view(10, 10)) != new
+
+
+def test_raw_writer_refuses_shards_with_the_fix(tmp_path):
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    full = torch.zeros(4, 4)
+    shard = WriteItem(index=MetadataIndex("w", torch.Size([2, 0])), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(
+                          chunk=ChunkStorageMetadata(offsets=torch.Size([2, 0]),
+                                                     sizes=torch.Size([2, 4])),
+                          properties=TensorProperties.create_from_tensor(full),
+                          size=full.size()))
+    writer = RawFileSystemWriter(str(tmp_path / "c"))
+    (tmp_path / "c").mkdir()
+    with pytest.raises(ValueError, match="FileSystemWriter"):
+        writer.write_data(SavePlan([shard], storage_data=_StoragePrefix("__0_")), planner=None)
+
+
+def test_conjugate_views_and_fsspec_default_sync(tmp_path):
+    c = torch.randn(5, dtype=torch.complex64)
+    state = {"c": c.conj(), "n": torch._neg_view(torch.randn(3))}
+    url = f"memory://raw-{uuid.uuid4().hex}"
+    dcp.save(state, storage_writer=RawFsspecWriter(url), no_dist=True)  # sync_files default
+    got = {"c": torch.zeros(5, dtype=torch.complex64), "n": torch.zeros(3)}
+    dcp.load(got, storage_reader=RawFsspecReader(url), no_dist=True)
+    assert torch.equal(got["c"], c.conj().resolve_conj())
+    assert torch.equal(got["n"], state["n"].resolve_neg())
+    conj_target = {"c": torch.zeros(5, dtype=torch.complex64).conj()}
+    dcp.load(conj_target, storage_reader=RawFsspecReader(url), no_dist=True)
+    assert torch.equal(conj_target["c"].resolve_conj(), c.conj().resolve_conj())
+
+
+def test_checksum_of_wrong_type_is_a_mismatch_not_a_crash():
+    t = torch.ones(3)
+    assert not checksum_matches(t, 5) and not checksum_matches(t, {"xxh3": "x"})
