@@ -142,10 +142,11 @@ class CheckpointManager:
         """Block until the RAM snapshot in progress is complete. Call before optimizer.step().
 
         Raises PersistError (once) for a background persist that failed since the last
-        call; the snapshot is complete all the same, and training may go on.
+        call; the snapshot is complete all the same (it is finished first), so training
+        may catch the error and go on to the optimizer step.
         """
-        self.persister_check()
         self._finish_snapshot()
+        self.persister_check()
 
     def _finish_snapshot(self) -> None:
         if self.snapshotter.pending is not None:

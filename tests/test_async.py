@@ -81,7 +81,8 @@ def test_failed_persist_surfaces_keeps_last_commit_and_snapshots_go_on(tmp_path)
             loop(mgr, model, opt, sched, counter, 1, start=step, gen=gen)
             mgr.wait_for_snapshot()
         except PersistError:
-            mgr.wait_for_snapshot()  # the error was raised once; the snapshot is complete
+            # raised after the snapshot in flight was finished: the optimizer may step
+            assert mgr.snapshotter.pending is None
         ram_steps.append(mgr.ram.step)
     assert max(ram_steps) == 11
     mgr.persister.wait_idle()
@@ -95,6 +96,38 @@ def test_failed_persist_surfaces_keeps_last_commit_and_snapshots_go_on(tmp_path)
     loop(mgr, model, opt, sched, counter, 2, start=12, gen=gen)
     mgr.close()
     assert len(mgr.storage.committed()) > len(committed)
+
+
+def test_persist_error_is_raised_only_after_the_snapshot_is_complete(tmp_path):
+    """A loop that catches PersistError at wait_for_snapshot() and goes on to
+    optimizer.step() must not tear the snapshot still being copied. With busy_policy
+    "skip" a persist can fail while the next snapshot (kept in RAM only) is copying."""
+    import threading
+
+    from moepec import persist, snapshot
+
+    url = f"faulty://{tmp_path}/c"
+    mgr, model, opt, sched, counter = setup(url, k_persist=4, busy_policy="skip")
+    persist_gate, copy_gate = threading.Event(), threading.Event()
+    persist.fault_hook = lambda point, name: persist_gate.wait(10) if point == "write" else None
+    FaultyFileSystem.mode = "enospc"
+    try:
+        loop(mgr, model, opt, sched, counter, 2)  # step 1's persist waits at the gate
+        snapshot.fault_hook = lambda point, step: copy_gate.wait(10)
+        mgr.save(3)  # the persister is busy: RAM only; the copy waits at its gate
+        persist_gate.set()
+        mgr.persister.wait_idle()  # step 1's persist failed: its error is pending
+        threading.Timer(0.3, copy_gate.set).start()
+        with pytest.raises(PersistError):
+            mgr.wait_for_snapshot()
+        assert copy_gate.is_set() and mgr.snapshotter.pending is None
+        assert mgr.ram.step == 3
+    finally:
+        persist.fault_hook = snapshot.fault_hook = None
+        persist_gate.set()
+        copy_gate.set()
+    FaultyFileSystem.mode = None
+    mgr.close()
 
 
 def test_close_surfaces_background_error(tmp_path):
