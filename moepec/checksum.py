@@ -14,17 +14,26 @@ ALGORITHMS = {"xxh3": xxhash.xxh3_64, "xxh64": xxhash.xxh64}
 DEFAULT_ALGORITHM = "xxh3"
 
 
-def tensor_checksum(t: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
-    """``<algorithm>:<hex>`` of the tensor's bytes (CPU, contiguous; copied if not)."""
-    t = t.detach()
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes in native order, without a copy (one copy if it is not
+    contiguous or is a lazy conjugate/negative view). Raises ValueError off the CPU."""
+    t = t.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
-        t = t.cpu()
+        raise ValueError(f"tensor_bytes needs a CPU tensor (got {t.device})")
     if not t.is_contiguous():
         t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensor_checksum(t: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """``<algorithm>:<hex>`` of the tensor's dtype, shape and bytes (copied to the CPU if
+    it is elsewhere)."""
+    t = t.detach().cpu()
     h = ALGORITHMS[algorithm]()
     h.update(str((t.dtype, tuple(t.shape))).encode())
-    if t.numel():
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    h.update(tensor_bytes(t))
     return f"{algorithm}:{h.hexdigest()}"
 
 

@@ -42,23 +42,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from moepec.checksum import tensor_bytes
+
 RAW_DESCRIPTOR = "moepec.raw/1"
 SUPPORTED = "transform_descriptors" in {f.name for f in dataclasses.fields(_StorageInfo)}
 """Whether this torch's DCP records per-item descriptors (newer torch does), which the raw
 items need to be told apart from torch.save-framed ones."""
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy (one copy if it is not contiguous or is a lazy
-    conjugate/negative view)."""
-    t = t.detach().resolve_conj().resolve_neg()
-    if t.device.type != "cpu":
-        raise ValueError(f"raw DCP writer needs CPU tensors (got {t.device})")
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class _RawWrite:
@@ -82,7 +71,7 @@ class _RawWrite:
                     f"a shard {list(td.chunk.sizes)} at {list(td.chunk.offsets)} of "
                     f"{list(td.size)}; save sharded tensors with DCP's FileSystemWriter")
             data = planner.resolve_data(item)
-            buf = data.getbuffer() if item.type == WriteItemType.BYTE_IO else _bytes_of(data)
+            buf = data.getbuffer() if item.type == WriteItemType.BYTE_IO else tensor_bytes(data)
             info = _StorageInfo(name, offset, len(buf), transform_descriptors=[RAW_DESCRIPTOR])
             results.append(WriteResult(index=item.index, size_in_bytes=len(buf),
                                        storage_data=info))
@@ -166,13 +155,13 @@ class _RawRead:
                 and not target.is_conj() and not target.is_neg()
                 and target.numel() * target.element_size() == info.length):
             if info.length:
-                _read_exact(stream, _bytes_of(target), what)
+                _read_exact(stream, tensor_bytes(target), what)
         else:
             src = torch.empty(size, dtype=dtype)
             if info.length != src.numel() * src.element_size():
                 raise ValueError(f"{what}: {info.length} bytes stored, {size} {dtype} expected")
             if info.length:
-                _read_exact(stream, _bytes_of(src), what)
+                _read_exact(stream, tensor_bytes(src), what)
             target.copy_(narrow_tensor_by_index(src, req.storage_offsets, req.lengths))
         planner.commit_tensor(req, target)
 

@@ -21,6 +21,7 @@ import torch.distributed as torch_dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from moepec import dist
+from moepec.checksum import tensor_bytes
 from moepec.models import GPTMoE, RoutingStats
 from moepec.parallel import NO_EXPERT_PARALLEL, ExpertParallel
 
@@ -64,7 +65,7 @@ def param_digest(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -
     h = hashlib.sha256()
     for name, p in sorted(state.items()):
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(tensor_bytes(p.detach().cpu()))
     return h.hexdigest()
 
 
