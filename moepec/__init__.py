@@ -1,6 +1,5 @@
 """moepec: Partial Experts Checkpointing for Mixture-of-Experts training in PyTorch."""
 
-from moepec.config import CheckpointConfig
 from moepec.errors import (
     CheckpointError,
     ConfigError,
@@ -10,7 +9,8 @@ from moepec.errors import (
     PersistError,
     StructureMismatchError,
 )
-from moepec.experts import ExpertSpec
+from moepec.manager.config import CheckpointConfig
+from moepec.state.experts import ExpertSpec
 
 __version__ = "0.1.0"
 
@@ -34,9 +34,9 @@ def __getattr__(name: str):
     # Lazy: importing moepec stays cheap and side-effect free; the manager pulls in
     # torch.distributed.checkpoint.
     if name == "CheckpointManager":
-        from moepec.manager import CheckpointManager
+        from moepec.manager.manager import CheckpointManager
         return CheckpointManager
     if name == "RestoreReport":
-        from moepec.recovery import RestoreReport
+        from moepec.manager.restore import RestoreReport
         return RestoreReport
     raise AttributeError(f"module 'moepec' has no attribute {name!r}")

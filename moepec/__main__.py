@@ -1,6 +1,6 @@
 """``python -m moepec`` (also what ``torchrun -m moepec`` runs on every rank)."""
 
-from moepec.cli import main
+from moepec.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

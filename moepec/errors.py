@@ -6,6 +6,9 @@ User mistakes raise subclasses of :class:`MoepecError` whose message names the f
 
 from __future__ import annotations
 
+from enum import StrEnum
+from typing import TypeVar
+
 
 class MoepecError(Exception):
     """Base class of every error moepec raises on purpose."""
@@ -35,6 +38,14 @@ class CorruptCheckpointError(CheckpointError):
     """Stored bytes do not match the checksum recorded in the manifest."""
 
 
+class ManifestError(CheckpointError):
+    """A committed manifest cannot be used: not JSON, a missing or mistyped field."""
+
+
+class ManifestFormatError(ManifestError):
+    """A manifest written in a format this moepec cannot read (a newer moepec wrote it)."""
+
+
 class NoCheckpointError(CheckpointError):
     """No committed checkpoint can supply a key that recovery needs."""
 
@@ -45,3 +56,16 @@ class PersistError(CheckpointError):
 
 class DistributedError(MoepecError):
     """Ranks disagree, or a collective failed or timed out."""
+
+
+Choice = TypeVar("Choice", bound=StrEnum)
+
+
+def check_choice(kind: type[Choice], value: object, name: str,
+                 error: type[MoepecError] = ConfigError) -> Choice:
+    """``value`` as a member of ``kind``; ``error`` naming the valid choices otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise error(f"unknown {name} {value!r}; choose one of "
+                          f"{', '.join(m.value for m in kind)}") from None

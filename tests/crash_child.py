@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moepec import CheckpointConfig, CheckpointManager, persist  # noqa: E402
+from moepec import CheckpointConfig, CheckpointManager  # noqa: E402
+from moepec.store import persist
 from tests.toy import Counter, make, run_loop  # noqa: E402
 
 

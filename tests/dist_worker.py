@@ -126,7 +126,8 @@ def train_worker(rank: int, world: int, store: str, out: str, ep: int, layout: s
                  steps: int, ckpt: str, k_persist: int, k_snapshot: int, write_mode: str,
                  kill: str | None = None, ram_restore: bool = False,
                  drop_ram_rank: int | None = None) -> None:
-    from moepec import CheckpointConfig, CheckpointManager, persist
+    from moepec import CheckpointConfig, CheckpointManager
+    from moepec.store import persist
 
     result = {"rank": rank}
     try:
@@ -179,8 +180,7 @@ def train_worker(rank: int, world: int, store: str, out: str, ep: int, layout: s
             mgr.persister.wait_idle()
             if rank == drop_ram_rank:
                 # this rank "restarted": its RAM tier is gone, the others' survived
-                mgr._release(mgr.ram)
-                mgr.ram = None
+                mgr.ram_tier.drop()
             # a fault inside the step on every rank: processes survive, RAM is intact
             with torch.no_grad():
                 for p in model.parameters():

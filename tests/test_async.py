@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moepec import CheckpointConfig, CheckpointManager, PersistError
-from moepec.faults import FaultyFileSystem
+from moepec.train.faults import FaultyFileSystem
 from tests.toy import Counter, full_state, make, run_loop, train_step
 
 
@@ -77,6 +77,9 @@ def test_failed_persist_surfaces_keeps_last_commit_and_snapshots_go_on(tmp_path)
     FaultyFileSystem.mode = "enospc"
     ram_steps = []
     for step in range(6, 12):
+        # The previous persist has failed before this step starts, so its error surfaces
+        # at this step's first check whatever the threads' timing.
+        mgr.persister.wait_idle()
         try:
             loop(mgr, model, opt, sched, counter, 1, start=step, gen=gen)
             mgr.wait_for_snapshot()
@@ -104,7 +107,7 @@ def test_persist_error_is_raised_only_after_the_snapshot_is_complete(tmp_path):
     "skip" a persist can fail while the next snapshot (kept in RAM only) is copying."""
     import threading
 
-    from moepec import persist, snapshot
+    from moepec.store import persist, snapshot
 
     url = f"faulty://{tmp_path}/c"
     mgr, model, opt, sched, counter = setup(url, k_persist=4, busy_policy="skip")
@@ -169,7 +172,7 @@ def test_torn_state_slow_snapshot_overlaps_training(tmp_path):
     for it, so restore gives exactly step t's state, never a mix with t+1."""
     import time
 
-    from moepec import snapshot
+    from moepec.store import snapshot
 
     overlapped = []
 
@@ -221,7 +224,7 @@ def test_first_persist_failing_makes_the_next_commit_full(tmp_path):
             pass
     mgr.close()
     manifests = [mgr.storage.read_manifest(n) for n in mgr.storage.committed()]
-    assert manifests and manifests[0]["full"]  # storage had no copy of any expert yet
+    assert manifests and manifests[0].meta.full  # storage had no copy of any expert yet
     fresh, *_ = setup(url, interval=2, k_persist=1, keep_last=10)
     assert fresh.restore().step == 9
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moepec import CheckpointConfig, CheckpointManager, persist, snapshot
-from moepec.inspection import verify_path
-from moepec.state import parse_key
-from moepec.storage import Storage
+from moepec import CheckpointConfig, CheckpointManager
+from moepec.keys import parse_key
+from moepec.recovery.offline import verify_path
+from moepec.store import persist, snapshot
+from moepec.store.storage import Storage
 from tests.toy import Counter, full_state, make, train_step
 
 PHASES = ("forward", "backward", "snapshot", "persist", "commit", "retention")
@@ -121,9 +122,9 @@ def check_resume_state(path: Path, hist: Path) -> int:
             src = report.sources[f"{layer}/{e}"]
             copy = src["step"]
             if part == "optim":  # weights and moments of an expert travel together
-                copy = max(m["step"] for m in manifests.values() if m["step"] <= base and any(
+                copy = max(m.step for m in manifests.values() if m.step <= base and any(
                     parse_key(k).layer == layer and parse_key(k).expert == e
-                    and parse_key(k).part == "optim" for k in m["keys"] if k.startswith("exp")))
+                    and parse_key(k).part == "optim" for k in m.keys if k.startswith("exp")))
             expect = torch.load(hist / f"s{copy}.pt")["state"][key][e]
             assert torch.equal(value[e], expect), (key, e, copy)
     mgr.close()

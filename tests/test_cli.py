@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from moepec import cli
-from moepec.demo import format_summary
-from moepec.train import TrainConfig, train
+from moepec.cli import main as cli
+from moepec.cli.demo import format_summary
+from moepec.train.trainer import TrainConfig, train
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["train", "--config", "tiny", "--no-progress", "--threads", "1"]
@@ -45,12 +45,38 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], match: 
     (TINY[:2] + ["bogus"], "unknown model config 'bogus'"),
     (TINY + ["-O", "vocab_size=128"], "vocab mismatch"),
     (TINY + ["-O", "top_k=5"], "top_k"),
-    (TINY + ["--k", "9"], "k_persist"),
+    (TINY + ["--ckpt-dir", "unused", "--k", "9"], "k_persist"),
     (TINY + ["--batch-size", "0"], "batch_size"),
+    (TINY + ["--ckpt-dir", "unused", "--selection", "bogus"],
+     "unknown selection 'bogus'; choose one of sequential, load_aware"),
+    (TINY + ["--selection", "bogus"], "unknown selection 'bogus'"),  # checked without a dir too
+    (TINY + ["--device", "tpu"], "unknown device 'tpu'; choose one of auto, cpu, cuda"),
+    (TINY + ["--on-persist-error", "ignore"], "unknown on_persist_error 'ignore'"),
 ])
 def test_config_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                     match: str) -> None:
     _one_line_error(capsys, argv, match)
+
+
+def test_checkpoint_flags_map_onto_one_checkpoint_config() -> None:
+    from moepec import CheckpointConfig
+
+    argv = TINY + ["--ckpt-dir", "d", "--ckpt-interval", "5", "--k", "2", "--k-snapshot", "3",
+                   "--selection", "load_aware", "--ckpt-sync", "--dist-timeout", "30"]
+    cfg = cli.train_config_from_args(cli.build_parser().parse_args(argv))
+    assert cfg.checkpoint == CheckpointConfig(
+        path="d", interval=5, k_persist=2, k_snapshot=3, selection="load_aware",
+        async_snapshot=False, async_persist=False, timeout_s=30.0)
+    assert cfg.dist_timeout_s == 30.0
+    assert cfg == TrainConfig(config="tiny", progress=False, threads=1, dist_timeout_s=30.0,
+                              checkpoint=cfg.checkpoint)
+    # No --ckpt-dir: no checkpoints. Every other default is the config classes' own.
+    plain = cli.train_config_from_args(cli.build_parser().parse_args(TINY))
+    assert plain.checkpoint is None
+    assert plain == TrainConfig(config="tiny", progress=False, threads=1)
+    args = cli.build_parser().parse_args(TINY + ["--ckpt-dir", "d"])
+    assert cli.checkpoint_config_from_args(args) == CheckpointConfig(
+        path="d", timeout_s=TrainConfig(config="tiny").dist_timeout_s)
 
 
 def test_data_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -111,8 +137,8 @@ def test_train_ckpt_serialization_flag(capsys: pytest.CaptureFixture[str], tmp_p
                                        serialization: str, stock_readable: bool) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    from moepec.dcp_raw import RAW_DESCRIPTOR
-    from moepec.storage import Storage
+    from moepec.store.dcp_raw import RAW_DESCRIPTOR
+    from moepec.store.storage import Storage
 
     ckpt = tmp_path / "ckpt"
     argv = TINY + ["--steps", "4", "--batch-size", "2", "--ckpt-dir", str(ckpt),

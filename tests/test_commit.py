@@ -19,8 +19,8 @@ from moepec.errors import (
     CorruptCheckpointError,
     StructureMismatchError,
 )
-from moepec.faults import corrupt_item
-from moepec.storage import Storage
+from moepec.store.storage import Storage
+from moepec.train.faults import corrupt_item
 from tests.toy import Counter, make, run_loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def test_corrupt_expert_falls_back_to_previous_copy(tmp_path, caplog):
     st = manager.storage
     names = st.committed()
     newest = st.read_manifest(names[-1])
-    layer0 = newest["experts_saved"][0][0]
+    layer0 = newest.meta.experts_saved[0][0]
     key = f"experts/0/{layer0}/model/moe.0.experts.w1"
     _corrupt(ckpt / names[-1], key)
     m2, model, _ = fresh(ckpt, keep_last=4)
@@ -227,10 +227,12 @@ def test_k_larger_than_experts_is_rejected(tmp_path):
 
 def test_manifest_records_what_design_promises(tmp_path):
     manager, _ = _train(tmp_path / "c", steps=4)
-    m = manager.storage.read_manifest(manager.storage.committed()[-1])
+    name = manager.storage.committed()[-1]
+    m = json.loads((tmp_path / "c" / name / "moepec.json").read_text())  # as stored
     for field in ("step", "keys", "view", "k_persist", "selection", "counts", "plt",
                   "structure", "experts_saved", "bytes_per_rank"):
         assert field in m
     assert all(v["checksum"].startswith("xxh3:") for v in m["keys"].values())
+    assert manager.storage.read_manifest(name).to_json() == m  # the typed form round-trips
     assert json.loads(json.dumps(m)) == m
     assert not os.path.exists(tmp_path / "c" / m["name"] / "moepec.json.tmp")

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moepec.data import (
+from moepec.errors import ConfigError, DataError
+from moepec.train.data import (
     SEPARATOR,
     ByteTokenizer,
     TokenLoader,
@@ -19,7 +20,6 @@ from moepec.data import (
     eval_batches,
     load_corpus,
 )
-from moepec.errors import ConfigError, DataError
 
 
 def test_byte_tokenizer_round_trip() -> None:

@@ -12,17 +12,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan
 
 from moepec import CheckpointConfig
-from moepec.checksum import checksum_matches, tensor_checksum
-from moepec.dcp_raw import (
+from moepec.errors import CheckpointError, ConfigError
+from moepec.store.checksum import checksum_matches, tensor_checksum
+from moepec.store.dcp_raw import (
     RAW_DESCRIPTOR,
     RawFileSystemReader,
     RawFileSystemWriter,
     RawFsspecReader,
     RawFsspecWriter,
 )
-from moepec.errors import CheckpointError, ConfigError
-from moepec.persist import root_cause
-from moepec.storage import _ROOT, Storage, _SavePlanner
+from moepec.store.persist import root_cause
+from moepec.store.storage import _ROOT, Storage, _SavePlanner
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -6,7 +6,26 @@ import json
 
 import pytest
 
-from moepec.demo import DemoSettings, run_demo
+from moepec.cli import main as cli
+from moepec.cli.demo import DemoSettings, _train_cmd, run_demo
+
+
+@pytest.mark.parametrize("faulty", [False, True])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_demo_runs_are_the_train_configs_its_workers_parse(tmp_path, faulty, ranks):
+    s = DemoSettings()
+    cmd = _train_cmd(s, tmp_path, faulty, ranks)
+    argv = cmd[cmd.index("moepec") + 1:]  # what every worker's `moepec` parses
+    parsed = cli.train_config_from_args(cli.build_parser().parse_args(argv))
+    assert parsed == s.train_config(tmp_path, faulty=faulty, ranks=ranks)
+    ckpt = parsed.checkpoint
+    if faulty:
+        assert (ckpt.path, ckpt.interval, ckpt.k_persist, ckpt.k_snapshot, ckpt.dynamic_k,
+                ckpt.timeout_s) == (str(tmp_path / "ckpt"), 10, 1, 2, True, 60.0)
+        assert parsed.faults == s.faults
+    else:
+        assert ckpt is None and parsed.faults is None
+    assert (parsed.threads, parsed.dist_timeout_s) == (1 if ranks > 1 else 2, 60.0)
 
 
 @pytest.mark.slow

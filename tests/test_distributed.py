@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 
-from moepec.storage import Storage
+from moepec.store.storage import Storage
 from tests import dist_worker as dw
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -50,12 +50,12 @@ def expected(out: Path, ckpt: Path, ep: int, world: int):
     """From the training ranks' histories: the state restore must reproduce."""
     st = Storage(str(ckpt))
     manifests = {n: st.read_manifest(n) for n in st.committed()}
-    base = max(manifests.values(), key=lambda m: m["seq"])
+    base = max(manifests.values(), key=lambda m: m.seq)
     hist = {}
     for path in out.glob("hist-r*-s*.pt"):
         r, s = path.stem[len("hist-r"):].split("-s")
         hist[(int(r), int(s))] = torch.load(path)
-    want = dict(hist[(0, base["step"])])
+    want = dict(hist[(0, base.step)])
     for key in list(want):
         if key.startswith("E"):
             del want[key]
@@ -63,8 +63,8 @@ def expected(out: Path, ckpt: Path, ep: int, world: int):
     n_local = dw.N_GLOBAL // ep
     for layer in range(2):
         for e in range(dw.N_GLOBAL):
-            steps = [m["step"] for m in manifests.values() if m["step"] <= base["step"]
-                     and any(k.startswith(f"experts/{layer}/{e}/model/") for k in m["keys"])]
+            steps = [m.step for m in manifests.values() if m.step <= base.step
+                     and any(k.startswith(f"experts/{layer}/{e}/model/") for k in m.keys)]
             holder = next(r for r in range(world) if r % ep == e // n_local)
             src = hist[(holder, max(steps))]
             for k, v in src.items():
@@ -101,18 +101,18 @@ def test_save_dp4_ep2_restore_on_other_layouts(tmp_path, layout):
         m = st.read_manifest(name)
         # every item written exactly once, by one of the ranks that hold it
         md = FileSystemReader(str(ckpt / name)).read_metadata()
-        assert set(md.state_dict_metadata) == set(m["keys"])
-        for key, info in m["keys"].items():
+        assert set(md.state_dict_metadata) == set(m.keys)
+        for key, info in m.keys.items():
             if key.startswith("experts/"):
                 e = int(key.split("/")[2])
-                assert info["rank"] % 2 == e // 2, key
-        assert sum(m["bytes_per_rank"]) == m["bytes"]
-        assert sum(1 for b in m["bytes_per_rank"] if b > 0) == 4  # all ranks write
+                assert info.rank % 2 == e // 2, key
+        assert sum(m.bytes_per_rank) == m.bytes
+        assert sum(1 for b in m.bytes_per_rank if b > 0) == 4  # all ranks write
     base, want = expected(out, ckpt, ep=2, world=4)
     for world, ep in [(2, 1), (2, 2)]:
         res, rout = spawn(dw.restore_worker, world, tmp_path, ep, layout, str(ckpt))
         ok(res)
-        assert all(r["step"] == base["step"] for r in res)
+        assert all(r["step"] == base.step for r in res)
         check_restored(rout, res, want, (world, ep))
     # one process, no torch.distributed at all
     single = tmp_path / "single"

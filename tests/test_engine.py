@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moepec import CheckpointConfig, CheckpointManager
-from moepec.state import parse_key
+from moepec.keys import parse_key
 from tests.toy import Counter, full_state, make, run_loop, train_step
 
 N_EXPERTS = 4
@@ -54,8 +54,8 @@ def saved_steps(manifests, layer, expert, part):
     steps = []
     for m in manifests.values():
         if any(parse_key(k).layer == layer and parse_key(k).expert == expert
-               and parse_key(k).part == part for k in m["keys"] if parse_key(k).is_expert):
-            steps.append(m["step"])
+               and parse_key(k).part == part for k in m.keys if parse_key(k).is_expert):
+            steps.append(m.step)
     return sorted(steps)
 
 
@@ -67,7 +67,7 @@ def check_restore(cfg, layout, manager, history, counts_hist):
     """Restore into a fresh model and compare with the recorded history, bit for bit."""
     manifests = committed_manifests(manager)
     # the newest lineage is the whole history here (no faults): base = newest commit
-    base_step = max(m["step"] for m in manifests.values())
+    base_step = max(m.step for m in manifests.values())
     model, opt, sched = make(seed=99, layout=layout, n_experts=N_EXPERTS)
     counter = Counter()
     m2 = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
@@ -133,11 +133,11 @@ def test_k1_sequential_partial_checkpoints(tmp_path, kind):
     cfg = CheckpointConfig(path=_url(kind, tmp_path), interval=2, k_persist=1, keep_last=5)
     manager, history, counts = run(cfg, steps=10, layout="stacked")
     manifests = committed_manifests(manager)
-    ordered = sorted(manifests.values(), key=lambda m: m["seq"])
-    assert ordered[0]["full"] and not any(m["full"] for m in ordered[1:])
+    ordered = sorted(manifests.values(), key=lambda m: m.seq)
+    assert ordered[0].meta.full and not any(m.meta.full for m in ordered[1:])
     # staggered round robin after the first (full) checkpoint: layer m saves (m + c) mod N
     for c, m in enumerate(ordered[1:]):
-        assert m["experts_saved"] == [[(layer + c) % N_EXPERTS] for layer in range(2)]
+        assert m.meta.experts_saved == [[(layer + c) % N_EXPERTS] for layer in range(2)]
     report = check_restore(cfg, "stacked", manager, history, counts)
     assert report.plt > 0
 
@@ -149,10 +149,10 @@ def test_async_writes_same_checkpoints_as_sync(tmp_path):
                                k_snapshot=2, async_snapshot=mode, async_persist=mode,
                                keep_last=10)
         manager, _, _ = run(cfg, steps=9, layout="stacked")
-        sums.append([(m["step"], {k: v["checksum"] for k, v in m["keys"].items()
+        sums.append([(m.step, {k: v.checksum for k, v in m.keys.items()
                                   if k != "objects/rng"})
                      for m in sorted(committed_manifests(manager).values(),
-                                     key=lambda m: m["seq"])])
+                                     key=lambda m: m.seq)])
     assert sums[0] == sums[1]
     assert len(sums[0]) == 4
 

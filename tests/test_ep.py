@@ -17,16 +17,16 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
-from moepec.cli import main
+from moepec.cli.main import main
 from moepec.errors import ConfigError
 from moepec.models import GPTMoE, get_config
-from moepec.parallel import (
+from moepec.models.parallel import (
     ExpertParallel,
     global_expert_ids,
     init_expert_parallel,
 )
-from moepec.steps import evaluate
-from moepec.train import TrainConfig, train
+from moepec.train.steps import evaluate
+from moepec.train.trainer import TrainConfig, train
 
 EP = 2
 # stacked with top-1, modules with top-2: both layouts, both combine paths. The default

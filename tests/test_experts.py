@@ -10,8 +10,8 @@ from torch import nn
 
 from moepec import ExpertSpec
 from moepec.errors import ExpertDiscoveryError
-from moepec.experts import discover, structure_of
 from moepec.models import GPTMoE, get_config
+from moepec.state.experts import discover, structure_of
 
 
 @pytest.mark.parametrize("layout", ["stacked", "modules"])

@@ -6,7 +6,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from moepec.inspection import export_view, format_inspect, inspect_path, verify_path
+from moepec.recovery.offline import export_view, format_inspect, inspect_path, verify_path
 from tests.test_commit import _corrupt, _train, crash, fresh
 
 
@@ -58,7 +58,7 @@ def test_export_safetensors_and_dcp_equal_restored_model(tmp_path):
 
 
 def test_cli_inspect_verify_export_exit_codes(tmp_path, capsys):
-    from moepec.cli import main
+    from moepec.cli.main import main
 
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=6, keep_last=5)

@@ -119,7 +119,7 @@ def test_capacity_drops_are_counted(top_k: int) -> None:
 def test_capacity_keeps_earliest_tokens_and_dropped_tokens_get_nothing() -> None:
     torch.manual_seed(0)
     cfg = get_config("tiny", top_k=1, capacity_factor=0.5)
-    moe = MoEFeedForward(cfg)
+    moe = MoEFeedForward(cfg.moe_config())
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(1, 64, cfg.d_model)
@@ -139,7 +139,7 @@ def test_top2_gates_are_renormalised() -> None:
     # MoE layer equals that single FFN.
     torch.manual_seed(0)
     cfg = get_config("tiny", top_k=2, capacity_factor=4.0)
-    moe = MoEFeedForward(cfg)
+    moe = MoEFeedForward(cfg.moe_config())
     with torch.no_grad():
         for name in ("w1", "b1", "w2", "b2"):
             p = getattr(moe.experts, name)

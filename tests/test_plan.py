@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moepec.errors import ConfigError
-from moepec.plan import MODES, Item, SavePlan, expected_expert_load, make_plan
+from moepec.policy.plan import MODES, Item, SavePlan, expected_expert_load, make_plan
 
 
 @st.composite

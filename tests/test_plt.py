@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moepec.errors import ConfigError, StructureMismatchError
-from moepec.plt import PLTLedger, expected_plt_sequential, plt_from_history
-from moepec.selection import Selector
+from moepec.policy.plt import PLTLedger, expected_plt_sequential, plt_from_history
+from moepec.policy.selection import Selector
 
 
 def test_worked_example():

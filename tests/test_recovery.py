@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from moepec.faults import FaultyFileSystem
-from moepec.inspection import verify_path
-from moepec.storage import Storage
-from moepec.train import TrainConfig, train
+from moepec import CheckpointConfig
+from moepec.recovery.offline import verify_path
+from moepec.store.storage import Storage
+from moepec.train.faults import FaultyFileSystem
+from moepec.train.trainer import TrainConfig, train
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = dict(config="tiny", steps=40, batch_size=8, eval_batches=1, eval_interval=0,
-            progress=False, threads=1, ckpt_interval=8, k_persist=1, k_snapshot=2)
+            progress=False, threads=1)
+CKPT = dict(interval=8, k_persist=1, k_snapshot=2)
 
 
 def events(out: Path) -> list[dict]:
@@ -62,7 +64,8 @@ def test_torchrun_sigkill_one_rank_recovers_to_the_same_end(tmp_path, uninterrup
 
 
 def test_in_process_restarts_recover_from_ram(tmp_path, uninterrupted):
-    res = train(TrainConfig(**BASE, out_dir=str(tmp_path), ckpt_dir=str(tmp_path / "ckpt"),
+    res = train(TrainConfig(**BASE, out_dir=str(tmp_path),
+                            checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt"), **CKPT),
                             faults="exception@12,exception@29", restarts=2))
     assert res.final_step == 39
     assert res.data_state == uninterrupted.data_state
@@ -74,12 +77,12 @@ def test_in_process_restarts_recover_from_ram(tmp_path, uninterrupted):
 
 def test_dynamic_k_keeps_plt_under_budget(tmp_path):
     faults = ",".join(f"exception@{s}" for s in range(12, 200, 16))
-    common = dict(BASE, steps=200, ckpt_interval=4, k_snapshot=None, restarts=20,
-                  faults=faults, plt_budget=0.03)
-    fixed = train(TrainConfig(**common, out_dir=str(tmp_path / "fixed"),
-                              ckpt_dir=str(tmp_path / "fixed" / "ckpt")))
-    dyn = train(TrainConfig(**common, out_dir=str(tmp_path / "dyn"), dynamic_k=True,
-                            ckpt_dir=str(tmp_path / "dyn" / "ckpt")))
+    common = dict(BASE, steps=200, restarts=20, faults=faults)
+    ckpt = dict(CKPT, interval=4, k_snapshot=None, plt_budget=0.03)
+    fixed = train(TrainConfig(**common, out_dir=str(tmp_path / "fixed"), checkpoint=(
+        CheckpointConfig(path=str(tmp_path / "fixed" / "ckpt"), **ckpt))))
+    dyn = train(TrainConfig(**common, out_dir=str(tmp_path / "dyn"), checkpoint=(
+        CheckpointConfig(path=str(tmp_path / "dyn" / "ckpt"), dynamic_k=True, **ckpt))))
     assert fixed.recoveries[-1]["plt"] > 0.03
     ks = [r["k_persist"] for r in dyn.recoveries]
     assert ks[-1] > ks[0] and ks == sorted(ks)  # K doubled while PLT was over budget
@@ -87,13 +90,15 @@ def test_dynamic_k_keeps_plt_under_budget(tmp_path):
     # K history survives in the manifests (so it survives restarts)
     st = Storage(str(tmp_path / "dyn" / "ckpt"))
     manifest = st.read_manifest(st.committed()[-1])
-    assert len(manifest["k_history"]) > 1 and manifest["k_persist"] == ks[-1]
+    assert len(manifest.meta.k_history) > 1 and manifest.meta.k_persist == ks[-1]
 
 
 def test_failing_storage_training_continues_error_visible(tmp_path, uninterrupted):
     try:
-        res = train(TrainConfig(**BASE, out_dir=str(tmp_path), ckpt_dir=str(tmp_path / "ckpt"),
-                                faults="storage_error@10", keep_last=10, ckpt_sync=True))
+        res = train(TrainConfig(**BASE, out_dir=str(tmp_path), faults="storage_error@10",
+                                checkpoint=CheckpointConfig(
+                                    path=str(tmp_path / "ckpt"), **CKPT, keep_last=10,
+                                    async_snapshot=False, async_persist=False)))
     finally:
         FaultyFileSystem.mode = None
     assert res.final_step == 39 and res.data_state == uninterrupted.data_state
@@ -101,7 +106,7 @@ def test_failing_storage_training_continues_error_visible(tmp_path, uninterrupte
     errors = [e for e in ev if e["event"] == "persist_error"]
     assert errors and "Input/output error" in errors[0]["error"]
     st = Storage(str(tmp_path / "ckpt"))
-    steps = [st.read_manifest(n)["step"] for n in st.committed()]
+    steps = [st.read_manifest(n).step for n in st.committed()]
     # the checkpoint before the failure is intact; those while storage failed never
     # committed; after healing, checkpoints commit again
     assert steps == [7, 31, 39]

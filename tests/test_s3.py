@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moepec import CheckpointConfig, CheckpointManager
-from moepec.inspection import verify_path
+from moepec.recovery.offline import verify_path
 from tests.toy import Counter, full_state, make, run_loop
 
 pytest.importorskip("s3fs")
@@ -50,7 +50,7 @@ def test_s3_round_trip_and_verify(s3_options):
     got = full_state(model2, opt2)
     assert torch.equal(got["model/embed.weight"], saved[5]["model/embed.weight"])
     # the expert saved at step 5 comes back exactly as it was then
-    layer0 = mgr.storage.read_manifest(mgr.storage.committed()[-1])["experts_saved"][0][0]
+    layer0 = mgr.storage.read_manifest(mgr.storage.committed()[-1]).meta.experts_saved[0][0]
     key = f"model/moe.0.experts.{layer0}.w1"
     assert torch.equal(got[key], saved[5][key])
     res = verify_path(url, s3_options)

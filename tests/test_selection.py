@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moepec.errors import ConfigError, StructureMismatchError
-from moepec.selection import (
-    POLICIES,
+from moepec.policy.selection import (
+    Selection,
     Selector,
     load_aware_pick,
     select_two_tier,
@@ -169,7 +169,7 @@ counts_strategy = st.lists(st.lists(st.integers(0, 20), min_size=6, max_size=6),
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(POLICIES), st.lists(counts_strategy, max_size=6),
+@given(st.sampled_from(Selection), st.lists(counts_strategy, max_size=6),
        st.lists(counts_strategy, min_size=1, max_size=6), st.integers(1, 6))
 def test_select_pure_and_json_round_trip(policy, before, after, k):
     sel = Selector.create([6, 6, 6], policy)

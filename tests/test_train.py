@@ -13,10 +13,11 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
-from moepec.dist import average_gradients
+from moepec import CheckpointConfig
 from moepec.errors import ConfigError
 from moepec.models import GPTMoE, get_config
-from moepec.train import (
+from moepec.train.dist import average_gradients
+from moepec.train.trainer import (
     TrainConfig,
     build_optimizer,
     build_scheduler,
@@ -51,7 +52,7 @@ def test_same_seed_same_losses_bit_for_bit() -> None:
 def test_run_freezes_gc_and_unfreezes_after(monkeypatch: pytest.MonkeyPatch) -> None:
     import gc
 
-    import moepec.train as train_mod
+    import moepec.train.trainer as train_mod
 
     seen = []
     loop = train_mod._loop
@@ -112,9 +113,25 @@ def test_train_config_validation_names_the_fix() -> None:
     with pytest.raises(ConfigError, match="vocab mismatch"):
         TrainConfig(config="tiny", model_overrides={"vocab_size": 128})
     with pytest.raises(ConfigError, match="--k"):
-        TrainConfig(config="tiny", k_persist=5)
-    with pytest.raises(ConfigError, match="set ckpt_dir"):
+        TrainConfig(config="tiny", checkpoint=CheckpointConfig(path="unused", k_persist=5))
+    with pytest.raises(ConfigError, match="set checkpoint"):
         TrainConfig(config="tiny", restarts=1)
+
+
+def test_train_config_choices_are_enums_validated_once() -> None:
+    from moepec.train.config import Device, OnPersistError
+
+    cfg = TrainConfig(config="tiny", device="cpu", on_persist_error="stop")
+    assert cfg.device is Device.CPU and cfg.on_persist_error is OnPersistError.STOP
+    with pytest.raises(ConfigError, match="unknown device 'tpu'; choose one of auto, cpu, cuda"):
+        TrainConfig(config="tiny", device="tpu")
+    with pytest.raises(ConfigError, match="unknown on_persist_error 'ignore'"):
+        TrainConfig(config="tiny", on_persist_error="ignore")
+    # the checkpoint's choices are its own config's, checked when it is built
+    with pytest.raises(ConfigError, match="unknown selection 'bogus'"):
+        CheckpointConfig(path="unused", selection="bogus")
+    with pytest.raises(ConfigError, match="CheckpointConfig"):
+        TrainConfig(config="tiny", checkpoint={"path": "d"})
 
 
 # ---- data parallelism over gloo (2 spawned processes, file rendezvous: no ports) ----

@@ -173,7 +173,7 @@ def bandwidth_phase(args, workdir: Path) -> dict:
 
     Each persist is paired with a plain fsync'd write of the same number of bytes into
     a new file, in alternating order, every file kept until the end. Both timed regions
-    start by unlinking a scratch file (for the persist, from moepec.persist's seam right
+    start by unlinking a scratch file (for the persist, from moepec.store.persist's seam right
     before its DCP write), so both write into pages just freed: on this project's VM,
     writes into pages the host has not backed yet run 4-5x slower and would otherwise
     land on one side or the other by chance. The ratio is the persist path's efficiency
@@ -191,7 +191,7 @@ def bandwidth_phase(args, workdir: Path) -> dict:
 
 
 def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path) -> dict:
-    from moepec import persist
+    from moepec.store import persist
 
     root, plain_dir = workdir / f"bw-{serialization}", workdir / f"bw-{serialization}-plain"
     plain_dir.mkdir()

@@ -382,7 +382,7 @@ def _md_machine(result: dict) -> list[str]:
         "saved results without running anything. The sections call `moepec.bench.size` "
         f"(`{' '.join(result['settings']['size_argv'])}`), `moepec.bench.sharding` (its "
         "computed cases plus measured ones on spawned gloo ranks), `moepec.bench.overhead` "
-        f"(`{' '.join(result['settings']['overhead_argv'])}`) and `moepec.train.train`; "
+        f"(`{' '.join(result['settings']['overhead_argv'])}`) and `moepec.train.trainer.train`; "
         "every setting is in results.json under `settings`.", ""]
 
 

@@ -7,7 +7,7 @@ Sections (each a baseline and the method measured in the same run, reported as r
 4. model quality under faults: the same fault schedule and seed for fault-free training,
    full-checkpoint recovery, PEC K=1 / K=2 sequential, PEC K=1 load-aware and dynamic K;
 5. PLT vs (K, checkpoint interval) (Figure 5 analogue): the analytic expectation
-   (:func:`moepec.plt.expected_plt_sequential`), a PLTLedger simulation and real runs;
+   (:func:`moepec.policy.plt.expected_plt_sequential`), a PLTLedger simulation and real runs;
 6. the machine, versions and the command.
 
 Writes OUT/results.md, OUT/results.json (every raw number) and OUT/img/*.png. Seeds are
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +134,7 @@ def fault_steps(s: Settings) -> list[int]:
     return list(range(s.fault_every, s.steps, s.fault_every))
 
 
-QUALITY_RUNS = (  # name, TrainConfig checkpoint fields (None: no checkpoints, no faults)
+QUALITY_RUNS = (  # name, CheckpointConfig fields (None: no checkpoints, no faults)
     ("fault-free", None),
     ("full recovery (K=8)", {"k_persist": 8}),
     ("PEC K=1 sequential", {"k_persist": 1}),
@@ -142,6 +142,29 @@ QUALITY_RUNS = (  # name, TrainConfig checkpoint fields (None: no checkpoints, n
     ("PEC K=1 load-aware", {"k_persist": 1, "selection": "load_aware"}),
     ("PEC dynamic K (from 1)", {"k_persist": 1, "dynamic_k": True}),
 )
+DIST_TIMEOUT_S = 300.0
+"""The runs' collective timeout, also their checkpoints' (as ``moepec train`` sets it)."""
+
+# results.json keeps the flat settings record of each run it has always had (the renderer
+# and saved results read it): checkpoint settings under TrainConfig's former names.
+_FLAT_CHECKPOINT = {"ckpt_dir": "path", "ckpt_interval": "interval",
+                    "ckpt_serialization": "serialization"} | {name: name for name in (
+    "k_persist", "k_snapshot", "selection", "pec_scope", "full_every", "keep_last",
+    "busy_policy", "write_mode", "dynamic_k", "dynamic_k_down", "plt_budget")}
+
+
+def config_record(cfg) -> dict[str, Any]:
+    """A run's TrainConfig as results.json records it (flat; JSON values)."""
+    from moepec.manager.config import CheckpointConfig
+
+    ckpt = cfg.checkpoint  # None: no checkpoints; recorded as the defaults, as before
+    values = ({f.name: f.default for f in fields(CheckpointConfig)} | {"path": None}
+              if ckpt is None else {f.name: getattr(ckpt, f.name) for f in fields(ckpt)})
+    record = {f.name: getattr(cfg, f.name) for f in fields(cfg)
+              if f.name not in ("model_overrides", "checkpoint")}
+    record |= {old: values[new] for old, new in _FLAT_CHECKPOINT.items()}
+    record["ckpt_sync"] = not values["async_persist"]
+    return json.loads(json.dumps(record))  # enum members -> their strings
 
 
 def _train(s: Settings, tmp: Path, name: str, ckpt: dict | None, *, model: str,
@@ -150,18 +173,22 @@ def _train(s: Settings, tmp: Path, name: str, ckpt: dict | None, *, model: str,
     in-process from the newest checkpoint. K_snapshot = K_persist, so the RAM copy a
     recovery reads holds exactly the experts storage holds: experts outside the newest
     checkpoint come back from older ones, stale, as after a crash."""
-    from moepec.train import TrainConfig, train
+    from moepec.manager.config import CheckpointConfig
+    from moepec.train.trainer import TrainConfig, train
 
     faults = fault_steps(s)
     extra: dict[str, Any] = {}
     if ckpt is not None:
-        extra = dict(ckpt_dir=str(tmp / f"ckpt-{len(list(tmp.iterdir()))}"),
-                     ckpt_interval=interval, faults=",".join(f"exception@{f}" for f in faults),
-                     restarts=len(faults), plt_budget=PAPER["plt_budget"], **ckpt)
+        checkpoint = CheckpointConfig(
+            path=str(tmp / f"ckpt-{len(list(tmp.iterdir()))}"), interval=interval,
+            plt_budget=PAPER["plt_budget"], timeout_s=DIST_TIMEOUT_S, **ckpt)
+        extra = dict(checkpoint=checkpoint, faults=",".join(f"exception@{f}" for f in faults),
+                     restarts=len(faults))
     cfg = TrainConfig(config=model, model_overrides=overrides, steps=s.steps, batch_size=16,
                       eval_interval=s.eval_interval if eval_batches else 0,
                       eval_batches=eval_batches, seed=0, threads=s.threads, progress=False,
-                      log_interval=max(s.steps // 4, 1), **extra)
+                      log_interval=max(s.steps // 4, 1), dist_timeout_s=DIST_TIMEOUT_S,
+                      **extra)
     t0 = time.perf_counter()
     res = train(cfg)
     mc = cfg.model_config()
@@ -175,7 +202,7 @@ def _train(s: Settings, tmp: Path, name: str, ckpt: dict | None, *, model: str,
         history = {k: v for k, v in history.items() if k < step}
         history[step] = loss
     return {"name": name, "k_persist": (ckpt or {}).get("k_persist"),
-            "config": {k: v for k, v in asdict(cfg).items() if k != "model_overrides"},
+            "config": config_record(cfg),
             "val_loss": res.val_loss, "val_history": sorted(history.items()),
             "recoveries": res.recoveries, "lost": lost, "plt": lost / total if total else 0.0,
             "final_k": res.recoveries[-1]["k_persist"] if res.recoveries else None,
@@ -211,8 +238,8 @@ def simulate_plt(n: int, k: int, interval: int, total: int, faults: list[int],
     ``first_full``: the first checkpoint holds every expert, as moepec's does; the
     analytic formula assumes it does not.
     """
-    from moepec.plt import PLTLedger
-    from moepec.selection import Selector
+    from moepec.policy.plt import PLTLedger
+    from moepec.policy.selection import Selector
 
     ledger, sel = PLTLedger.create([n]), Selector.create([n])
     copies = [0] * n  # cumulative count when each expert's newest saved copy was taken
@@ -243,7 +270,7 @@ def simulate_plt(n: int, k: int, interval: int, total: int, faults: list[int],
 
 def run_plt(s: Settings, tmp: Path, quality: dict) -> dict:
     from moepec.models import get_config
-    from moepec.plt import expected_plt_sequential
+    from moepec.policy.plt import expected_plt_sequential
 
     n = get_config(s.model, **dict(s.model_overrides)).n_experts
     faults = fault_steps(s)
@@ -277,7 +304,7 @@ def run_plt(s: Settings, tmp: Path, quality: dict) -> dict:
 
 
 def _plt_check(n: int, k: int, interval: int, s: Settings, run: dict, source: str) -> dict:
-    from moepec.plt import expected_plt_sequential
+    from moepec.policy.plt import expected_plt_sequential
 
     faults = fault_steps(s)
     return {"k": k, "interval": interval, "source": source, "measured": run["plt"],
@@ -334,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.render:
         return write(json.loads(Path(args.render).read_text()), out)
     t_start = time.perf_counter()
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     result: dict[str, Any] = {"settings": asdict(s), "quick": args.quick, "paper": PAPER,
                               "machine": machine_info(), "seconds": {},
                               "date": started.isoformat(timespec="seconds"),

@@ -10,7 +10,7 @@ sequential expert selection, under three plans:
   adaptive  the paper's greedy (largest module to the least-loaded rank, counting
             the average PEC expert load of the rotation; computed once).
 
-Computed cases use the real planner (moepec.plan) on the models' real tensor sizes
+Computed cases use the real planner (moepec.policy.plan) on the models' real tensor sizes
 (meta device, no allocation). Measured cases run the real CheckpointManager on real
 gloo ranks (spawned processes) and read the bytes each rank wrote from the manifests.
 
@@ -29,8 +29,8 @@ import torch
 
 from moepec.models.configs import get_config
 from moepec.models.gpt_moe import GPTMoE
-from moepec.plan import MODES, Item, expected_expert_load, make_plan
-from moepec.selection import Selector
+from moepec.policy.plan import MODES, Item, expected_expert_load, make_plan
+from moepec.policy.selection import Selector
 
 PAPER_REDUCTION = 0.769
 ADAM_COPIES = 3  # weight, exp_avg, exp_avg_sq
@@ -145,14 +145,14 @@ def _measure_worker(rank: int, world: int, store: str, out: str, ep: int, mode: 
     import torch.distributed as dist
 
     from moepec import CheckpointConfig, CheckpointManager
-    from moepec.storage import Storage
+    from moepec.store.storage import Storage
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     torch.manual_seed(0)
     cfg = get_config(config)
     try:
-        from moepec.parallel import init_expert_parallel
+        from moepec.models.parallel import init_expert_parallel
 
         epi = init_expert_parallel(ep)
         model = GPTMoE(cfg, ep=epi) if ep > 1 else GPTMoE(cfg)
@@ -175,7 +175,7 @@ def _measure_worker(rank: int, world: int, store: str, out: str, ep: int, mode: 
     mgr.close()
     if rank == 0:
         st = Storage(path)
-        rows = [st.read_manifest(n)["bytes_per_rank"] for n in st.committed()]
+        rows = [st.read_manifest(n).bytes_per_rank for n in st.committed()]
         Path(out, "bytes.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_measure:
         rows.append(measured_case("small", 2, 1, 1))
         try:
-            import moepec.parallel  # noqa: F401
+            import moepec.models.parallel  # noqa: F401
 
             rows.append(measured_case("small", 4, 2, 1))
         except ImportError:

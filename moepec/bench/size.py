@@ -8,7 +8,7 @@ saving K = 1..N experts per MoE layer, for each pec_scope:
   the tensor bytes moepec wrote (from the manifest) and the data bytes on disk
   for a checkpoint at K, against moepec's own full checkpoint of the same run
   (same on-disk format), with a plain full `dcp.save` of the same model and
-  optimizer beside them. moepec stores raw tensor bytes (moepec.dcp_raw), so its
+  optimizer beside them. moepec stores raw tensor bytes (moepec.store.dcp_raw), so its
   bytes on disk exceed the tensor bytes only by DCP's `.metadata` file; stock
   `dcp.save` adds ~1.5 KB of torch.save framing per item.
 
@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from moepec import CheckpointConfig, CheckpointManager
 from moepec.models.configs import count_parameters, get_config
 from moepec.models.gpt_moe import GPTMoE
-from moepec.storage import Storage
+from moepec.store.storage import Storage
 
 PAPER = {"gpt-125m-8e": 0.542, "gpt-350m-16e": 0.577}
 SCOPES = ("all", "optimizer", "weights")
@@ -90,7 +90,7 @@ def measure(cfg, ks: list[int], scopes, workdir: Path) -> list[dict]:
             mgr.save(k)
             name = st.committed()[-1]
             rows.append({"scope": scope, "k": k, "pec_bytes": st.data_bytes(name),
-                         "payload_bytes": st.read_manifest(name)["bytes"],
+                         "payload_bytes": st.read_manifest(name).bytes,
                          "moepec_full_bytes": moepec_full, "dcp_full_bytes": full_bytes})
         mgr.close()
     return rows

@@ -36,11 +36,12 @@ from moepec.models.moe import (  # noqa: F401 - re-exported
     Expert,
     FeedForward,
     GroupedExperts,
+    MoEConfig,
     MoEFeedForward,
     RoutingStats,
     ffn,
 )
-from moepec.parallel import NO_EXPERT_PARALLEL, ExpertParallel
+from moepec.models.parallel import NO_EXPERT_PARALLEL, ExpertParallel
 
 __all__ = [
     "EXPERT_LAYOUTS",
@@ -130,6 +131,12 @@ class GPTMoEConfig:
         """Indices of the MoE blocks, in order."""
         return [i for i in range(self.n_layer) if self.is_moe_block(i)]
 
+    def moe_config(self) -> MoEConfig:
+        """What each MoE FFN of this model is built from."""
+        return MoEConfig(d_model=self.d_model, d_ff=self.d_ff, n_experts=self.n_experts,
+                         top_k=self.top_k, capacity_factor=self.capacity_factor,
+                         expert_layout=self.expert_layout)
+
 
 @dataclass(slots=True)
 class ModelOutput:
@@ -180,7 +187,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.ffn: MoEFeedForward | FeedForward = (
-            MoEFeedForward(cfg, ep) if moe else FeedForward(cfg.d_model, cfg.d_ff)
+            MoEFeedForward(cfg.moe_config(), ep) if moe else FeedForward(cfg.d_model, cfg.d_ff)
         )
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -196,7 +203,7 @@ class Block(nn.Module):
 class GPTMoE(nn.Module):
     """The GPT-MoE language model. ``forward(idx, targets=None) -> ModelOutput``.
 
-    ``ep`` (from :func:`moepec.parallel.init_expert_parallel`) splits the experts over
+    ``ep`` (from :func:`moepec.models.parallel.init_expert_parallel`) splits the experts over
     an expert-parallel group; then forward and backward are collectives over
     ``ep.group`` and every rank of it must call them together. None: all experts
     here. Raises ConfigError when ``ep.size`` does not divide ``cfg.n_experts``.

@@ -10,7 +10,7 @@ rank in token order (batch row, then position). Assignments past an expert's cap
 are dropped: that token gets no contribution from that expert and keeps only its
 residual stream. Drops are reported in :class:`RoutingStats`.
 
-Expert parallelism (``GPTMoE(cfg, ep)``, see :mod:`moepec.parallel`): a rank holds
+Expert parallelism (``GPTMoE(cfg, ep)``, see :mod:`moepec.models.parallel`): a rank holds
 E_local = E / ep.size experts per MoE layer (global ids ``ep.rank * E_local + i``), under
 the same parameter names with E_local in place of E. The router stays replicated. Each
 rank routes its own tokens exactly as without EP (gating, top-k, capacity on its local
@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,10 +36,27 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
-from moepec.parallel import NO_EXPERT_PARALLEL, ExpertParallel
+from moepec.models.parallel import NO_EXPERT_PARALLEL, ExpertParallel
 
-if TYPE_CHECKING:
-    from moepec.models.gpt_moe import GPTMoEConfig
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """The numbers one MoE FFN layer is built from (``GPTMoEConfig.moe_config()`` gives
+    them for a whole model). Its own type, so this module does not depend on the model
+    that uses it; validated by :class:`~moepec.models.gpt_moe.GPTMoEConfig`."""
+
+    d_model: int
+    """Hidden size D."""
+    d_ff: int
+    """Inner size F of every expert."""
+    n_experts: int
+    """Experts E of the layer (over all expert-parallel ranks)."""
+    top_k: int
+    """Experts per token K."""
+    capacity_factor: float
+    """Expert capacity C = ceil(capacity_factor * T * K / E)."""
+    expert_layout: str
+    """``stacked`` ([E, ...] tensors) or ``modules`` (one module per expert)."""
 
 
 @dataclass(slots=True)
@@ -111,7 +127,7 @@ class MoEFeedForward(nn.Module):
     local expert i is global expert ``ep.rank * n_local + i``.
     """
 
-    def __init__(self, cfg: GPTMoEConfig, ep: ExpertParallel = NO_EXPERT_PARALLEL) -> None:
+    def __init__(self, cfg: MoEConfig, ep: ExpertParallel = NO_EXPERT_PARALLEL) -> None:
         super().__init__()
         self.n_experts = cfg.n_experts
         self.n_local = ep.n_local(cfg.n_experts)

@@ -1,0 +1,1 @@
+"""The ``moepec`` command line (app layer): train, demo, inspect/verify/export, bench."""

@@ -1,0 +1,219 @@
+"""``moepec demo``: fault-tolerant MoE training end to end, on this machine's CPUs.
+
+The demo trains the ``small`` GPT-MoE on the default corpus under torchrun with 2 ranks
+(one process if torchrun cannot start), with PEC on (K_snapshot 2, K_persist 1), injects
+faults of several kinds (a SIGKILL of a rank, a kill while a persist writes, a full
+disk, an exception inside a step), lets torchrun restart the workers, and resumes from
+the newest committed checkpoints each time. A fault-free run of the same seed (cached
+in the output folder) gives the reference loss. The report (``report.md`` and plots
+in the output folder) is built by :mod:`moepec.cli.demo_report`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from moepec.errors import MoepecError
+from moepec.manager.config import CheckpointConfig
+from moepec.train.config import TrainConfig, TrainResult
+
+__all__ = ["DemoSettings", "format_summary", "run_demo", "train_argv"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoSettings:
+    """What the demo runs. The defaults take a few minutes on 2 CPU cores."""
+
+    steps: int = 400
+    """Training steps of each run."""
+    batch_size: int = 16
+    """Global batch (sequences of 128 bytes)."""
+    ranks: int = 2
+    """torchrun processes (data parallel)."""
+    seed: int = 0
+    """Seed of both runs (the same model init and data order)."""
+    config: str = "small"
+    """Model config."""
+    ckpt_interval: int = 10
+    """Steps between checkpoints."""
+    k_persist: int = 1
+    """Experts per MoE layer persisted per checkpoint."""
+    k_snapshot: int = 2
+    """Experts per MoE layer snapshotted to RAM per checkpoint."""
+    faults: str = "sigkill@110:r1,kill_persist@185:r0,enospc@240,exception@330:r1"
+    """Faults of the faulty run (moepec.train.faults spec)."""
+    dynamic_k: bool = True
+    """Double K_persist after a recovery that leaves PLT over the 3.75% budget."""
+    max_restarts: int = 6
+    """torchrun --max-restarts."""
+    timeout_s: float = 60.0
+    """Collective timeout of the runs."""
+
+    def key(self) -> str:
+        """Identifies the fault-free run these settings need (for its cache)."""
+        d = asdict(self)
+        for k in ("faults", "max_restarts", "k_persist", "k_snapshot", "ckpt_interval",
+                  "dynamic_k"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+    def train_config(self, out: str | Path, *, faulty: bool, ranks: int) -> TrainConfig:
+        """The TrainConfig of the faulty run (PEC checkpoints in ``out/ckpt``, the faults)
+        or of the fault-free reference (no checkpoints), writing to ``out``, on ``ranks``
+        processes. Every worker gets it as ``moepec train`` flags (:func:`train_argv`)."""
+        checkpoint = None
+        if faulty:
+            # --ckpt-sync unset: both tiers in the background; the checkpoint waits for
+            # other ranks as long as the trainer does (as ``moepec train`` sets it).
+            checkpoint = CheckpointConfig(
+                path=str(Path(out) / "ckpt"), interval=self.ckpt_interval,
+                k_persist=self.k_persist, k_snapshot=self.k_snapshot, dynamic_k=self.dynamic_k,
+                timeout_s=self.timeout_s)
+        return TrainConfig(
+            config=self.config, steps=self.steps, batch_size=self.batch_size, seed=self.seed,
+            # Sized for 2 CPU cores: one torch thread per rank, or two for a single process.
+            threads=1 if ranks > 1 else 2, eval_interval=max(1, self.steps // 8),
+            eval_batches=4, log_interval=5, progress=False, out_dir=str(out),
+            dist_timeout_s=self.timeout_s, checkpoint=checkpoint,
+            faults=self.faults if faulty else None)
+
+
+def train_argv(cfg: TrainConfig) -> list[str]:
+    """The ``moepec train`` arguments that parse back to ``cfg``, for the fields the demo
+    sets (:meth:`DemoSettings.train_config`; the others must have their defaults)."""
+    args = ["train", "--config", cfg.config, "--steps", str(cfg.steps), "--batch-size",
+            str(cfg.batch_size), "--seed", str(cfg.seed), "--threads", str(cfg.threads),
+            "--eval-interval", str(cfg.eval_interval), "--eval-batches", str(cfg.eval_batches),
+            "--log-interval", str(cfg.log_interval)]
+    args += [] if cfg.progress else ["--no-progress"]
+    args += [] if cfg.out_dir is None else ["--out-dir", cfg.out_dir]
+    args += ["--dist-timeout", str(cfg.dist_timeout_s)]
+    ckpt = cfg.checkpoint
+    if ckpt is not None:
+        args += ["--ckpt-dir", ckpt.path, "--ckpt-interval", str(ckpt.interval),
+                 "--k", str(ckpt.k_persist), "--k-snapshot", str(ckpt.k_snapshot)]
+    args += [] if cfg.faults is None else ["--faults", cfg.faults]
+    args += ["--dynamic-k"] if ckpt is not None and ckpt.dynamic_k else []
+    return args
+
+
+def _train_cmd(s: DemoSettings, out: Path, faulty: bool, ranks: int) -> list[str]:
+    """The command of one run: torchrun with ``ranks`` workers, or one process."""
+    args = ["-m", "moepec", "--log-level", "WARNING",
+            *train_argv(s.train_config(out, faulty=faulty, ranks=ranks))]
+    if ranks > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(ranks), "--max-restarts",
+                str(s.max_restarts if faulty else 0), *args]
+    return [sys.executable, *args]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    # torch issue 135712: restarted workers must not share torchrun's rendezvous store.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def _run(cmd: list[str], log_path: Path, timeout: float) -> int:
+    with open(log_path, "ab") as f:
+        f.write(f"$ {' '.join(cmd)}\n".encode())
+        f.flush()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(),
+                              timeout=timeout)
+    return proc.returncode
+
+
+def _supervise(cmd: list[str], log_path: Path, restarts: int, timeout: float) -> int:
+    """What torchrun does for one process: restart it after a crash."""
+    code = 1
+    for _ in range(restarts + 1):
+        code = _run(cmd, log_path, timeout)
+        if code == 0:
+            return 0
+    return code
+
+
+def _train_run(s: DemoSettings, out: Path, faulty: bool, say) -> int:
+    """One run; returns the number of ranks it used."""
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "train.log"
+    ranks = s.ranks
+    if ranks > 1:
+        code = _run(_train_cmd(s, out, faulty, ranks), log_path, timeout=1800)
+        if code == 0:
+            return ranks
+        if (out / "summary.json").exists() or (out / "metrics.jsonl").exists():
+            raise MoepecError(f"the {'faulty' if faulty else 'fault-free'} run failed "
+                              f"(exit {code}); see {log_path}")
+        say(f"torchrun could not start {ranks} ranks (exit {code}); running in one process "
+            f"instead (see {log_path})")
+        ranks = 1
+    cmd = _train_cmd(s, out, faulty, 1)
+    code = _supervise(cmd, log_path, s.max_restarts if faulty else 0, timeout=1800)
+    if code != 0:
+        raise MoepecError(f"the {'faulty' if faulty else 'fault-free'} run failed (exit "
+                          f"{code}); see {log_path}")
+    return 1
+
+
+def run_demo(out_dir: str | Path = "demo-out", settings: DemoSettings | None = None,
+             say=print) -> dict:
+    """Run the fault-free (cached) and the faulty run, then build the report.
+
+    Blocks for a few minutes; writes everything under ``out_dir``; returns the report's
+    numbers. Raises MoepecError when a run fails beyond its restarts.
+    """
+    from moepec.cli.demo_report import build_report
+
+    s = settings or DemoSettings()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    clean = out / "fault-free" / s.key()
+    if (clean / "summary.json").exists():
+        say(f"fault-free reference: cached in {clean}")
+    else:
+        shutil.rmtree(clean, ignore_errors=True)
+        say(f"[1/2] fault-free reference run: {s.config}, {s.steps} steps, {s.ranks} ranks ...")
+        _train_run(s, clean, faulty=False, say=say)
+    faulty = out / "faulty"
+    shutil.rmtree(faulty, ignore_errors=True)
+    say(f"[2/2] faulty run with PEC (K_snapshot {s.k_snapshot}, K_persist {s.k_persist}), "
+        f"faults {s.faults} ...")
+    ranks = _train_run(s, faulty, faulty=True, say=say)
+    report = build_report(s, clean, faulty, out, ranks=ranks, wall_s=time.time() - t0)
+    say(report["text"])
+    return report
+
+
+def format_summary(result: TrainResult) -> str:
+    """A short human-readable table of a run's results."""
+    rows = [
+        ("steps", f"{result.steps}"),
+        ("ranks", f"{result.world_size}"),
+        ("tokens", f"{result.tokens:,}"),
+        ("tokens/s", f"{result.tokens_per_s:,.0f}"),
+        ("wall time", f"{result.wall_time_s:.1f} s"),
+        ("first train loss", f"{result.losses[0]:.4f}" if result.losses else "-"),
+        ("last train loss", f"{result.losses[-1]:.4f}" if result.losses else "-"),
+        ("val loss", f"{result.val_loss:.4f}" if result.val_loss is not None else "-"),
+        ("dropped assignments", f"{result.dropped:,}"),
+    ]
+    if result.recoveries:
+        rows.append(("recoveries", f"{len(result.recoveries)}"))
+        rows.append(("PLT", f"{100 * result.recoveries[-1]['plt']:.3f}%"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

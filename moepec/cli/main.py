@@ -1,0 +1,384 @@
+"""The ``moepec`` command line: one function per subcommand, registered in ``COMMANDS``.
+
+To add a subcommand, write ``_add_NAME(parser)`` and ``_run_NAME(args) -> int`` and
+call ``register(Command(...))``. ``main`` configures logging, dispatches, and turns any
+:class:`moepec.errors.MoepecError` into one line ``moepec: error: ...`` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from moepec.cli.logging_setup import setup_logging
+from moepec.errors import ConfigError, MoepecError
+
+__all__ = ["COMMANDS", "Command", "build_parser", "checkpoint_config_from_args", "main",
+           "register", "train_config_from_args"]
+
+log = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One subcommand of ``moepec``."""
+
+    name: str
+    """What the user types after ``moepec``."""
+    help: str
+    """One-line description shown by ``moepec --help``."""
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    """Adds the subcommand's flags to its parser."""
+    run: Callable[[argparse.Namespace], int]
+    """Runs it; returns the exit code. Raises MoepecError for user mistakes."""
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(command: Command) -> None:
+    """Add a subcommand (a name can be registered once)."""
+    if command.name in COMMANDS:
+        raise ValueError(f"subcommand {command.name!r} is registered twice")
+    COMMANDS[command.name] = command
+
+
+# --------------------------------------------------------------------------- train
+
+
+def _default(config_class: type, name: str) -> Any:
+    # Flag defaults come from the config classes themselves, so the two never disagree.
+    return {f.name: f for f in dataclasses.fields(config_class)}[name].default
+
+
+def _train_default(name: str) -> Any:
+    from moepec.train.config import TrainConfig
+
+    return _default(TrainConfig, name)
+
+
+def _ckpt_default(name: str) -> Any:
+    from moepec.manager.config import CheckpointConfig
+
+    return _default(CheckpointConfig, name)
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--model-override {text!r} is not KEY=VALUE, e.g. top_k=2")
+    try:
+        return key, json.loads(value)  # numbers, true/false
+    except json.JSONDecodeError:
+        return key, value  # plain strings such as expert_layout=modules
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    d = _train_default
+    g = p.add_argument_group("model")
+    g.add_argument("--config", default=d("config"),
+                   help="named model config (see `moepec model-info`); default %(default)s")
+    g.add_argument("--model-override", "-O", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model config field, e.g. -O top_k=2 (repeatable)")
+
+
+def _add_optimisation_flags(p: argparse.ArgumentParser) -> None:
+    d = _train_default
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=d("steps"), help="total steps (%(default)s)")
+    g.add_argument("--batch-size", type=int, default=d("batch_size"),
+                   help="global batch in sequences, split over ranks (%(default)s)")
+    g.add_argument("--lr", type=float, default=d("lr"), help="peak learning rate (%(default)s)")
+    g.add_argument("--min-lr", type=float, default=d("min_lr"),
+                   help="final learning rate of the cosine decay (%(default)s)")
+    g.add_argument("--warmup", type=int, default=d("warmup"), help="warm-up steps (%(default)s)")
+    g.add_argument("--weight-decay", type=float, default=d("weight_decay"),
+                   help="AdamW weight decay (%(default)s)")
+    g.add_argument("--grad-clip", type=float, default=d("grad_clip"),
+                   help="max gradient norm, 0 disables (%(default)s)")
+    g.add_argument("--seed", type=int, default=d("seed"),
+                   help="seed of init and data order (%(default)s)")
+
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    d = _train_default
+    g = p.add_argument_group("data and evaluation")
+    g.add_argument("--data", default=d("data"), metavar="GLOB",
+                   help="text files to train on (quote the glob); default: the Python stdlib")
+    g.add_argument("--eval-interval", type=int, default=d("eval_interval"),
+                   help="steps between validation losses, 0: end only (%(default)s)")
+    g.add_argument("--eval-batches", type=int, default=d("eval_batches"),
+                   help="global batches of the validation set, 0 disables (%(default)s)")
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    d = _train_default
+    g = p.add_argument_group("run")
+    g.add_argument("--threads", type=int, default=d("threads"),
+                   help="torch threads per process (default: torch's choice)")
+    g.add_argument("--device", default=d("device"), help="auto, cpu or cuda (%(default)s)")
+    g.add_argument("--ep", type=int, default=d("ep"), metavar="N",
+                   help="expert parallel: N ranks split each MoE layer's experts; must divide "
+                        "the number of ranks and of experts (%(default)s)")
+    g.add_argument("--dist-timeout", type=float, default=d("dist_timeout_s"),
+                   help="seconds to wait for other ranks (%(default)s)")
+    g.add_argument("--jsonl", default=d("log_jsonl"), metavar="PATH",
+                   help="write metrics as JSON lines here (rank 0)")
+    g.add_argument("--log-interval", type=int, default=d("log_interval"),
+                   help="steps between metrics lines (%(default)s)")
+    g.add_argument("--out-dir", default=d("out_dir"),
+                   help="directory for summary.json (and metrics.jsonl)")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    # Mapped onto a CheckpointConfig by checkpoint_config_from_args, except the last
+    # two, which are the trainer's own (TrainConfig).
+    d, t = _ckpt_default, _train_default
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--ckpt-dir", default=t("checkpoint"), metavar="PATH_OR_URL",
+                   help="checkpoint location; unset: no checkpoints")
+    g.add_argument("--ckpt-interval", type=int, default=d("interval"),
+                   help="steps between checkpoints (%(default)s)")
+    g.add_argument("--k", "--k-persist", dest="k_persist", type=int, default=d("k_persist"),
+                   help="experts per MoE layer persisted per checkpoint (%(default)s)")
+    g.add_argument("--k-snapshot", type=int, default=d("k_snapshot"),
+                   help="experts per MoE layer snapshotted to RAM (default: = --k)")
+    g.add_argument("--selection", default=d("selection"),
+                   help="sequential or load_aware (%(default)s)")
+    g.add_argument("--pec-scope", default=d("pec_scope"),
+                   help="all, optimizer or weights: what PEC skips for unselected experts "
+                        "(%(default)s)")
+    g.add_argument("--full-every", type=int, default=d("full_every"), metavar="M",
+                   help="every M-th checkpoint is a full one; 0 never (%(default)s)")
+    g.add_argument("--keep-last", type=int, default=d("keep_last"),
+                   help="committed views to retain (%(default)s)")
+    g.add_argument("--ckpt-sync", action="store_true",
+                   help="checkpoint synchronously (for comparison with the async default)")
+    g.add_argument("--ckpt-serialization", default=d("serialization"),
+                   help="raw (tensor bytes, fast) or torch_save (stock DCP) (%(default)s)")
+    g.add_argument("--busy-policy", default=d("busy_policy"),
+                   help="checkpoint due while the last persist writes: wait or skip "
+                        "(%(default)s)")
+    g.add_argument("--write-mode", default=d("write_mode"),
+                   help="baseline, sharded or adaptive write plan over ranks (%(default)s)")
+    g.add_argument("--dynamic-k", action="store_true",
+                   help="double K after a recovery that leaves PLT over --plt-budget")
+    g.add_argument("--dynamic-k-down", action="store_true",
+                   help="with --dynamic-k, also halve K when PLT is far under budget")
+    g.add_argument("--plt-budget", type=float, default=d("plt_budget"),
+                   help="budget of the proportion of lost tokens (%(default)s)")
+    g.add_argument("--on-persist-error", default=t("on_persist_error"),
+                   help="continue (log, keep training, retry) or stop (%(default)s)")
+    g.add_argument("--restarts", type=int, default=t("restarts"),
+                   help="resume from the last checkpoint after this many failures (%(default)s)")
+
+
+def _add_fault_flags(p: argparse.ArgumentParser) -> None:
+    d = _train_default
+    g = p.add_argument_group("fault injection")
+    g.add_argument("--faults", default=d("faults"), metavar="SPEC",
+                   help="e.g. sigkill@40:r1,exception@90,kill_persist@150; kinds: sigkill, "
+                        "exception, kill_persist, kill_commit, storage_error, enospc, "
+                        "slow_storage, corrupt")
+    g.add_argument("--fault-mtbf", type=float, default=d("fault_mtbf"), metavar="STEPS",
+                   help="also inject random faults, this many steps apart on average")
+
+
+def _add_train(p: argparse.ArgumentParser) -> None:
+    for add_group in (_add_model_flags, _add_optimisation_flags, _add_data_flags,
+                      _add_run_flags, _add_checkpoint_flags, _add_fault_flags):
+        add_group(p)
+
+
+_NO_CKPT_DIR = "(no --ckpt-dir)"
+
+
+def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
+    """The CheckpointConfig the ``train`` checkpoint flags describe, or None without
+    ``--ckpt-dir`` (raises ConfigError when a flag is invalid).
+
+    The one place where those flags map onto checkpoint fields. The checkpoint waits
+    for other ranks as long as the trainer does (``--dist-timeout``), and
+    ``--ckpt-sync`` turns both background tiers off.
+    """
+    from moepec.manager.config import CheckpointConfig
+
+    ckpt = CheckpointConfig(
+        path=_NO_CKPT_DIR if args.ckpt_dir is None else args.ckpt_dir,
+        interval=args.ckpt_interval, k_persist=args.k_persist, k_snapshot=args.k_snapshot,
+        selection=args.selection, pec_scope=args.pec_scope, full_every=args.full_every,
+        keep_last=args.keep_last, async_snapshot=not args.ckpt_sync,
+        async_persist=not args.ckpt_sync, serialization=args.ckpt_serialization,
+        busy_policy=args.busy_policy, write_mode=args.write_mode, dynamic_k=args.dynamic_k,
+        dynamic_k_down=args.dynamic_k_down, plt_budget=args.plt_budget,
+        timeout_s=args.dist_timeout)
+    # Built, and so validated, even without --ckpt-dir: a mistyped checkpoint flag fails
+    # now, as it always has, rather than in the run that turns checkpointing on.
+    return None if args.ckpt_dir is None else ckpt
+
+
+def train_config_from_args(args: argparse.Namespace) -> Any:
+    """The TrainConfig the ``train`` flags describe (raises ConfigError when invalid)."""
+    from moepec.train.config import TrainConfig
+
+    return TrainConfig(
+        config=args.config,
+        model_overrides=dict(_parse_override(o) for o in args.model_override),
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.min_lr,
+        warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        eval_interval=args.eval_interval, eval_batches=args.eval_batches,
+        log_interval=args.log_interval, seed=args.seed, data=args.data,
+        threads=args.threads, log_jsonl=args.jsonl, out_dir=args.out_dir,
+        progress=not args.no_progress, device=args.device, dist_timeout_s=args.dist_timeout,
+        checkpoint=checkpoint_config_from_args(args), restarts=args.restarts, ep=args.ep,
+        on_persist_error=args.on_persist_error, faults=args.faults,
+        fault_mtbf=args.fault_mtbf,
+    )
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from moepec.cli.demo import format_summary
+    from moepec.train.trainer import train
+
+    result = train(train_config_from_args(args))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(format_summary(result))
+    return 0
+
+
+# ---------------------------------------------------------------------- model-info
+
+
+def _add_model_info(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", action="append", metavar="NAME",
+                   help="config to describe (repeatable); default: all")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _human(n: float, unit: str = "") -> str:
+    # Counts read 1.87B (billions); byte sizes read 22.39GB (decimal units).
+    giga = "G" if unit else "B"
+    for suffix, scale in ((giga, 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}"
+
+
+def _run_model_info(args: argparse.Namespace) -> int:
+    from moepec.models import checkpoint_bytes, config_names, count_parameters, get_config
+
+    rows = []
+    for name in args.config or config_names():
+        cfg = get_config(name)
+        counts = count_parameters(cfg)
+        rows.append({
+            "config": name,
+            "layers": cfg.n_layer,
+            **dataclasses.asdict(counts),
+            "checkpoint_bytes": checkpoint_bytes(cfg),
+            "weight_bytes": checkpoint_bytes(cfg, adam=False),
+        })
+    if args.json:
+        print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
+        return 0
+    header = ("config", "layers", "MoE layers", "experts", "total params", "expert",
+              "non-expert", "per expert", "ckpt fp32+Adam")
+    table = [header] + [(
+        r["config"], str(r["layers"]), str(r["n_moe_layers"]), str(r["n_experts"]),
+        _human(r["total"]), _human(r["expert"]), _human(r["non_expert"]),
+        _human(r["per_expert"]), _human(r["checkpoint_bytes"], "B"),
+    ) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for j, row in enumerate(table):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0
+
+
+# ---------------------------------------------------------------------------- demo
+
+
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    from moepec.cli.demo import DemoSettings
+
+    d = DemoSettings()
+    p.add_argument("--out-dir", default="demo-out", help="where outputs go (%(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="training steps (%(default)s)")
+    p.add_argument("--ranks", type=int, default=d.ranks, help="torchrun ranks (%(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed (%(default)s)")
+    p.add_argument("--faults", default=d.faults, help="fault spec (%(default)s)")
+    p.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval,
+                   help="steps between checkpoints (%(default)s)")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from moepec.cli.demo import DemoSettings, run_demo
+
+    settings = DemoSettings(steps=args.steps, ranks=args.ranks, seed=args.seed,
+                            faults=args.faults, ckpt_interval=args.ckpt_interval)
+    run_demo(args.out_dir, settings)
+    print(f"report: {os.path.join(args.out_dir, 'report.md')}")
+    return 0
+
+
+register(Command("train", "train a GPT-MoE (one process, or every rank under torchrun)",
+                 _add_train, _run_train))
+register(Command("model-info", "parameter counts and checkpoint sizes of the named configs",
+                 _add_model_info, _run_model_info))
+register(Command("demo", "fault-tolerant training end to end: faults, recovery, report",
+                 _add_demo, _run_demo))
+
+
+def _register_checkpoint_commands() -> None:
+    from moepec.cli.checkpoints import commands
+
+    for name, help_, add, run in commands():
+        register(Command(name, help_, add, run))
+
+
+_register_checkpoint_commands()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per registered command."""
+    parser = argparse.ArgumentParser(
+        prog="moepec", description="Partial Experts Checkpointing for MoE training")
+    parser.add_argument("--log-level", default="INFO",
+                        help="DEBUG, INFO, WARNING or ERROR (%(default)s)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS.values():
+        sp = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sp)
+        sp.set_defaults(_command=command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``moepec`` and ``python -m moepec``; returns the exit code.
+
+    User mistakes (any MoepecError) print one line ``moepec: error: ...`` on stderr and
+    return 2, without a traceback; argparse usage errors also return 2.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2) already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    setup_logging(args.log_level, rank=int(os.environ.get("RANK", "0")))
+    try:
+        return args._command.run(args)
+    except MoepecError as exc:
+        print(f"moepec: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE

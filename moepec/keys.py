@@ -1,0 +1,74 @@
+"""The names moepec gives things: state keys and checkpoint folders. Pure.
+
+State keys (one per item of a checkpoint; the key says what it is and whether it
+belongs to an expert):
+
+- ``model/<name>``: a non-expert parameter or persistent buffer;
+- ``optim/<param name>/<state>``: optimizer state of a non-expert parameter, and
+  the non-sliceable state (Adam's ``step``) of every parameter;
+- ``experts/<layer>/<expert>/model/<param name>``: one expert's slice of a weight;
+- ``experts/<layer>/<expert>/optim/<param name>/<state>``: its optimizer state;
+- ``objects/<name>``: small Python objects (RNG states, optimizer hyper-parameters,
+  every ``extra_state`` entry's ``state_dict()``), stored as uint8 tensors.
+
+Checkpoint folders are named ``ckpt-<seq>-step<step>`` (``checkpoint_name``); the
+sequence number orders them, the step is the training step they hold.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+EXPERT_PREFIX = "experts/"
+OBJECT_PREFIX = "objects/"
+MANIFEST_NAME = "moepec.json"
+"""The manifest file inside a checkpoint folder: written last, its presence is the commit."""
+
+_NAME_RE = re.compile(r"^ckpt-(\d{6,})-step(\d{8,})$")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """What a key names: its expert (if any) and whether it is a weight or optimizer state."""
+
+    key: str
+    layer: int | None
+    expert: int | None
+    part: str  # "model" | "optim" | "objects"
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert is not None
+
+
+def parse_key(key: str) -> KeyInfo:
+    """Inverse of the key naming above."""
+    if key.startswith(EXPERT_PREFIX):
+        _, layer, expert, part, _ = key.split("/", 4)
+        return KeyInfo(key=key, layer=int(layer), expert=int(expert), part=part)
+    return KeyInfo(key=key, layer=None, expert=None, part=key.split("/", 1)[0])
+
+
+def expert_key(layer: int, expert: int, part: str, rest: str) -> str:
+    """The key of expert ``expert`` of MoE layer ``layer`` (global ids); ``part`` is
+    ``model`` or ``optim``, ``rest`` the canonical parameter name (and state name)."""
+    return f"{EXPERT_PREFIX}{layer}/{expert}/{part}/{rest}"
+
+
+def checkpoint_name(seq: int, step: int) -> str:
+    """The folder name of checkpoint number ``seq``, holding training step ``step``."""
+    return f"ckpt-{seq:06d}-step{step:08d}"
+
+
+def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
+    """(seq, step) of a checkpoint folder name, or None for any other name."""
+    m = _NAME_RE.match(name)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def seq_of(name: str) -> int:
+    """The sequence number of a valid checkpoint name."""
+    parsed = parse_checkpoint_name(name)
+    assert parsed is not None, name
+    return parsed[0]

@@ -1,0 +1,116 @@
+"""Configuration of checkpointing: one small validated dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from moepec.errors import ConfigError, check_choice
+from moepec.policy.plan import WriteMode
+from moepec.policy.selection import Selection
+from moepec.store.storage import Serialization
+
+
+class PecScope(StrEnum):
+    """What PEC skips for the experts a checkpoint does not select."""
+
+    ALL = "all"
+    """Weights and optimizer state."""
+    OPTIMIZER = "optimizer"
+    """Only optimizer state: weights are saved every time."""
+    WEIGHTS = "weights"
+    """Only weights: optimizer state is saved every time."""
+
+
+class BusyPolicy(StrEnum):
+    """What a checkpoint does when the previous persist is still writing."""
+
+    WAIT = "wait"
+    """Wait for it (blocks the training loop)."""
+    SKIP = "skip"
+    """Keep this checkpoint in RAM only."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """What, when and where moepec checkpoints. Validated on construction."""
+
+    path: str
+    """Checkpoint root: a local directory or any fsspec URL (s3://bucket/run, memory://run)."""
+    interval: int = 32
+    """Checkpoint after every ``interval`` optimizer steps (when (step + 1) % interval == 0)."""
+    k_persist: int = 1
+    """Experts per MoE layer written to storage at each checkpoint (K_persist)."""
+    k_snapshot: int | None = None
+    """Experts per MoE layer copied to host RAM at each checkpoint (K_snapshot >= K_persist).
+    None means equal to ``k_persist``."""
+    selection: Selection = Selection.SEQUENTIAL
+    """Which experts: ``sequential`` (staggered round-robin) or ``load_aware``."""
+    pec_scope: PecScope = PecScope.ALL
+    """What PEC skips for unselected experts: ``all`` (weights and optimizer state),
+    ``optimizer`` (only optimizer state; weights every time) or ``weights``."""
+    full_every: int = 0
+    """Make every M-th checkpoint a full one (all experts); 0 = never."""
+    keep_last: int = 2
+    """Committed views to retain; older checkpoints go once no retained view needs them."""
+    async_snapshot: bool = True
+    """Copy to RAM in a background thread overlapped with the next step (False: copy inline)."""
+    async_persist: bool = True
+    """Write to storage in a background thread (False: write before step() returns)."""
+    busy_policy: BusyPolicy = BusyPolicy.WAIT
+    """When a checkpoint is due while the previous persist is still writing: ``wait`` for it
+    (blocks the loop) or ``skip`` persisting this one and keep it only in RAM."""
+    write_mode: WriteMode = WriteMode.ADAPTIVE
+    """Who writes what across ranks: ``baseline``, ``sharded`` or ``adaptive``."""
+    plt_budget: float = 0.0375
+    """Budget for the cumulative proportion of lost tokens (PLT), used by dynamic K."""
+    dynamic_k: bool = False
+    """After a recovery that leaves PLT over the budget, double K_persist (up to N)."""
+    dynamic_k_down: bool = False
+    """Also halve K_persist again when PLT is under a quarter of the budget after a recovery."""
+    serialization: Serialization = Serialization.RAW
+    """How DCP items are stored: ``raw`` tensor bytes (fast; read by moepec's DCP reader,
+    ``moepec export --format dcp`` converts) or ``torch_save`` (stock DCP: any
+    ``dcp.load`` with a FileSystemReader reads it; slower to write many small items)."""
+    verify: bool = True
+    """Verify checksums of everything restored."""
+    timeout_s: float = 600.0
+    """Upper bound of every wait (snapshot, persist, collective)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec (e.g. endpoint_url, key, secret for s3://)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError("CheckpointConfig.path must be a non-empty path or URL")
+        if self.interval < 1:
+            raise ConfigError(f"interval must be >= 1 (got {self.interval})")
+        if self.k_persist < 1:
+            raise ConfigError(f"k_persist must be >= 1 (got {self.k_persist})")
+        if self.k_snapshot is None:
+            self.k_snapshot = self.k_persist
+        if self.k_snapshot < self.k_persist:
+            raise ConfigError(
+                f"k_snapshot ({self.k_snapshot}) must be >= k_persist ({self.k_persist}): the "
+                f"experts written to storage are a subset of those copied to RAM")
+        self.selection = check_choice(Selection, self.selection, "selection")
+        self.pec_scope = check_choice(PecScope, self.pec_scope, "pec_scope")
+        self.busy_policy = check_choice(BusyPolicy, self.busy_policy, "busy_policy")
+        self.write_mode = check_choice(WriteMode, self.write_mode, "write_mode")
+        self.serialization = check_choice(Serialization, self.serialization, "serialization")
+        if self.full_every < 0:
+            raise ConfigError(f"full_every must be >= 0 (got {self.full_every}); 0 disables it")
+        if self.keep_last < 1:
+            raise ConfigError(f"keep_last must be >= 1 (got {self.keep_last})")
+        if not 0 < self.plt_budget < 1:
+            raise ConfigError(f"plt_budget is a fraction in (0, 1) (got {self.plt_budget})")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0 (got {self.timeout_s})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as plain JSON values, for the manifest (without storage_options,
+        which may hold credentials)."""
+        d = asdict(self)
+        d.pop("storage_options")
+        return {k: v.value if isinstance(v, StrEnum) else v for k, v in d.items()}
+

@@ -1,0 +1,424 @@
+"""CheckpointManager: the one object a training loop talks to.
+
+Per checkpoint (``step`` when due), on the training thread:
+  1. sum the routing counts observed since the last checkpoint over ranks;
+  2. choose the experts (K_snapshot to RAM, K_persist of them to storage);
+  3. decide this rank's share of the items (the write plan);
+  4. start the RAM snapshot (returns at once when asynchronous) and hand it to the
+     persist worker.
+``wait_for_snapshot`` must be called before ``optimizer.step()``: it blocks only
+if the copy of the previous checkpoint has not finished, so weights are never
+mutated under a copy. ``restore`` stitches the newest view (RAM where the
+process survived, else storage) with :func:`moepec.manager.restore.restore_state` and
+applies its outcome. ``close`` waits for the persist in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moepec.errors import CheckpointError, ConfigError
+from moepec.keys import parse_checkpoint_name
+from moepec.manager.config import BusyPolicy, CheckpointConfig, PecScope
+from moepec.manager.restore import RestoreContext, RestoreOutcome, RestoreReport, restore_state
+from moepec.manager.routing import RoutingCounter
+from moepec.policy.plt import PLTLedger, dynamic_k
+from moepec.policy.selection import Selector, select_two_tier
+from moepec.recovery.records import write_recovery
+from moepec.recovery.stitch import Tier
+from moepec.state.catalog import StateCatalog
+from moepec.state.experts import ExpertSpec, discover, structure_of
+from moepec.state.shares import CheckpointKeys
+from moepec.store.manifest import CheckpointMeta
+from moepec.store.persist import Persister
+from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
+from moepec.store.storage import Storage, committed_manifests
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Partial-experts, two-level, sharded checkpointing for one training job.
+
+    Construct on every rank (after ``torch.distributed`` is initialised when
+    running with several ranks) with the model and optimizer the loop uses.
+    Raises ConfigError for invalid settings and ExpertDiscoveryError when the
+    experts cannot be found unambiguously (pass ``expert_spec``).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 config: CheckpointConfig, *, extra_state: Mapping[str, Any] | None = None,
+                 expert_spec: ExpertSpec | None = None,
+                 expert_parallel: tuple[int, int] | None = None) -> None:
+        self.config = config
+        self._init_layout(expert_parallel)
+        self._init_state(model, optimizer, extra_state, expert_spec)
+        self._init_tiers()
+        self.k_persist = config.k_persist
+        self.k_snapshot = config.k_snapshot
+        self.k_history: list[list[int]] = [[-1, self.k_persist]]
+        self.persist_selector = Selector.create(self.n_experts, config.selection)
+        self.ram_selector = Selector.create(self.n_experts, config.selection)
+        self.ledger = PLTLedger.create(self.n_experts)
+        self.routing = RoutingCounter(self.n_experts, self.distributed)
+        self._index = 0
+        self._covered: tuple[str | None, bool] = (None, False)
+        self.seq = _next_seq(self.storage.list_checkpoints())
+        self.events: list[dict[str, Any]] = []
+        self.restores: list[RestoreReport] = []
+        self._blocked = 0.0
+        self._closed = False
+
+    def _init_layout(self, expert_parallel: tuple[int, int] | None) -> None:
+        """Ranks and the expert-parallel layout (checked against the process group)."""
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.ep_rank, self.ep_size = expert_parallel or (0, 1)
+        if self.ep_size > 1 and (self.world_size % self.ep_size
+                                 or self.ep_rank != self.rank % self.ep_size):
+            raise ConfigError(
+                f"expert_parallel={expert_parallel} on rank {self.rank} of {self.world_size}: "
+                f"ep_size must divide the world size and ep_rank must be rank % ep_size "
+                f"(EP groups are contiguous ranks)")
+
+    def _init_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    extra_state: Mapping[str, Any] | None, spec: ExpertSpec | None) -> None:
+        """Find the experts and catalogue the training state."""
+        config = self.config
+        self.emap = discover(model, spec)
+        # Global expert counts: a rank holds n_local of them per layer under EP.
+        self.n_experts = tuple(n * self.ep_size for n in self.emap.n_experts)
+        if not self.n_experts:
+            log.warning("no experts found in the model: every checkpoint will be a full one")
+        elif config.k_snapshot > min(self.n_experts):
+            raise ConfigError(
+                f"k_snapshot={config.k_snapshot} (and k_persist={config.k_persist}) must be "
+                f"<= the experts per MoE layer ({min(self.n_experts)})")
+        self.catalog = StateCatalog(model, optimizer, self.emap, extra_state,
+                                    ep_rank=self.ep_rank, ep_size=self.ep_size)
+        self.structure = structure_of(model, self.emap, self.ep_size)
+        self.keys = CheckpointKeys(self.catalog, pec_scope=config.pec_scope, rank=self.rank,
+                                   world_size=self.world_size, ep_size=self.ep_size,
+                                   write_mode=config.write_mode)
+
+    def _init_tiers(self) -> None:
+        """Storage, the RAM snapshotter and the persist worker."""
+        config = self.config
+        self._config_dict = config.to_dict()  # written into every manifest
+        self.storage = Storage(config.path, config.storage_options, config.serialization)
+        if self.rank == 0:
+            self.storage.check_writable()
+        # A dedicated group for the persist worker: its collectives never interleave
+        # with the training thread's (STYLE.md: no collectives off the main thread
+        # except on a dedicated group).
+        self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
+                       if self.distributed else None)
+        self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s)
+        self.persister = Persister(self.storage, rank=self.rank,
+                                   world_size=self.world_size, group=self._group,
+                                   background=config.async_persist, timeout_s=config.timeout_s,
+                                   keep_last=config.keep_last, release=self.ram_tier.release)
+
+    # -- the training-loop API --------------------------------------------------
+    def observe_routing(self, counts: Sequence[Any]) -> None:
+        """Add this rank's token assignments per (MoE layer, expert) of one step.
+
+        ``counts[l]`` is a sequence or int tensor of length N_l. Cheap: no collective
+        (counts are summed over ranks at the next checkpoint).
+        """
+        self.routing.add(counts)
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the RAM snapshot in progress is complete. Call before optimizer.step().
+
+        Raises PersistError (once) for a background persist that failed since the last
+        call; the snapshot is complete all the same (it is finished first), so training
+        may catch the error and go on to the optimizer step.
+        """
+        self._finish_snapshot()
+        self.persister_check()
+
+    def step(self, step: int) -> bool:
+        """Checkpoint the state after optimizer step ``step`` if one is due.
+
+        Returns at once when asynchronous (True if a checkpoint was started).
+        Raises PersistError for an earlier background failure: after taking this
+        checkpoint's RAM snapshot, so a failing storage never stops the RAM tier.
+        """
+        if (step + 1) % self.config.interval != 0:
+            self.persister_check()
+            return False
+        self.save(step)
+        return True
+
+    def save(self, step: int) -> None:
+        """Start a checkpoint of the current state, labelled ``step``, now.
+
+        Training thread, every rank (the routing counts are summed over ranks here).
+        """
+        if self._closed:
+            raise CheckpointError("CheckpointManager is closed")
+        t0 = time.perf_counter()
+        self._finish_snapshot()
+        counts = self.routing.take()
+        for tracker in (self.ledger, self.persist_selector, self.ram_selector):
+            tracker.observe(counts)
+        persist, pending_error = self._may_persist(step)
+        # The persister is idle here whenever this checkpoint is to be persisted, so the
+        # committed view is current: while it lacks an expert (the first checkpoint of a
+        # run, or every one after failed persists), the checkpoint is a full one.
+        full = (persist and not self._storage_has_all_experts()) or (
+            self.config.full_every > 0 and self._index % self.config.full_every == 0)
+        snap, sources = self._take(step, full, persist)
+        self.ram_tier.start(snap, sources)
+        event = {"step": step, "seq": self.seq, "full": full, "persist": persist,
+                 "snapshot_bytes": sum(t.numel() * t.element_size() for t in sources.values()),
+                 "blocked_step_s": 0.0, "blocked_wait_s": 0.0}
+        self.events.append(event)
+        self.seq += 1
+        self._index += 1
+        if not self.config.async_snapshot:
+            self._finish_snapshot()
+        try:
+            if persist:
+                self.persister.submit(snap)
+        finally:
+            blocked = time.perf_counter() - t0
+            event["blocked_step_s"] = blocked
+            self._blocked += blocked
+        if pending_error is not None:
+            raise pending_error
+
+    def close(self) -> None:
+        """Wait for the snapshot and persist in flight; re-raise any background error.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._record_copy(self.ram_tier.finish())
+        finally:
+            self.ram_tier.close()
+            self.persister.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def persister_check(self) -> None:
+        """Re-raise (once) a background persist's error as PersistError."""
+        self.persister.check()
+
+    @property
+    def ram(self) -> Snapshot | None:
+        """The newest complete RAM snapshot (what a restore in this process may use)."""
+        return self.ram_tier.newest
+
+    @property
+    def snapshotter(self) -> Snapshotter:
+        return self.ram_tier.snapshotter
+
+    @property
+    def pool(self) -> BufferPool:
+        return self.ram_tier.pool
+
+    @property
+    def blocked_seconds(self) -> float:
+        """Total time the training loop spent blocked in step() and wait_for_snapshot()."""
+        return self._blocked
+
+    # -- restore ----------------------------------------------------------------
+    def restore(self) -> RestoreReport | None:
+        """Restore the newest view into the model, optimizer and extra state.
+
+        Uses RAM snapshots where processes survived (the loop restarted in the same
+        process), else storage. Returns None when there is nothing to restore.
+        Raises StructureMismatchError (nothing changed, on disk or in memory) when
+        the checkpoint is of a different model, NoCheckpointError /
+        CorruptCheckpointError when no intact copy remains. With several ranks,
+        every rank calls it and all restore the same step.
+        """
+        t0 = time.perf_counter()
+        self._drain()
+        found = committed_manifests(self.storage)
+        self.seq = max(self.seq, _next_seq(found.listing))
+        outcome = restore_state(self._restore_context(), found, self.ram_tier.usable())
+        if outcome is None:
+            return None
+        self._apply(outcome)
+        base = outcome.base
+        report = RestoreReport(step=base.step, checkpoint=base.name, tier=base.tier.value,
+                               sources=outcome.sources, lost=outcome.lost,
+                               plt=self.ledger.plt(), warnings=outcome.warnings,
+                               seconds=time.perf_counter() - t0, keys_from=outcome.keys_from)
+        if self.rank == 0:
+            write_recovery(self.storage, report, base_seq=base.seq, next_seq=self.seq,
+                           k_persist=self.k_persist)
+        self.restores.append(report)
+        log.info("restored step %d from %s (%s); lost %d token assignments, PLT %.4f%%",
+                 report.step, report.checkpoint, report.tier, report.lost_total,
+                 100 * report.plt)
+        return report
+
+    def _drain(self) -> None:
+        """Finish the snapshot and persist in flight before restoring; their errors are
+        logged (the restore is what matters now)."""
+        try:
+            self._record_copy(self.ram_tier.finish())
+        except CheckpointError as exc:
+            log.warning("discarding the snapshot in progress: %s", exc)
+        self.persister.wait_idle()
+        try:
+            self.persister.check()
+        except CheckpointError as exc:
+            log.warning("%s", exc)
+
+    def _restore_context(self) -> RestoreContext:
+        return RestoreContext(storage=self.storage, catalog=self.catalog,
+                              structure=self.structure, n_experts=self.n_experts,
+                              rank=self.rank, world_size=self.world_size,
+                              weights_in_view=self.config.pec_scope != PecScope.OPTIMIZER,
+                              verify=self.config.verify)
+
+    def _apply(self, outcome: RestoreOutcome) -> None:
+        """Load the restored values and resume the bookkeeping of the base."""
+        shapes = {k: (list(v.shape), str(v.dtype).removeprefix("torch."))
+                  for k, v in outcome.values.items()}
+        self.catalog.ensure_optimizer_state(shapes)
+        self.catalog.load(outcome.values)
+        self.keys.invalidate()  # restored optimizer state may be new tensors
+        meta = outcome.base.meta
+        self.ledger = outcome.ledger
+        self.persist_selector.load_state_dict(meta.selectors["persist"])
+        self.ram_selector.load_state_dict(meta.selectors["ram"])
+        self.k_persist, self.k_snapshot = meta.k_persist, meta.k_snapshot
+        self.k_history = [list(x) for x in meta.k_history]
+        self._index = meta.index + 1
+        self._adjust_k(meta.step)
+        if outcome.base.tier == Tier.STORAGE and self.ram is not None \
+                and self.ram.seq > meta.seq:
+            self.ram_tier.drop()  # a snapshot of the abandoned future
+        self.persister.set_head(outcome.head)
+        self._covered = (None, False)  # recomputed from the restored head at the next save
+        self.routing.reset()
+
+    # -- internals --------------------------------------------------------------
+    def _finish_snapshot(self) -> None:
+        if self.snapshotter.pending is not None:
+            t0 = time.perf_counter()
+            snap = self.ram_tier.finish()
+            waited = time.perf_counter() - t0
+            self._blocked += waited
+            if self.events:
+                self.events[-1]["blocked_wait_s"] += waited
+            self._record_copy(snap)
+
+    def _may_persist(self, step: int) -> tuple[bool, CheckpointError | None]:
+        """Whether this checkpoint goes to storage, and an earlier persist's error (which
+        keeps it in RAM: it is raised once the snapshot is under way, and the next
+        checkpoint persists again)."""
+        if self.persister.busy:
+            if self.config.busy_policy == BusyPolicy.WAIT:
+                self.persister.wait_idle()
+            else:
+                log.info("step %d: previous persist still writing; keeping this checkpoint "
+                         "in RAM only (busy_policy=skip)", step)
+                return False, None
+        pending_error = self.persister.take_error()
+        return pending_error is None, pending_error
+
+    def _take(self, step: int, full: bool, persist: bool
+              ) -> tuple[Snapshot, dict[str, torch.Tensor]]:
+        """Choose the experts and build this checkpoint's snapshot: objects and buffers
+        captured now, the live tensors to copy returned beside it."""
+        if full:
+            snap_sel = [tuple(range(n)) for n in self.n_experts]
+            persist_sel = snap_sel
+        else:
+            snap_sel, persist_sel = select_two_tier(self.persist_selector, self.ram_selector,
+                                                    self.k_persist, self.k_snapshot)
+        self.ram_selector.commit(snap_sel, self._index)
+        if persist:
+            self.persist_selector.commit(persist_sel, self._index)
+        snap_keys = self.keys.keys_for(snap_sel)
+        mine = self.keys.mine(snap_keys)
+        mine_set = set(mine)
+        persist_keys = self.keys.keys_for(persist_sel) if persist else []
+        persist_experts = [tuple(p) for p in persist_sel] if persist else None
+        snap = Snapshot(seq=self.seq, step=step, tensors={},
+                        snapshot_experts=[tuple(s) for s in snap_sel],
+                        persist_experts=persist_experts,
+                        persist_keys=frozenset(k for k in persist_keys if k in mine_set),
+                        meta=self._meta(step, full, snap_sel, persist_experts),
+                        refs=2 if persist else 1, all_keys=snap_keys)
+        # Objects (RNG, scheduler, loader, hyper-parameters) and buffers change during
+        # the next forward; they are captured here, on the training thread. Only the
+        # rank that writes the objects pays for serialising them.
+        if any(k.startswith("objects/") for k in mine):
+            snap.tensors.update(self.catalog.capture_objects())
+        sources = {k: self.keys.live(k) for k in mine if not k.startswith("objects/")}
+        for k in [k for k in sources if k.startswith("model/") and k[6:] in self.catalog.buffers]:
+            snap.tensors[k] = sources.pop(k).clone()
+        return snap, sources
+
+    def _meta(self, step: int, full: bool, snap_sel: Sequence[Sequence[int]],
+              persist_experts: Sequence[Sequence[int]] | None) -> CheckpointMeta:
+        return CheckpointMeta(
+            step=step, seq=self.seq, index=self._index, time=time.time(),
+            structure=self.structure, config=self._config_dict,
+            k_persist=self.k_persist, k_snapshot=self.k_snapshot, full=full,
+            pec_scope=self.config.pec_scope.value, selection=self.config.selection.value,
+            experts_saved=[list(p) for p in (persist_experts or [])],
+            experts_snapshot=[list(s) for s in snap_sel],
+            counts=self.ledger.counts(), ledger=self.ledger.state_dict(),
+            plt=self.ledger.plt(),
+            selectors={"persist": self.persist_selector.state_dict(),
+                       "ram": self.ram_selector.state_dict()},
+            k_history=[list(x) for x in self.k_history],
+            world_size=self.world_size, write_mode=self.config.write_mode.value)
+
+    def _storage_has_all_experts(self) -> bool:
+        """Whether the committed view holds a copy of every expert this rank owns."""
+        head = self.persister.head
+        if self._covered[0] != head or head is None:
+            self._covered = (head, head is not None and self.catalog.covers_owned_experts(
+                self.persister.head_view, self.config.pec_scope != PecScope.OPTIMIZER))
+        return self._covered[1]
+
+    def _record_copy(self, snap: Snapshot | None) -> None:
+        """Note a finished snapshot's copy time in its checkpoint event."""
+        for event in reversed(self.events if snap is not None else []):
+            if event["seq"] == snap.seq:
+                event["snapshot_copy_s"] = snap.copy_seconds
+                break
+
+    def _adjust_k(self, step: int) -> None:
+        """Dynamic K after a recovery (policy.plt.dynamic_k), when configured."""
+        if not self.config.dynamic_k or not self.n_experts:
+            return
+        plt = self.ledger.plt()
+        new = dynamic_k(self.k_persist, plt, self.config.plt_budget, min(self.n_experts),
+                        self.config.dynamic_k_down)
+        if new != self.k_persist:
+            log.info("dynamic K: PLT %.3f%% vs budget %.3f%%: K_persist %d -> %d", 100 * plt,
+                     100 * self.config.plt_budget, self.k_persist, new)
+            self.k_persist = new
+            self.k_snapshot = max(self.k_snapshot, new)
+            self.k_history.append([step, new])
+
+
+def _next_seq(listing: Sequence[tuple[str, bool]]) -> int:
+    """The sequence number after every checkpoint folder's, committed or not."""
+    seqs = [parse_checkpoint_name(n)[0] for n, _ in listing]
+    return max(seqs, default=-1) + 1

@@ -1,0 +1,353 @@
+"""The restore procedure: gather sources, agree, stitch, account; return the outcome.
+
+:func:`restore_state` takes what it needs as arguments (:class:`RestoreContext`, the
+committed manifests, this rank's RAM snapshot) and returns a :class:`RestoreOutcome`;
+the manager applies it to itself and to the live training state. Every rank runs it
+(collectives on the main thread, in the same order everywhere):
+
+1. gather which RAM snapshot each rank still holds; the newest one is served to all
+   ranks by broadcast from the ranks holding its shares (a rank that restarted has
+   none: its shares are missing, and storage covers them);
+2. check the newest checkpoint was saved from this model;
+3. choose a base and stitch every key (``recovery.stitch.recover``), then make all
+   ranks agree on the base: if any rank had to fall back to an older base, all do;
+4. account the lost tokens: the base's PLT ledger, plus recoveries recorded since the
+   base was taken, plus this one (copy counts agreed over the ranks holding them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moepec.errors import (
+    DistributedError,
+    ManifestFormatError,
+    NoCheckpointError,
+    StructureMismatchError,
+)
+from moepec.keys import parse_key
+from moepec.policy.plt import PLTLedger
+from moepec.recovery.records import lost_since, read_recoveries
+from moepec.recovery.stitch import Recovered, Source, Tier, lost_tokens, recover, storage_source
+from moepec.state.catalog import StateCatalog
+from moepec.state.experts import structure_mismatches
+from moepec.store import manifest as mf
+from moepec.store.manifest import CheckpointMeta, Item, Manifest
+from moepec.store.snapshot import Snapshot
+from moepec.store.storage import Committed, Storage
+
+log = logging.getLogger(__name__)
+
+_NO_COPY = 2**62  # "this rank restored no copy of that expert" in MIN-reductions
+
+
+@dataclass(slots=True)
+class RestoreReport:
+    """What ``CheckpointManager.restore()`` did."""
+
+    step: int
+    """The training step the restored state is from (resume at step + 1)."""
+    checkpoint: str
+    """Name of the base checkpoint (or ``ram:<seq>`` for a RAM snapshot)."""
+    tier: str
+    """Tier of the base: ``storage`` or ``ram``."""
+    sources: dict[str, dict[str, Any]]
+    """``"layer/expert"`` -> {"step", "tier", "checkpoint"} of the expert's weights."""
+    lost: list[list[int]]
+    """Token assignments lost by this recovery, per (layer, expert)."""
+    plt: float
+    """Cumulative proportion of lost tokens after this recovery (paper Eq. 7)."""
+    warnings: list[str]
+    seconds: float = 0.0
+    keys_from: dict[str, int] = field(default_factory=dict)
+    """Number of keys loaded from each tier."""
+
+    @property
+    def lost_total(self) -> int:
+        return sum(map(sum, self.lost))
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreContext:
+    """What the restore procedure needs of the manager (read only)."""
+
+    storage: Storage
+    catalog: StateCatalog
+    """Which experts this rank owns (the procedure never writes the live state)."""
+    structure: dict[str, Any]
+    n_experts: tuple[int, ...]
+    rank: int
+    world_size: int
+    weights_in_view: bool
+    """False with pec_scope "optimizer" (expert weights are saved as non-expert state)."""
+    verify: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreOutcome:
+    """What a restore chose and read; the manager applies it."""
+
+    values: dict[str, torch.Tensor]
+    """This rank's restored keys -> values, to copy into the live state."""
+    base: Source
+    """The base: its ``meta`` is the bookkeeping to resume with (selectors, K, index)."""
+    head: Manifest | None
+    """The committed checkpoint the next persist continues (its lineage)."""
+    ledger: PLTLedger
+    """The PLT ledger after this recovery."""
+    lost: list[list[int]]
+    """Token assignments lost by this recovery."""
+    sources: dict[str, dict[str, Any]]
+    """``"layer/expert"`` -> where its weights came from (RestoreReport.sources)."""
+    keys_from: dict[str, int]
+    """Expert units restored from each tier."""
+    warnings: list[str]
+
+
+def restore_state(ctx: RestoreContext, found: Committed, ram: Snapshot | None
+                  ) -> RestoreOutcome | None:
+    """Restore the newest view. All ranks call it (collective). Returns None when there is
+    nothing to restore. Raises ManifestFormatError (a newer moepec wrote the newest
+    checkpoints), StructureMismatchError, NoCheckpointError / CorruptCheckpointError."""
+    manifests = _usable(found)
+    ram_src = _gather_ram(ctx, ram)
+    if not manifests and ram_src is None:
+        return None
+    newest = mf.newest(manifests)
+    if newest is not None:
+        _check_structure(ctx, manifests[newest])
+    views = _Views(ctx, manifests, ram_src)
+    rec = _agreed_recover(ctx, views)
+    head = views.head_for(rec.base)
+    ledger, lost = _account(ctx, rec)
+    sources, keys_from = _where_from(rec)
+    return RestoreOutcome(values=rec.values, base=rec.base, head=head, ledger=ledger,
+                          lost=lost, sources=sources, keys_from=keys_from,
+                          warnings=rec.warnings)
+
+
+def _usable(found: Committed) -> dict[str, Manifest]:
+    for name, exc in found.damaged.items():
+        if isinstance(exc, ManifestFormatError):
+            # Not skipped: restoring older checkpoints past it would lose its progress.
+            raise exc
+        log.warning("ignoring %s: %s", name, exc)
+    return found.manifests
+
+
+def _check_structure(ctx: RestoreContext, newest: Manifest) -> None:
+    mismatches = structure_mismatches(newest.meta.structure, ctx.structure)
+    if mismatches:
+        raise StructureMismatchError(
+            f"the checkpoint at {ctx.storage.url} was saved from a different model: "
+            + "; ".join(mismatches)
+            + ". Restore into the same model configuration or use another path")
+
+
+def _mine(ctx: RestoreContext, key: str) -> bool:
+    info = parse_key(key)
+    return not info.is_expert or ctx.catalog.owns(info.layer, info.expert)
+
+
+class _Views:
+    """The candidate bases, newest first, and for each its lineage and required keys."""
+
+    def __init__(self, ctx: RestoreContext, manifests: Mapping[str, Manifest],
+                 ram: Source | None) -> None:
+        self.ctx = ctx
+        self.manifests = manifests
+        self.ram = ram
+        self.sources = {n: storage_source(ctx.storage, m) for n, m in manifests.items()}
+        storage_bases = sorted(self.sources.values(), key=lambda s: s.seq, reverse=True)
+        self.bases = ([ram] if ram is not None and ram.complete else []) + storage_bases
+        # The committed checkpoint a RAM snapshot continues (its lineage on storage).
+        self.ram_head = (mf.newest(n for n in manifests if mf.seq_of(n) <= ram.seq)
+                         if ram is not None else None)
+        if not self.bases:
+            raise NoCheckpointError(f"no committed checkpoint under {ctx.storage.url} and "
+                                    f"no complete RAM snapshot")
+        if not ctx.catalog.covers_owned_experts(self.required_of(self.bases[0]),
+                                                ctx.weights_in_view):
+            raise NoCheckpointError(
+                f"{self.bases[0].name} does not hold every expert of the model (saved with "
+                f"a different ExpertSpec?); restore with the spec it was saved with")
+
+    def head_for(self, base: Source) -> Manifest | None:
+        name = self.ram_head if base.tier == Tier.RAM else base.name
+        return self.manifests[name] if name else None
+
+    def lineage_of(self, base: Source) -> list[Source]:
+        if base.tier == Tier.RAM:
+            chain = mf.lineage(self.manifests, self.ram_head) if self.ram_head else []
+            return [base] + [self.sources[n] for n in chain]
+        chain = [self.sources[n] for n in mf.lineage(self.manifests, base.name)]
+        ram = self.ram
+        if ram is not None and ram.seq <= base.seq:
+            # the same process's RAM copy, not newer than the base: a valid older copy
+            pos = next((i for i, s in enumerate(chain) if s.seq < ram.seq), len(chain))
+            chain.insert(pos, ram)
+        return chain
+
+    def required_of(self, base: Source) -> set[str]:
+        if base.tier == Tier.RAM:
+            view = self.manifests[self.ram_head].view if self.ram_head else {}
+            keys = set(view) | set(base.keys)
+        else:
+            keys = set(base.manifest.view)
+        return {k for k in keys if _mine(self.ctx, k)}
+
+
+# -- the RAM tier ---------------------------------------------------------------------
+def _gather_ram(ctx: RestoreContext, snap: Snapshot | None) -> Source | None:
+    """The newest RAM snapshot any rank holds, with every share a rank still has,
+    materialised on every rank that needs it (broadcast from the holders). Collective."""
+    if ctx.world_size == 1:
+        if snap is None:
+            return None
+        return _ram_source(f"ram:{snap.seq}", snap.meta, dict(snap.tensors), complete=True)
+    mine = None
+    if snap is not None:
+        mine = {"seq": snap.seq, "meta": snap.meta, "all_keys": snap.all_keys,
+                "keys": {k: (list(t.shape), str(t.dtype).removeprefix("torch."))
+                         for k, t in snap.tensors.items()}}
+    held: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(held, mine)
+    seqs = [h["seq"] for h in held if h is not None]
+    if not seqs:
+        return None
+    seq = max(seqs)
+    holders = [(r, h) for r, h in enumerate(held) if h is not None and h["seq"] == seq]
+    owner: dict[str, int] = {}
+    shapes: dict[str, tuple[list[int], str]] = {}
+    for r, h in holders:
+        for k, spec in h["keys"].items():
+            owner.setdefault(k, r)
+            shapes[k] = spec
+    all_keys = holders[0][1]["all_keys"]
+    complete = all(k in owner for k in all_keys if not parse_key(k).is_expert)
+    values = _broadcast_shares(ctx, snap, owner, shapes)
+    log.info("RAM snapshot %d: %d of %d keys survive on %d rank(s)%s", seq, len(owner),
+             len(all_keys), len(holders), "" if complete else " (not a complete base)")
+    return _ram_source(f"ram:{seq}", holders[0][1]["meta"], values, complete)
+
+
+def _broadcast_shares(ctx: RestoreContext, snap: Snapshot | None, owner: Mapping[str, int],
+                      shapes: Mapping[str, tuple[list[int], str]]) -> dict[str, torch.Tensor]:
+    """Every surviving key, sent by its holder; kept where this rank needs it."""
+    values: dict[str, torch.Tensor] = {}
+    for key in sorted(owner):  # the same order on every rank
+        shape, dtype = shapes[key]
+        if owner[key] == ctx.rank:
+            t = snap.tensors[key].contiguous()
+        else:
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+        dist.broadcast(t, src=owner[key])
+        if _mine(ctx, key):
+            values[key] = t
+    return values
+
+
+def _ram_source(name: str, meta: CheckpointMeta, values: dict[str, torch.Tensor],
+                complete: bool) -> Source:
+    keys = {k: Item(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+            for k, t in values.items()}
+
+    def read(targets: dict[str, torch.Tensor]) -> None:
+        for k, t in targets.items():
+            t.copy_(values[k])
+
+    return Source(name=name, tier=Tier.RAM, meta=meta, keys=keys, read=read,
+                  complete=complete)
+
+
+# -- agreement and accounting ------------------------------------------------------------
+def _agreed_recover(ctx: RestoreContext, views: _Views) -> Recovered:
+    """recover(), then make every rank use the same base (the oldest any rank needed).
+
+    Every iteration runs the same two collectives on every rank, so ranks that must
+    go back and ranks that need not stay in step.
+    """
+    bases = views.bases
+    while True:
+        rec = recover(bases, views.lineage_of, views.required_of, verify=ctx.verify)
+        if ctx.world_size == 1:
+            return rec
+        seq = torch.tensor([rec.base.seq], dtype=torch.int64)
+        low, high = seq.clone(), seq.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if low.item() == high.item():
+            return rec
+        older = [b for b in bases if b.seq <= low.item()]
+        if not older:
+            raise DistributedError("ranks could not agree on a checkpoint to restore")
+        if seq.item() != low.item():
+            log.warning("another rank could not use checkpoint seq %d; restoring seq %d on "
+                        "all ranks", seq.item(), low.item())
+        bases = older
+
+
+def _account(ctx: RestoreContext, rec: Recovered) -> tuple[PLTLedger, list[list[int]]]:
+    """The PLT ledger after this recovery, and what this recovery lost. Collective."""
+    ledger = PLTLedger.create(ctx.n_experts)
+    ledger.load_state_dict(rec.base.meta.ledger)
+    for layer, row in enumerate(_recorded_since(ctx, rec.base.seq)):
+        for e, v in enumerate(row):
+            ledger.lost[layer][e] += v
+    at_base, at_copy = lost_tokens(rec)
+    at_copy = _agree_copy_counts(ctx, rec, at_base, at_copy)
+    lost = ledger.record_recovery(at_base, at_copy)
+    return ledger, lost
+
+
+def _recorded_since(ctx: RestoreContext, base_seq: int) -> list[list[int]]:
+    """Lost counts of recoveries recorded after checkpoint ``base_seq`` was taken, read
+    by rank 0 and broadcast (every rank must account the same)."""
+    total = (lost_since(read_recoveries(ctx.storage), base_seq, ctx.n_experts)
+             if ctx.rank == 0 else [[0] * n for n in ctx.n_experts])
+    if ctx.world_size > 1 and ctx.n_experts:
+        flat = torch.tensor([v for row in total for v in row], dtype=torch.int64)
+        dist.broadcast(flat, src=0)
+        total = _unflatten(flat.tolist(), ctx.n_experts)
+    return total
+
+
+def _agree_copy_counts(ctx: RestoreContext, rec: Recovered, at_base: list[list[int]],
+                       at_copy: list[list[int]]) -> list[list[int]]:
+    """Each rank knows the copies of the experts it holds; agree on all of them."""
+    if ctx.world_size == 1 or not ctx.n_experts:
+        return at_copy
+    owned_units = {(layer, e) for (layer, e, part) in rec.unit_source if part == "model"}
+    flat = [at_copy[layer][e] if (layer, e) in owned_units else _NO_COPY
+            for layer, n in enumerate(ctx.n_experts) for e in range(n)]
+    t = torch.tensor(flat, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    agreed = _unflatten(t.tolist(), ctx.n_experts)
+    return [[at_base[layer][e] if v == _NO_COPY else v for e, v in enumerate(row)]
+            for layer, row in enumerate(agreed)]
+
+
+def _unflatten(values: Sequence[int], n_experts: Sequence[int]) -> list[list[int]]:
+    out, i = [], 0
+    for n in n_experts:
+        out.append(list(values[i:i + n]))
+        i += n
+    return out
+
+
+def _where_from(rec: Recovered) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+    """RestoreReport.sources and keys_from of a recovery."""
+    sources: dict[str, dict[str, Any]] = {}
+    keys_from: dict[str, int] = {}
+    for (layer, expert, part), src in sorted(rec.unit_source.items()):
+        keys_from[src.tier] = keys_from.get(src.tier, 0) + 1
+        if part == "model" or f"{layer}/{expert}" not in sources:
+            sources[f"{layer}/{expert}"] = {"step": src.step, "tier": str(src.tier),
+                                            "checkpoint": src.name}
+    return sources, keys_from

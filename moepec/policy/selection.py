@@ -1,0 +1,333 @@
+"""Which experts a checkpoint saves: the selection policies of PEC.
+
+Pure logic: no I/O, no torch. The manager calls :meth:`Selector.select` on every rank
+with identical state (the state travels in the checkpoint), so every rank gets the
+same answer without a collective.
+
+Policies
+--------
+``sequential`` is the paper's staggered round-robin. For K=1, MoE layer m saves expert
+(m + c) mod N at checkpoint c. For K > 1 we generalise it as a cursor per layer that
+starts at m mod N and advances past the K experts it takes, so with a constant K layer m
+saves experts (m + c*K + j) mod N, j = 0..K-1. Why a cursor rather than the closed
+formula: every expert is still saved at least every ceil(N/K) checkpoints, and the
+rotation stays fair when K changes between checkpoints (dynamic K, or a tier that is
+skipped once), because the next checkpoint always starts at the stalest expert.
+
+``load_aware`` saves the experts with most token assignments since their last save (the
+ones whose weights moved most); it has no staleness bound, which is why it is not the
+default.
+
+Two tiers
+---------
+:func:`select_two_tier` picks the persist set P (storage) and the snapshot set S (host
+RAM) with P a subset of S. Note on the bound: with P forced to follow its own rotation,
+"every expert in S at least every ceil(N/K_snapshot) checkpoints" is not always
+achievable (N=6, K_persist=2, K_snapshot=3 admits no schedule at all). When K_persist
+divides K_snapshot our schedule meets it exactly; otherwise it meets
+:func:`snapshot_gap_bound`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from moepec.errors import ConfigError, StructureMismatchError, check_choice
+
+
+class Selection(StrEnum):
+    """Which experts a checkpoint saves (DESIGN.md, terms)."""
+
+    SEQUENTIAL = "sequential"
+    """Staggered round-robin: every expert saved at least every ceil(N/K) checkpoints."""
+    LOAD_AWARE = "load_aware"
+    """The experts that received the most tokens since their last save."""
+
+
+def _checked_exclude(n_experts: int, exclude: frozenset[int]) -> frozenset[int]:
+    bad = sorted(e for e in exclude if not 0 <= e < n_experts)
+    if bad:
+        raise ConfigError(f"exclude holds expert ids {bad} outside 0..{n_experts - 1}")
+    return frozenset(exclude)
+
+
+def sequential_pick(
+    cursor: int, n_experts: int, k: int, exclude: frozenset[int] = frozenset()
+) -> tuple[tuple[int, ...], int]:
+    """Next ``k`` experts in round-robin order from ``cursor`` (mod n), skipping ``exclude``.
+
+    Returns (the taken experts sorted, the new cursor = one past the last taken, mod n).
+    ``k`` is capped at ``n_experts - len(exclude)``; taking none leaves the cursor as is.
+    Raises ConfigError for n_experts < 1, k < 0 or an exclude id outside 0..n-1.
+    """
+    if n_experts < 1:
+        raise ConfigError(f"n_experts must be >= 1, got {n_experts}")
+    if k < 0:
+        raise ConfigError(f"k must be >= 0, got {k}")
+    exclude = _checked_exclude(n_experts, exclude)
+    k = min(k, n_experts - len(exclude))
+    cursor %= n_experts
+    taken: list[int] = []
+    pos = cursor
+    while len(taken) < k:
+        if pos not in exclude:
+            taken.append(pos)
+        pos = (pos + 1) % n_experts
+    new_cursor = (taken[-1] + 1) % n_experts if taken else cursor
+    return tuple(sorted(taken)), new_cursor
+
+
+def load_aware_pick(
+    tokens_since_save: Sequence[int],
+    last_saved: Sequence[int],
+    k: int,
+    exclude: frozenset[int] = frozenset(),
+) -> tuple[int, ...]:
+    """The ``k`` experts with most token assignments since their last save, sorted by id.
+
+    Ties go to the stalest expert (smallest ``last_saved``; -1 = never saved comes first),
+    then to the lowest id. ``k`` is capped at the number of experts not in ``exclude``.
+    Raises ConfigError if the two sequences differ in length or k < 0.
+    """
+    n = len(tokens_since_save)
+    if len(last_saved) != n:
+        raise ConfigError(
+            f"tokens_since_save has {n} entries but last_saved has {len(last_saved)}; "
+            "pass one entry per expert in both"
+        )
+    if k < 0:
+        raise ConfigError(f"k must be >= 0, got {k}")
+    exclude = _checked_exclude(n, exclude)
+    ranked = sorted(
+        (e for e in range(n) if e not in exclude),
+        key=lambda e: (-tokens_since_save[e], last_saved[e], e),
+    )
+    return tuple(sorted(ranked[:k]))
+
+
+def _check_matrix(name: str, rows: Sequence[Sequence[int]], n_experts: tuple[int, ...]) -> None:
+    if len(rows) != len(n_experts) or any(
+        len(row) != n for row, n in zip(rows, n_experts)
+    ):
+        raise ConfigError(
+            f"{name} must have one row per MoE layer with one entry per expert "
+            f"(shape {list(n_experts)}), got row lengths {[len(r) for r in rows]}"
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class Selector:
+    """Stateful expert selector of one tier (snapshot or persist) over all MoE layers.
+
+    Called on every rank with the same inputs; its state is plain JSON (see
+    :meth:`state_dict`) and is saved with each checkpoint so a restored run continues
+    the same rotation.
+    """
+
+    n_experts: tuple[int, ...]
+    """Experts per MoE layer, in layer order (may differ per layer)."""
+    policy: Selection = Selection.SEQUENTIAL
+    """Which experts :meth:`select` picks."""
+    cursors: list[int] = field(default_factory=list)
+    """Sequential cursor per layer; empty means staggered: layer m starts at m % N_m."""
+    last_saved: list[list[int]] = field(default_factory=list)
+    """Checkpoint index of the last save per (layer, expert); -1 = never. Empty = all -1."""
+    tokens_since_save: list[list[int]] = field(default_factory=list)
+    """Token assignments since the last save per (layer, expert). Empty = all 0."""
+
+    def __post_init__(self) -> None:
+        self.n_experts = tuple(int(n) for n in self.n_experts)
+        if any(n < 1 for n in self.n_experts):
+            raise ConfigError(f"every MoE layer needs >= 1 expert, got {list(self.n_experts)}")
+        self.policy = check_choice(Selection, self.policy, "selection policy")
+        if not self.cursors:
+            self.cursors = [m % n for m, n in enumerate(self.n_experts)]
+        if not self.last_saved:
+            self.last_saved = [[-1] * n for n in self.n_experts]
+        if not self.tokens_since_save:
+            self.tokens_since_save = [[0] * n for n in self.n_experts]
+        if len(self.cursors) != len(self.n_experts):
+            raise ConfigError(f"cursors needs one entry per MoE layer ({len(self.n_experts)})")
+        self.cursors = [int(c) % n for c, n in zip(self.cursors, self.n_experts)]
+        _check_matrix("last_saved", self.last_saved, self.n_experts)
+        _check_matrix("tokens_since_save", self.tokens_since_save, self.n_experts)
+
+    @classmethod
+    def create(cls, n_experts: Sequence[int], policy: str = Selection.SEQUENTIAL) -> Selector:
+        """A fresh selector: staggered cursors, nothing saved, no tokens seen."""
+        return cls(n_experts=tuple(n_experts), policy=policy)
+
+    def observe(self, counts: Sequence[Sequence[int]]) -> None:
+        """Add one step's token assignments per (layer, expert). Raises ConfigError on a bad shape."""
+        _check_matrix("counts", counts, self.n_experts)
+        for row, add in zip(self.tokens_since_save, counts):
+            for e, c in enumerate(add):
+                if c < 0:
+                    raise ConfigError(f"token counts must be >= 0, got {c}")
+                row[e] += int(c)
+
+    def _check_k(self, k: int) -> None:
+        top = min(self.n_experts, default=k)
+        if not 1 <= k <= top:
+            raise ConfigError(
+                f"k={k} experts per layer is invalid; valid values are 1..{top} "
+                "(the fewest experts of any MoE layer)"
+            )
+
+    def select(
+        self, k: int, exclude: Sequence[frozenset[int]] | None = None
+    ) -> list[tuple[int, ...]]:
+        """The experts to save per layer (sorted ids); does not change any state.
+
+        ``exclude[m]`` are experts of layer m that must not be picked (for instance
+        those already chosen by the other tier); fewer than k come back if exclusions
+        leave fewer. Raises ConfigError for k outside 1..min(n_experts).
+        """
+        self._check_k(k)
+        if exclude is None:
+            exclude = [frozenset()] * len(self.n_experts)
+        if len(exclude) != len(self.n_experts):
+            raise ConfigError(f"exclude needs one set per MoE layer ({len(self.n_experts)})")
+        picked: list[tuple[int, ...]] = []
+        for layer, n in enumerate(self.n_experts):
+            if self.policy == "sequential":
+                experts, _ = sequential_pick(self.cursors[layer], n, k, exclude[layer])
+            else:
+                experts = load_aware_pick(
+                    self.tokens_since_save[layer], self.last_saved[layer], k, exclude[layer]
+                )
+            picked.append(experts)
+        return picked
+
+    def commit(self, selected: Sequence[Sequence[int]], checkpoint_index: int) -> None:
+        """Record that ``selected[m]`` of every layer m were saved at ``checkpoint_index``.
+
+        Call it once the checkpoint holding them is committed. Their ``last_saved``
+        becomes the index and their token counts reset to 0. The sequential cursor moves
+        past the run of saved experts that starts at it, in rotation order: after a
+        sequential pick that is exactly one past the last taken; when an excluded
+        expert sits inside the run (two tiers), commit the union so the run continues.
+        Validates everything before changing anything; raises ConfigError.
+        """
+        if checkpoint_index < 0:
+            raise ConfigError(f"checkpoint_index must be >= 0, got {checkpoint_index}")
+        if len(selected) != len(self.n_experts):
+            raise ConfigError(f"selected needs one entry per MoE layer ({len(self.n_experts)})")
+        chosen = [frozenset(int(e) for e in experts) for experts in selected]
+        for n, experts in zip(self.n_experts, chosen):
+            _checked_exclude(n, experts)
+        for layer, (n, experts) in enumerate(zip(self.n_experts, chosen)):
+            for e in experts:
+                self.last_saved[layer][e] = checkpoint_index
+                self.tokens_since_save[layer][e] = 0
+            cursor, steps = self.cursors[layer], 0
+            while cursor in experts and steps < n:
+                cursor, steps = (cursor + 1) % n, steps + 1
+            self.cursors[layer] = cursor
+
+    def state_dict(self) -> dict[str, Any]:
+        """A JSON-able deep copy of the state."""
+        return {
+            "n_experts": list(self.n_experts),
+            "policy": self.policy.value,
+            "cursors": list(self.cursors),
+            "last_saved": [list(r) for r in self.last_saved],
+            "tokens_since_save": [list(r) for r in self.tokens_since_save],
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Replace the state by one from :meth:`state_dict`.
+
+        The policy stays as configured here, so a resumed run may switch policy.
+        Raises StructureMismatchError if the experts per layer differ.
+        """
+        if tuple(d["n_experts"]) != self.n_experts:
+            raise StructureMismatchError(
+                f"selector state is for experts per layer {list(d['n_experts'])} but this "
+                f"model has {list(self.n_experts)}; restore into the same MoE structure"
+            )
+        loaded = Selector(
+            n_experts=self.n_experts,
+            policy=self.policy,
+            cursors=list(d["cursors"]),
+            last_saved=[list(r) for r in d["last_saved"]],
+            tokens_since_save=[list(r) for r in d["tokens_since_save"]],
+        )
+        self.cursors = loaded.cursors
+        self.last_saved = loaded.last_saved
+        self.tokens_since_save = loaded.tokens_since_save
+
+
+def snapshot_offsets(n_experts: int, k_persist: int, k_snapshot: int) -> tuple[int, ...]:
+    """Offsets from the persist cursor of the snapshot set when both tiers are sequential.
+
+    r = k_snapshot // k_persist blocks, each at least k_persist wide (block 0 starts at
+    offset 0 and so holds the persist window), separated by holes as equal as possible.
+    The persist cursor moves k_persist per checkpoint, so relative to it each expert
+    walks down by k_persist a checkpoint; a block k_persist wide cannot be jumped over,
+    and a hole h long is crossed in at most ceil(h / k_persist) checkpoints.
+    """
+    r = k_snapshot // k_persist
+    spare, holes = k_snapshot - r * k_persist, n_experts - k_snapshot
+    offsets: list[int] = []
+    start = 0
+    for i in range(r):
+        # Spare width goes to the far blocks first: next to the persist window it would
+        # mostly hold experts that are persisted at the next checkpoint anyway.
+        width = k_persist + spare // r + (1 if r - 1 - i < spare % r else 0)
+        offsets.extend(range(start, start + width))
+        start += width + holes // r + (1 if i < holes % r else 0)
+    assert start == n_experts and len(offsets) == k_snapshot
+    return tuple(offsets)
+
+
+def snapshot_gap_bound(n_experts: int, k_persist: int, k_snapshot: int) -> int:
+    """Most checkpoints between two snapshots of an expert under :func:`select_two_tier`.
+
+    Holds when both tiers are sequential and K is constant: 1 + ceil((N - K_s) / (r K_p))
+    with r = K_s // K_p. Equals ceil(N / K_s) when K_p divides K_s, and never exceeds
+    the persist bound ceil(N / K_p).
+    """
+    r = k_snapshot // k_persist
+    return 1 + -(-(n_experts - k_snapshot) // (r * k_persist))
+
+
+def select_two_tier(
+    persist: Selector, ram: Selector, k_persist: int, k_snapshot: int
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Pick the snapshot set S and the persist set P per layer; returns (S, P), P within S.
+
+    P = ``persist.select(k_persist)``. With both tiers sequential, S is P's window plus
+    evenly spaced blocks (:func:`snapshot_offsets`), which gives the bound of
+    :func:`snapshot_gap_bound`. Otherwise S = P plus ``ram.select(k_snapshot - k_persist,
+    exclude=P)``. Changes no state: afterwards commit ``persist`` with P and ``ram`` with
+    S. Raises ConfigError unless 1 <= k_persist <= k_snapshot <= N for every layer, or
+    if the two selectors cover different layers.
+    """
+    if persist.n_experts != ram.n_experts:
+        raise ConfigError(
+            f"persist and RAM selectors cover different layers ({list(persist.n_experts)} vs "
+            f"{list(ram.n_experts)}); create both from the same model"
+        )
+    top = min(persist.n_experts, default=k_snapshot)
+    if not 1 <= k_persist <= k_snapshot <= top:
+        raise ConfigError(
+            f"need 1 <= k_persist <= k_snapshot <= {top}, got k_persist={k_persist}, "
+            f"k_snapshot={k_snapshot}"
+        )
+    persisted = persist.select(k_persist)
+    if k_snapshot == k_persist:
+        return list(persisted), persisted
+    if persist.policy == ram.policy == "sequential":
+        snapshot = []
+        for cursor, n in zip(persist.cursors, persist.n_experts):
+            offsets = snapshot_offsets(n, k_persist, k_snapshot)
+            snapshot.append(tuple(sorted((cursor + d) % n for d in offsets)))
+    else:
+        extra = ram.select(k_snapshot - k_persist, exclude=[frozenset(p) for p in persisted])
+        snapshot = [tuple(sorted(set(p) | set(x))) for p, x in zip(persisted, extra)]
+    assert all(set(p) <= set(s) and len(s) == k_snapshot for p, s in zip(persisted, snapshot))
+    return snapshot, persisted

@@ -1,0 +1,1 @@
+"""Reading checkpoints back: stitching views, recovery records, offline inspect/verify/export."""

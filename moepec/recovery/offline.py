@@ -1,0 +1,215 @@
+"""Offline tools over a checkpoint root: inspect, verify, export.
+
+They read storage only (no model needed), so they work on any machine that can
+reach the path. Used by ``moepec inspect|verify|export``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moepec.errors import CheckpointError, NoCheckpointError
+from moepec.keys import parse_checkpoint_name, parse_key
+from moepec.recovery.stitch import read_verified, storage_source
+from moepec.store import manifest as mf
+from moepec.store.manifest import Manifest
+from moepec.store.storage import Storage, committed_manifests
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CheckpointRow:
+    name: str
+    step: int | None
+    committed: bool
+    bytes: int
+    full: bool = False
+    k_persist: int | None = None
+    experts_saved: list[list[int]] = field(default_factory=list)
+    plt: float | None = None
+    bytes_per_rank: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def inspect_path(path: str, storage_options: dict | None = None) -> dict[str, Any]:
+    """Table of checkpoints and the view of the newest one."""
+    st = Storage(path, storage_options)
+    found = committed_manifests(st)
+    rows: list[CheckpointRow] = []
+    for name, _ in found.listing:
+        m = found.manifests.get(name)
+        if m is not None:
+            rows.append(CheckpointRow(name=name, step=m.step, committed=True, bytes=m.bytes,
+                                      full=m.meta.full, k_persist=m.meta.k_persist,
+                                      experts_saved=m.meta.experts_saved, plt=m.meta.plt,
+                                      bytes_per_rank=m.bytes_per_rank))
+        elif name in found.damaged:
+            rows.append(CheckpointRow(name=name, step=seq_step(name), committed=False,
+                                      bytes=0, error=str(found.damaged[name])))
+        else:
+            rows.append(CheckpointRow(name=name, step=seq_step(name), committed=False,
+                                      bytes=st.data_bytes(name)))
+    head = found.newest
+    out: dict[str, Any] = {"path": path, "checkpoints": rows, "head": head}
+    if head:
+        m = found.manifests[head]
+        out["view_age"] = mf.view_age(m)
+        out["structure"] = m.meta.structure["experts"]
+        out["full_bytes"] = _full_bytes(m, found.manifests)
+    return out
+
+
+def seq_step(name: str) -> int:
+    """The step in a checkpoint folder's name."""
+    return parse_checkpoint_name(name)[1]
+
+
+def _full_bytes(m: Manifest, manifests: Mapping[str, Manifest]) -> int:
+    """Bytes of every key of the view (what a full checkpoint of that state holds)."""
+    total = 0
+    for key, src in m.view.items():
+        item = manifests[src].keys.get(key) if src in manifests else None
+        total += item.nbytes if item else 0
+    return total
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    checked: int = 0
+    bad: list[str] = field(default_factory=list)
+    uncommitted: list[str] = field(default_factory=list)
+    damaged_manifests: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad and not self.damaged_manifests
+
+
+def verify_path(path: str, storage_options: dict | None = None,
+                progress: Callable[[int, int], None] | None = None) -> VerifyResult:
+    """Read every item of every committed checkpoint and compare checksums."""
+    st = Storage(path, storage_options)
+    found = committed_manifests(st)
+    res = VerifyResult(uncommitted=list(found.uncommitted),
+                       damaged_manifests=[f"{n}: {e}" for n, e in found.damaged.items()])
+    total = sum(len(m.keys) for m in found.manifests.values())
+    for name, m in found.manifests.items():
+        _, bad = read_verified(storage_source(st, m), sorted(m.keys))
+        res.checked += len(m.keys)
+        res.bad += [f"{name}:{key}" for key in bad]
+        if progress:
+            progress(res.checked, total)
+    return res
+
+
+def read_view(path: str, storage_options: dict | None = None
+              ) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """The newest committed view, every key read and verified: (manifest, key -> tensor)."""
+    st = Storage(path, storage_options)
+    found = committed_manifests(st)
+    for name, exc in found.damaged.items():
+        log.warning("ignoring %s: %s", name, exc)
+    head = found.newest
+    if head is None:
+        raise NoCheckpointError(f"no committed checkpoint under {path}")
+    m = found.manifests[head]
+    by_src: dict[str, list[str]] = {}
+    for key, src in m.view.items():
+        by_src.setdefault(src, []).append(key)
+    values: dict[str, torch.Tensor] = {}
+    for src, keys in by_src.items():
+        if src not in found.manifests:
+            raise NoCheckpointError(f"{src}, needed by the view of {head}, is missing")
+        good, bad = read_verified(storage_source(st, found.manifests[src]), keys)
+        if bad:
+            raise CheckpointError(f"{src}:{bad[0]} fails its checksum or cannot be read; "
+                                  f"run `moepec verify {path}`")
+        values.update(good)
+    return m, values
+
+
+def consolidate(manifest: Manifest, values: dict[str, torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+    """Reassemble a view into ordinary names: ``model.<param>`` and ``optim.<param>.<state>``
+    full tensors (stacked experts put back at [e]); objects as ``objects.<name>`` bytes."""
+    structure = manifest.meta.structure
+    shapes = {n: (s, d) for n, s, d in structure["params"]}
+    layouts = {i: lay for i, (_, lay, _) in enumerate(structure["experts"])}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in values.items():
+        info = parse_key(key)
+        if not info.is_expert:
+            part, rest = key.split("/", 1)
+            out[f"{part}.{rest.replace('/', '.')}"] = value
+            continue
+        rest = key.split("/", 4)[4]
+        if info.part == "model":
+            pname, name = rest, f"model.{rest}"
+        else:
+            pname = rest.rsplit("/", 1)[0]
+            name = f"optim.{rest.replace('/', '.')}"
+        if layouts[info.layer] == "stacked":
+            if name not in out:
+                shape, dtype = shapes[pname]
+                out[name] = torch.zeros(shape, dtype=getattr(torch, dtype))
+            out[name][info.expert] = value
+        else:
+            out[name] = value
+    return out
+
+
+def export_view(path: str, out: str, fmt: str, storage_options: dict | None = None) -> int:
+    """Write the newest view as one plain DCP checkpoint or safetensors file; returns keys."""
+    manifest, values = read_view(path, storage_options)
+    tensors = consolidate(manifest, values)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        weights = {k[len("model."):]: v.contiguous() for k, v in tensors.items()
+                   if k.startswith("model.")}
+        save_file(weights, out, metadata={"moepec_step": str(manifest.step),
+                                          "moepec_checkpoint": manifest.name})
+        return len(weights)
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(tensors, checkpoint_id=out, no_dist=True)
+        return len(tensors)
+    raise CheckpointError(f"unknown export format {fmt!r}; use dcp or safetensors")
+
+
+def format_inspect(info: dict[str, Any]) -> str:
+    """The `moepec inspect` table."""
+    rows: list[CheckpointRow] = info["checkpoints"]
+    if not rows:
+        return f"{info['path']}: no checkpoints"
+    lines = [f"{info['path']}: {sum(r.committed for r in rows)} committed, "
+             f"{sum(not r.committed for r in rows)} uncommitted"]
+    lines.append(f"{'checkpoint':<28}{'step':>8}  {'state':<12}{'MB':>9}  {'K':>2}  "
+                 f"{'PLT':>8}  experts saved per layer")
+    for r in rows:
+        state = "committed" if r.committed else ("DAMAGED" if r.error else "uncommitted")
+        experts = "all (full)" if r.full else " ".join(
+            ",".join(map(str, layer)) for layer in r.experts_saved)
+        plt = f"{100 * r.plt:.3f}%" if r.plt is not None else "-"
+        k = str(r.k_persist) if r.k_persist is not None else "-"
+        lines.append(f"{r.name:<28}{r.step:>8}  {state:<12}{r.bytes / 1e6:>9.2f}  {k:>2}  "
+                     f"{plt:>8}  {experts if r.committed else (r.error or '')}")
+        if r.committed and len(r.bytes_per_rank) > 1:
+            lines.append(f"{'':<28}{'':>8}  bytes per rank: "
+                         + ", ".join(f"{b / 1e6:.2f}MB" for b in r.bytes_per_rank))
+    if info.get("head"):
+        head = next(r for r in rows if r.name == info["head"])
+        lines.append("")
+        lines.append(f"view of {info['head']} (step {head.step}); full checkpoint would be "
+                     f"{info['full_bytes'] / 1e6:.2f} MB, this one is {head.bytes / 1e6:.2f} MB")
+        lines.append("age of each expert's newest copy, in steps (layer: e0 e1 ...):")
+        for layer, ages in enumerate(info["view_age"]):
+            lines.append(f"  layer {layer}: " + " ".join(str(a) for a in ages))
+    return "\n".join(lines)

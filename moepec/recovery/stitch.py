@@ -1,0 +1,205 @@
+"""Recovery: stitch each key's newest good copy into one consistent training state.
+
+Rules:
+- The *base* is the newest usable checkpoint (the RAM snapshot if the process
+  survived, else the newest committed manifest). All non-expert state comes from
+  the base alone, so it is one consistent step; if any non-expert item of a base
+  is missing or corrupt, the next older base is tried.
+- Each expert *unit* (layer, expert, part: weights or optimizer state) is loaded
+  whole from the newest copy in the base's lineage that holds it and verifies;
+  a corrupt or missing copy falls back to the previous copy with a warning and
+  the extra lost tokens counted; with no copy left, recovery fails.
+- Lost token assignments of expert e in layer l = counts at the base minus counts
+  at the restored copy of its weights (PLT, DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from moepec.errors import CorruptCheckpointError, NoCheckpointError
+from moepec.keys import parse_key
+from moepec.store.checksum import checksum_matches
+from moepec.store.manifest import CheckpointMeta, Item, Manifest
+
+log = logging.getLogger(__name__)
+
+
+class Tier(StrEnum):
+    """Where a copy lives."""
+
+    RAM = "ram"
+    STORAGE = "storage"
+
+
+Unit = tuple[int, int, str]
+"""An expert unit restored whole: (MoE layer, global expert, part "model" | "optim")."""
+
+
+@dataclass(slots=True)
+class Source:
+    """One place copies can come from: a committed checkpoint or a RAM snapshot."""
+
+    name: str
+    """The checkpoint name, or ``ram:<seq>`` for a RAM snapshot."""
+    tier: Tier
+    meta: CheckpointMeta
+    """The bookkeeping of the checkpoint (step, counts, ledger, selectors, K)."""
+    keys: Mapping[str, Item]
+    """The items this source can supply."""
+    read: Callable[[dict[str, torch.Tensor]], None]
+    """Fills preallocated tensors (key -> tensor) from this source; raises on failure."""
+    manifest: Manifest | None = None
+    """The manifest, for a committed checkpoint."""
+    complete: bool = True
+    """Holds every non-expert key (a RAM snapshot some of whose shares were lost is not)."""
+
+    @property
+    def step(self) -> int:
+        return self.meta.step
+
+    @property
+    def seq(self) -> int:
+        return self.meta.seq
+
+    @property
+    def counts(self) -> list[list[int]]:
+        return self.meta.counts
+
+
+@dataclass(slots=True)
+class Recovered:
+    """What :func:`recover` chose and read."""
+
+    values: dict[str, torch.Tensor]
+    base: Source
+    unit_source: dict[Unit, Source]
+    warnings: list[str]
+
+
+def _alloc(item: Item) -> torch.Tensor:
+    return torch.empty(item.shape, dtype=getattr(torch, item.dtype))
+
+
+def storage_source(storage, manifest: Manifest) -> Source:
+    """A committed checkpoint as a Source (``storage`` is a moepec.store.storage.Storage)."""
+    name = manifest.name
+    return Source(name=name, tier=Tier.STORAGE, meta=manifest.meta, keys=manifest.keys,
+                  read=lambda targets: storage.read(name, targets), manifest=manifest)
+
+
+def read_verified(src: Source, keys: Sequence[str], verify: bool = True
+                  ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Read ``keys`` from ``src`` in one pass; return (good values, bad keys). A failed read
+    is retried key by key to isolate the bad ones. Never raises for bad data."""
+    targets = {k: _alloc(src.keys[k]) for k in keys}
+    try:
+        src.read(targets)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - isolate the bad key below
+        if len(keys) == 1:
+            log.debug("reading %s from %s failed: %s", keys[0], src.name, exc)
+            return {}, list(keys)
+        good: dict[str, torch.Tensor] = {}
+        bad: list[str] = []
+        for k in keys:
+            g, b = read_verified(src, [k], verify)
+            good.update(g)
+            bad += b
+        return good, bad
+    bad = []
+    if verify and src.tier == Tier.STORAGE:
+        bad = [k for k, t in targets.items() if not checksum_matches(t, src.keys[k].checksum)]
+    return {k: v for k, v in targets.items() if k not in bad}, bad
+
+
+def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]],
+            required_of: Callable[[Source], set[str]], verify: bool = True) -> Recovered:
+    """Choose a base and stitch every key. Raises NoCheckpointError when impossible.
+
+    ``bases`` are tried newest first; ``lineage_of(base)`` lists the sources that may
+    supply copies, newest first; ``required_of(base)`` names every expert key the
+    restored state must contain. Reads only; no collective.
+    """
+    warnings: list[str] = []
+    for base in bases:
+        ne_keys = [k for k in base.keys if not parse_key(k).is_expert]
+        values, bad = read_verified(base, ne_keys, verify)
+        if bad:
+            msg = (f"{base.name}: {len(bad)} non-expert item(s) corrupt or missing "
+                   f"(e.g. {bad[0]}); trying an older checkpoint")
+            log.warning(msg)
+            warnings.append(msg)
+            continue
+        units = _expert_units(required_of(base))
+        unit_source = _stitch(units, lineage_of(base), values, warnings, verify)
+        return Recovered(values=values, base=base, unit_source=unit_source, warnings=warnings)
+    raise CorruptCheckpointError(
+        "every committed checkpoint has corrupt or missing non-expert state: "
+        + "; ".join(warnings) + ". Run `moepec verify PATH` to see the damage")
+
+
+def _expert_units(required: set[str]) -> dict[Unit, set[str]]:
+    """The expert keys of ``required`` grouped by unit."""
+    units: dict[Unit, set[str]] = defaultdict(set)
+    for k in required:
+        info = parse_key(k)
+        if info.is_expert:
+            units[(info.layer, info.expert, info.part)].add(k)
+    return units
+
+
+def _stitch(units: Mapping[Unit, set[str]], lineage: Sequence[Source],
+            values: dict[str, torch.Tensor], warnings: list[str], verify: bool
+            ) -> dict[Unit, Source]:
+    """Read every unit whole from its newest intact copy in ``lineage`` into ``values``;
+    a bad copy falls back to the next older one. Returns each unit's source."""
+    unit_source: dict[Unit, Source] = {}
+    pending: dict[Unit, list[Source]] = {
+        u: [s for s in lineage if keys <= s.keys.keys()] for u, keys in units.items()}
+    while pending:
+        by_src: dict[int, list[Unit]] = defaultdict(list)
+        for u, cands in pending.items():
+            if not cands:
+                raise NoCheckpointError(
+                    f"no intact copy left of expert {u[1]} of MoE layer {u[0]} ({u[2]}); "
+                    f"the checkpoints under this path cannot restore it — restore an "
+                    f"older path or start from scratch")
+            by_src[id(cands[0])].append(u)
+        for group in by_src.values():  # one read per source: its units in one pass
+            src = pending[group[0]][0]
+            good, bad = read_verified(src, [k for u in group for k in sorted(units[u])],
+                                      verify)
+            bad_set = set(bad)
+            for u in group:
+                if units[u] & bad_set:
+                    for k in units[u]:
+                        good.pop(k, None)
+                    msg = (f"{src.name}: expert {u[1]} of layer {u[0]} ({u[2]}) is corrupt "
+                           f"or missing; falling back to an older copy")
+                    log.warning(msg)
+                    warnings.append(msg)
+                    pending[u] = pending[u][1:]
+                else:
+                    unit_source[u] = src
+                    del pending[u]
+            values.update(good)
+    return unit_source
+
+
+def lost_tokens(rec: Recovered) -> tuple[list[list[int]], list[list[int]]]:
+    """(counts at the base, counts at each expert's restored weights copy)."""
+    at_base = [list(row) for row in rec.base.counts]
+    at_copy = [list(row) for row in at_base]
+    for (layer, expert, part), src in rec.unit_source.items():
+        # The weights decide what training progress an expert keeps; with
+        # pec_scope="optimizer" weights are always fresh and only moments are stale.
+        if part == "model":
+            at_copy[layer][expert] = src.counts[layer][expert]
+    return at_base, at_copy

@@ -1,0 +1,139 @@
+"""Which keys a checkpoint holds and this rank's share of them (the write plan applied).
+
+Pure apart from reading tensor sizes from the catalogue; every rank calls it with the
+same keys and gets a disjoint share, so the union of all shares is every key once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moepec.keys import parse_key
+from moepec.policy.plan import Item, make_plan
+from moepec.state.catalog import StateCatalog
+
+
+def rank_share(keys: list[str], catalog: StateCatalog, *, rank: int, world_size: int,
+               ep_size: int, mode: str) -> list[str]:
+    """The write plan over ranks. An expert's weights (and, separately, its optimizer
+    state) form one item: a unit restored whole must be written whole by one rank,
+    so that the RAM share of a surviving rank holds complete units."""
+    everyone = tuple(range(world_size))
+    units: dict[str, list[str]] = {}
+    items = []
+    for k in keys:
+        if k.startswith("objects/"):
+            continue  # replicated small objects: rank 0 writes them
+        info = parse_key(k)
+        if info.is_expert:
+            unit = f"{info.layer}/{info.expert}/{info.part}"
+            if unit in units:
+                units[unit].append(k)
+                continue
+            units[unit] = [k]
+            n_local = catalog.emap.layers[info.layer].n_experts
+            owner_ep = info.expert // n_local
+            holders = tuple(r for r in everyone if r % ep_size == owner_ep)
+            items.append(Item(key=unit, nbytes=0, holders=holders, layer=info.layer,
+                              expert=info.expert))
+        else:
+            items.append(Item(key=k, nbytes=catalog.nbytes(k), holders=everyone,
+                              layer=_module_group(k)))
+    sizes = {u: sum(catalog.nbytes(k) for k in ks) for u, ks in units.items()}
+    items = [Item(key=it.key, nbytes=sizes[it.key], holders=it.holders, layer=it.layer,
+                  expert=it.expert) if it.key in sizes else it for it in items]
+    plan = make_plan(items, world_size, mode)
+    mine = set()
+    for key in plan.keys_for(rank):
+        mine.update(units.get(key, [key]))
+    if rank == 0:
+        mine.update(k for k in keys if k.startswith("objects/"))
+    return [k for k in keys if k in mine]
+
+
+def _module_group(key: str) -> int:
+    """Group non-expert keys by transformer block (``blocks.<i>.``) for layer-wise sharding."""
+    for part in key.split("/", 2)[-1].split(".")[:-1]:
+        if part.isdigit():
+            return int(part)
+    return -1
+
+
+SCOPE_PARTS = {
+    "all": (("model", "optim"), ()),
+    "optimizer": (("optim",), ("model",)),
+    "weights": (("model",), ("optim",)),
+}
+"""pec_scope -> (expert parts saved for the selected experts, parts saved for every expert)."""
+
+
+class CheckpointKeys:
+    """The keys of a checkpoint and this rank's share of them, with the live tensors
+    behind them; cached between checkpoints.
+
+    The cache is rebuilt only when the optimizer grew state (its first step) or after
+    :meth:`invalidate` (a restore may replace tensors). Training thread only.
+    """
+
+    def __init__(self, catalog: StateCatalog, *, pec_scope: str, rank: int, world_size: int,
+                 ep_size: int, write_mode: str) -> None:
+        self.catalog = catalog
+        self.sel_parts, self.all_parts = SCOPE_PARTS[pec_scope]
+        self.rank, self.world_size, self.ep_size = rank, world_size, ep_size
+        self.write_mode = write_mode
+        self._cache: dict = {}
+
+    def invalidate(self) -> None:
+        self._cache = {}
+
+    def _current(self) -> dict:
+        opt = self.catalog.optimizer
+        sig = len(opt.state) if opt is not None else 0
+        if self._cache.get("sig") != sig:
+            self._cache = {"sig": sig, "live": {}, "plans": {},
+                           "base": self.catalog.non_expert_tensor_keys()
+                           + self.catalog.object_keys()}
+        return self._cache
+
+    def live(self, key: str) -> torch.Tensor:
+        """The live tensor behind a tensor key (a view, never a copy)."""
+        live = self._current()["live"]
+        t = live.get(key)
+        if t is None:
+            t = live[key] = self.catalog.tensor(key)
+        return t
+
+    def keys_for(self, selected: Sequence[Sequence[int]]) -> list[str]:
+        """Every key of a checkpoint that saves the experts ``selected[layer]`` (all ranks)."""
+        cache = self._current()
+        keys = list(cache["base"])
+        for layer, n in enumerate(self.catalog.n_global):
+            chosen = set(selected[layer])
+            for e in range(n):
+                parts = self.all_parts + (self.sel_parts if e in chosen else ())
+                if parts:
+                    ck = (layer, e, parts)
+                    if ck not in cache:
+                        cache[ck] = self.catalog.expert_keys(layer, e, parts)
+                    keys += cache[ck]
+        return keys
+
+    def mine(self, keys: list[str]) -> list[str]:
+        """This rank's share of ``keys`` under the write plan (all of them on one rank).
+
+        Every rank computes the same plan: non-expert items are held by all ranks,
+        an expert by the ranks of its expert-data-parallel group.
+        """
+        if self.world_size == 1:
+            return keys
+        plans = self._current()["plans"]
+        key = tuple(keys)
+        if key not in plans:
+            if len(plans) >= 64:  # load_aware can pick many combinations: stay bounded
+                plans.clear()
+            plans[key] = rank_share(keys, self.catalog, rank=self.rank,
+                                    world_size=self.world_size, ep_size=self.ep_size,
+                                    mode=self.write_mode)
+        return plans[key]

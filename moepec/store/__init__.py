@@ -1,0 +1,1 @@
+"""The two tiers and the commit: RAM snapshots, DCP storage on fsspec, manifests, persist."""

@@ -1,0 +1,174 @@
+"""A DCP storage writer and reader that store each tensor as its raw bytes.
+
+DCP's stock writers frame every item with ``torch.save`` (a small zip archive per
+tensor). For a checkpoint of many mid-sized tensors, as a PEC checkpoint is (one item
+per expert slice and optimizer moment), that framing costs more than writing the
+bytes: on this project's reference checkpoint (618 items, 94 MB) ``dcp.save`` with
+``FileSystemWriter`` took 0.21 s against 0.08 s for the bytes alone.
+
+These classes keep everything else of DCP: its planners, its collective save and
+load, its ``.metadata`` file and its per-item ``_StorageInfo`` (file, offset, length).
+Only the item bytes differ: each tensor is its contiguous storage bytes (native byte
+order), and its ``_StorageInfo.transform_descriptors`` is ``["moepec.raw/1"]``. A
+stock ``FileSystemReader`` meets that descriptor and stops with
+``Unknown extension name='moepec.raw'`` instead of misreading the bytes; read such a
+checkpoint with :class:`RawFileSystemReader` (or ``moepec export --format dcp`` to
+convert it to stock DCP). The readers here also read items written by the stock
+writers, so one reader serves checkpoints of either serialization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from moepec.store.checksum import tensor_bytes
+
+RAW_DESCRIPTOR = "moepec.raw/1"
+SUPPORTED = "transform_descriptors" in {f.name for f in dataclasses.fields(_StorageInfo)}
+"""Whether this torch's DCP records per-item descriptors (newer torch does), which the raw
+items need to be told apart from torch.save-framed ones."""
+
+
+class _RawWrite:
+    """``write_data`` for FileSystemWriter and FsspecWriter: one file per rank, the
+    items back to back, fsync'd when the writer syncs files. Every tensor item must be
+    a whole tensor (one chunk): sharded tensors (DTensor, ShardedTensor) need the stock
+    writers. The stock writers' ``thread_count``, ``serialization_format`` and
+    ``_extensions`` options do not apply here."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        path = self.fs.concat_path(self.path, name)
+        results = []
+        offset = 0
+        bufs = []
+        for item in plan.items:
+            td = item.tensor_data
+            if td is not None and (any(td.chunk.offsets) or td.chunk.sizes != td.size):
+                raise ValueError(
+                    f"{item.index.fqn}: the raw DCP writer stores whole tensors only, got "
+                    f"a shard {list(td.chunk.sizes)} at {list(td.chunk.offsets)} of "
+                    f"{list(td.size)}; save sharded tensors with DCP's FileSystemWriter")
+            data = planner.resolve_data(item)
+            buf = data.getbuffer() if item.type == WriteItemType.BYTE_IO else tensor_bytes(data)
+            info = _StorageInfo(name, offset, len(buf), transform_descriptors=[RAW_DESCRIPTOR])
+            results.append(WriteResult(index=item.index, size_in_bytes=len(buf),
+                                       storage_data=info))
+            bufs.append(buf)
+            offset += len(buf)
+        with self.fs.create_stream(path, "wb") as stream:
+            for buf in bufs:
+                stream.write(buf)
+            if self.sync_files:
+                stream.flush()
+                try:
+                    os.fsync(stream.fileno())
+                except (AttributeError, io.UnsupportedOperation):
+                    os.sync()  # what DCP's own writers do on streams without a descriptor
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+
+class RawFileSystemWriter(_RawWrite, FileSystemWriter):
+    """FileSystemWriter storing raw tensor bytes (local paths; fsync'd by default)."""
+
+
+class RawFsspecWriter(_RawWrite, FsspecWriter):
+    """FsspecWriter storing raw tensor bytes (s3://, memory://, any fsspec URL)."""
+
+
+def _read_exact(stream: Any, view: memoryview, what: str) -> None:
+    got = 0
+    while got < len(view):
+        n = stream.readinto(view[got:])
+        if not n:
+            raise OSError(f"{what}: file ends after {got} of {len(view)} bytes (truncated)")
+        got += n
+
+
+class _RawRead:
+    """``read_data`` that reads raw items straight into their targets and hands any
+    other (stock, torch.save-framed) item to the stock reader."""
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
+                              *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._tensor_md = metadata.state_dict_metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        raw, other = [], []
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            (raw if RAW_DESCRIPTOR in (info.transform_descriptors or ()) else other).append(req)
+        if other:
+            super().read_data(LoadPlan(other, plan.storage_data), planner).wait()
+        per_file = defaultdict(list)
+        for req in raw:
+            per_file[self.storage_data[req.storage_index].relative_path].append(req)
+        for rel, reqs in per_file.items():
+            reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+            with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as stream:
+                for req in reqs:
+                    self._read_one(stream, req, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_one(self, stream: Any, req, planner: LoadPlanner) -> None:
+        info = self.storage_data[req.storage_index]
+        stream.seek(info.offset)
+        what = f"{req.storage_index.fqn} in {info.relative_path}"
+        if req.type == LoadItemType.BYTE_IO:
+            buf = bytearray(info.length)
+            _read_exact(stream, memoryview(buf), what)
+            planner.load_bytes(req, io.BytesIO(bytes(buf)))
+            return
+        md = self._tensor_md[req.storage_index.fqn]
+        if not isinstance(md, TensorStorageMetadata) or len(md.chunks) != 1:
+            raise ValueError(f"{what}: raw items are whole tensors (one chunk)")
+        size, dtype = md.chunks[0].sizes, md.properties.dtype
+        target = planner.resolve_tensor(req).detach()
+        whole = list(req.lengths) == list(size) and not any(req.storage_offsets)
+        if (whole and target.is_cpu and target.is_contiguous() and target.dtype == dtype
+                and not target.is_conj() and not target.is_neg()
+                and target.numel() * target.element_size() == info.length):
+            if info.length:
+                _read_exact(stream, tensor_bytes(target), what)
+        else:
+            src = torch.empty(size, dtype=dtype)
+            if info.length != src.numel() * src.element_size():
+                raise ValueError(f"{what}: {info.length} bytes stored, {size} {dtype} expected")
+            if info.length:
+                _read_exact(stream, tensor_bytes(src), what)
+            target.copy_(narrow_tensor_by_index(src, req.storage_offsets, req.lengths))
+        planner.commit_tensor(req, target)
+
+
+class RawFileSystemReader(_RawRead, FileSystemReader):
+    """FileSystemReader that also reads raw items (local paths)."""
+
+
+class RawFsspecReader(_RawRead, FsspecReader):
+    """FsspecReader that also reads raw items (any fsspec URL)."""

@@ -1,0 +1,1 @@
+"""The reference trainer (app layer): config, loop, steps, data, process groups, faults."""

@@ -1,0 +1,287 @@
+"""Fault injection: deterministic by (rank, step) or seeded random, for tests and demos.
+
+Kinds (``FaultPlan`` entries):
+- ``sigkill``: SIGKILL this rank's process at the start of a step;
+- ``exception``: raise :class:`InjectedFault` inside a training step (after backward);
+- ``kill_persist``: SIGKILL while the persist worker writes checkpoint data;
+- ``kill_commit``: SIGKILL after the data is written and before the manifest commit;
+- ``storage_error`` / ``enospc`` / ``slow_storage``: storage writes fail, fail with
+  ENOSPC, or are slowed, through :class:`FaultyFileSystem` (an fsspec filesystem);
+- ``corrupt``: flip bytes in a committed checkpoint's data file.
+
+Faults fire once: a marker file under ``state_dir`` records those already fired, so a
+restarted worker (torchrun ``--max-restarts``) does not fire the same fault again.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from moepec.errors import ConfigError, MoepecError
+
+log = logging.getLogger(__name__)
+
+KINDS = ("sigkill", "exception", "kill_persist", "kill_commit", "storage_error", "enospc",
+         "slow_storage", "corrupt")
+
+
+class InjectedFault(MoepecError):
+    """An exception raised on purpose inside a training step."""
+
+
+# -- storage that fails on demand ------------------------------------------------
+class FaultyFileSystem(LocalFileSystem):
+    """A local filesystem (``faulty://<path>``) whose writes can be made to fail or crawl.
+
+    Switches are class-level so every instance fsspec creates sees them:
+    ``FaultyFileSystem.mode`` is ``None`` (healthy), ``"error"`` (OSError EIO),
+    ``"enospc"`` (OSError ENOSPC) or ``"slow"`` (sleep ``delay_s`` per write).
+    """
+
+    protocol = "faulty"
+    root_marker = "/"
+    mode: str | None = None
+    delay_s: float = 0.05
+    failures = 0
+    _lock = threading.Lock()
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = str(path)
+        if path.startswith("faulty://"):
+            path = path[len("faulty://"):]
+        return LocalFileSystem._strip_protocol(path)
+
+    def _open(self, path, mode="rb", **kwargs):
+        if any(c in mode for c in "wa") and not str(path).endswith("moepec-write-probe"):
+            self._maybe_fail(path)
+        return super()._open(path, mode=mode, **kwargs)
+
+    def pipe_file(self, path, value, **kwargs):
+        self._maybe_fail(path)
+        return super().pipe_file(path, value, **kwargs)
+
+    @classmethod
+    def _maybe_fail(cls, path) -> None:
+        mode = cls.mode
+        if mode == "slow":
+            time.sleep(cls.delay_s)
+        elif mode in ("error", "enospc"):
+            with cls._lock:
+                cls.failures += 1
+            code = errno.ENOSPC if mode == "enospc" else errno.EIO
+            raise OSError(code, f"{os.strerror(code)} (injected by moepec.train.faults)", str(path))
+
+
+fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)
+
+
+# -- fault plans -------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"unknown fault kind {self.kind!r}; choose from {', '.join(KINDS)}")
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}@{self.step}:r{self.rank}"
+
+
+@dataclass(slots=True)
+class FaultPlan:
+    """Which faults fire where; fired ones are remembered in ``state_dir``."""
+
+    faults: list[Fault] = field(default_factory=list)
+    state_dir: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str, state_dir: str | None = None) -> FaultPlan:
+        """``"sigkill@40,exception@90:r1,kill_persist@150"`` -> FaultPlan."""
+        faults = []
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            try:
+                kind, rest = part.split("@", 1)
+                step, _, rank = rest.partition(":r")
+                faults.append(Fault(kind=kind, step=int(step), rank=int(rank or 0)))
+            except ValueError as exc:
+                raise ConfigError(f"bad fault {part!r}: write KIND@STEP or KIND@STEP:rRANK, "
+                                  f"e.g. sigkill@40:r1") from exc
+        return cls(faults=faults, state_dir=state_dir)
+
+    @classmethod
+    def random(cls, seed: int, steps: int, mtbf_steps: float, kinds: tuple[str, ...],
+               world_size: int = 1, state_dir: str | None = None) -> FaultPlan:
+        """Faults at exponential intervals of mean ``mtbf_steps``, seeded."""
+        rng = random.Random(seed)
+        faults, t = [], 0.0
+        while True:
+            t += rng.expovariate(1.0 / mtbf_steps)
+            if t >= steps:
+                break
+            faults.append(Fault(kind=rng.choice(kinds), step=max(1, int(t)),
+                                rank=rng.randrange(world_size)))
+        return cls(faults=faults, state_dir=state_dir)
+
+    def _fired_path(self) -> Path | None:
+        return Path(self.state_dir) / "faults-fired.json" if self.state_dir else None
+
+    def fired(self) -> set[str]:
+        p = self._fired_path()
+        if p and p.exists():
+            return set(json.loads(p.read_text()))
+        return set()
+
+    def mark(self, fault: Fault) -> None:
+        p = self._fired_path()
+        if p is None:
+            return
+        p.parent.mkdir(parents=True, exist_ok=True)
+        done = self.fired() | {fault.key}
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(sorted(done)))
+        os.replace(tmp, p)
+
+    def due(self, step: int, rank: int, kinds: tuple[str, ...] | None = None) -> list[Fault]:
+        fired = self.fired()
+        return [f for f in self.faults if f.step == step and f.rank == rank
+                and f.key not in fired and (kinds is None or f.kind in kinds)]
+
+
+def kill_self() -> None:
+    """SIGKILL this process (no cleanup, no atexit: a real crash)."""
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def corrupt_item(ckpt_dir: str | Path, fqn: str) -> None:
+    """Flip the bytes of the second half of item ``fqn`` in a local DCP checkpoint folder
+    (located through the checkpoint's own .metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt_dir)).read_metadata()
+    info = next(i for idx, i in md.storage_data.items() if idx.fqn == fqn)
+    file = Path(ckpt_dir) / info.relative_path
+    data = bytearray(file.read_bytes())
+    for i in range(info.offset + info.length // 2, info.offset + info.length - 8):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def corrupt_newest(storage_url: str, rng: random.Random) -> str | None:
+    """Flip bytes in one expert item of the newest committed checkpoint (local paths only).
+    Returns 'checkpoint:key' or None when there is nothing to corrupt."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from moepec.store.storage import Storage
+
+    path = storage_url[len("faulty://"):] if storage_url.startswith("faulty://") else storage_url
+    st = Storage(path)
+    if not st.local:
+        return None
+    names = st.committed()
+    if not names:
+        return None
+    name = names[-1]
+    md = FileSystemReader(f"{st.root}/{name}").read_metadata()
+    fqns = sorted(idx.fqn for idx in md.storage_data if idx.fqn.startswith("experts/"))
+    if not fqns:
+        return None
+    fqn = fqns[rng.randrange(len(fqns))]
+    corrupt_item(Path(st.root) / name, fqn)
+    return f"{name}:{fqn}"
+
+
+class FaultInjector:
+    """Fires a FaultPlan's faults from the training loop (one per rank).
+
+    Call ``before_step(step)`` at the top of every step and ``after_backward(step)``
+    after the backward pass. Fired faults are recorded before they act, so a restarted
+    process does not fire them again. ``on_event`` receives a dict per fault.
+    """
+
+    def __init__(self, plan: FaultPlan, rank: int, ckpt_url: str | None, seed: int = 0,
+                 storage_fault_steps: int = 16,
+                 on_event: Callable[[dict], None] | None = None,
+                 log_path: str | None = None) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.ckpt_url = ckpt_url
+        self.rng = random.Random(seed * 1000 + rank)
+        self.storage_fault_steps = storage_fault_steps
+        self.on_event = on_event or (lambda e: None)
+        self.log_path = log_path
+        self._storage_until = -1
+
+    def _fire(self, fault: Fault, step: int, **extra) -> None:
+        self.plan.mark(fault)
+        event = {"event": "fault", "kind": fault.kind, "step": step, "rank": self.rank,
+                 "time": time.time(), **extra}
+        log.warning("injecting fault %s at step %d on rank %d", fault.kind, step, self.rank)
+        if self.log_path:
+            # Any rank, before the fault acts (a SIGKILL leaves no chance later); one
+            # O_APPEND write per line keeps lines of several ranks whole.
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, (json.dumps(event) + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self.on_event(event)
+
+    def before_step(self, step: int) -> None:
+        if self._storage_until >= 0 and step >= self._storage_until:
+            FaultyFileSystem.mode = None
+            self._storage_until = -1
+            log.warning("storage healthy again at step %d", step)
+        for fault in self.plan.due(step, self.rank):
+            if fault.kind == "sigkill":
+                self._fire(fault, step)
+                kill_self()
+            elif fault.kind in ("kill_persist", "kill_commit"):
+                self._fire(fault, step)
+                self._arm_persist_kill(fault.kind)
+            elif fault.kind in ("storage_error", "enospc", "slow_storage"):
+                self._fire(fault, step, until=step + self.storage_fault_steps)
+                FaultyFileSystem.mode = {"storage_error": "error", "enospc": "enospc",
+                                         "slow_storage": "slow"}[fault.kind]
+                self._storage_until = step + self.storage_fault_steps
+            elif fault.kind == "corrupt":
+                target = corrupt_newest(self.ckpt_url, self.rng) if self.ckpt_url else None
+                self._fire(fault, step, target=target)
+
+    def after_backward(self, step: int) -> None:
+        for fault in self.plan.due(step, self.rank, kinds=("exception",)):
+            self._fire(fault, step)
+            raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
+
+    def _arm_persist_kill(self, kind: str) -> None:
+        from moepec.store import persist
+
+        delay = self.rng.uniform(0.0, 0.01)
+
+        def hook(where: str, name: str) -> None:
+            if kind == "kill_persist" and where == "write":
+                threading.Timer(delay, kill_self).start()  # while DCP writes the data
+            elif kind == "kill_commit" and where == ("before_commit" if self.rank == 0
+                                                     else "written"):
+                kill_self()  # data written, manifest not (rank 0 commits)
+
+        persist.fault_hook = hook

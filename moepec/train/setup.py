@@ -1,0 +1,126 @@
+"""Building a training run: the model, optimizer, data and checkpoint manager of one
+call to :func:`moepec.train.trainer.train`, in an order every rank follows.
+
+Kept apart from :mod:`moepec.train.trainer` so the loop reads on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from moepec.errors import ConfigError
+from moepec.models import GPTMoE, GPTMoEConfig
+from moepec.models.parallel import ExpertParallel, init_expert_parallel
+from moepec.train import dist
+from moepec.train.config import Device, TrainConfig
+from moepec.train.data import TokenLoader, eval_batches, load_corpus
+from moepec.train.steps import build_optimizer, build_scheduler
+from moepec.train.wiring import build_injector, build_manager
+
+__all__ = ["Run", "device_for", "setup"]
+
+log = logging.getLogger(__name__)
+
+
+def device_for(cfg: TrainConfig, info: dist.DistInfo) -> torch.device:
+    """The torch device this rank trains on (``cfg.device``)."""
+    if cfg.device == Device.CPU or (cfg.device == Device.AUTO and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but CUDA is not available; use --device cpu")
+    return torch.device("cuda", info.local_rank)
+
+
+@dataclass(slots=True)
+class Run:
+    """The live objects of one training run (built once, reused across restarts)."""
+
+    model: GPTMoE
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    loader: TokenLoader
+    val: list[tuple[torch.Tensor, torch.Tensor]]
+    device: torch.device
+    manager: Any  # CheckpointManager or None
+    tokens_per_step: int
+    injector: Any = None  # moepec.train.faults.FaultInjector or None
+
+
+def _check_world(cfg: TrainConfig, info: dist.DistInfo) -> None:
+    """What the config can only be checked against once the number of ranks is known."""
+    if cfg.batch_size % info.world_size:
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by {info.world_size} ranks; "
+            "use a multiple of the number of ranks"
+        )
+    if info.world_size % cfg.ep:
+        raise ConfigError(
+            f"ep={cfg.ep} does not divide the {info.world_size} rank(s); use an --ep that "
+            "divides the number of ranks (torchrun --nproc_per_node)"
+        )
+
+
+def _load_data(cfg: TrainConfig, info: dist.DistInfo, seq_len: int,
+               ) -> tuple[TokenLoader, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """This rank's training loader and its share of the fixed validation batches."""
+    corpus = load_corpus(cfg.data)
+    loader = TokenLoader(corpus.train, seq_len, cfg.batch_size, cfg.seed,
+                         rank=info.rank, world_size=info.world_size)
+    val = eval_batches(corpus.val, seq_len, cfg.batch_size, cfg.eval_batches,
+                       rank=info.rank, world_size=info.world_size)
+    if cfg.eval_batches and not val and info.rank == 0:
+        log.warning("validation split (%d tokens) is shorter than one sequence; "
+                    "no validation loss", len(corpus.val))
+    return loader, val
+
+
+def _build_model(cfg: TrainConfig, model_cfg: GPTMoEConfig, ep: ExpertParallel,
+                 device: torch.device, info: dist.DistInfo) -> GPTMoE:
+    """The model, initialised alike on every rank (checked: collective).
+
+    Leaves torch's RNG seeded per rank, for dropout.
+    """
+    # Same seed on every rank -> same init; built on CPU so CUDA runs start identically.
+    # Under EP each rank keeps its experts' part of the same full init.
+    torch.manual_seed(cfg.seed)
+    model = GPTMoE(model_cfg, ep).to(device)
+    # Non-expert weights must agree on all ranks, experts over their replicas (the
+    # expert-data-parallel group; everyone when ep=1).
+    expert, other = dist.split_expert_parameters(model)
+    for params, group, what in ((other, None, "the initial non-expert weights"),
+                                (expert, ep.expert_dp_group, "the initial expert weights")):
+        checksum = sum(float(p.detach().double().sum()) for p in params)
+        dist.check_same_across_ranks(checksum, what, group=group, device=device)
+    # Different dropout masks per rank (the data already differs; this keeps it so).
+    torch.manual_seed(cfg.seed + info.rank)
+    return model
+
+
+def setup(cfg: TrainConfig, info: dist.DistInfo) -> Run:
+    """Build everything a run needs. Called by :func:`moepec.train.trainer.train` on every
+    rank, once per call (restarts reuse it); collective: the EP groups, the init check and
+    the checkpoint manager meet all ranks, in this order."""
+    model_cfg = cfg.model_config()
+    _check_world(cfg, info)
+    device = device_for(cfg, info)
+    loader, val = _load_data(cfg, info, model_cfg.seq_len)
+    # Collective: every rank creates every EP group (a no-op for ep=1).
+    ep = init_expert_parallel(cfg.ep, cfg.dist_timeout_s)
+    model = _build_model(cfg, model_cfg, ep, device, info)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    manager = build_manager(cfg, model, optimizer, scheduler, loader, ep)
+    if info.rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        log.info("training %s (%.2fM params on rank 0) on %d rank(s), ep %d, %s, %d steps, "
+                 "global batch %d x %d tokens", cfg.config, n_params / 1e6, info.world_size,
+                 ep.size, device, cfg.steps, cfg.batch_size, model_cfg.seq_len)
+    return Run(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, val=val,
+               device=device, manager=manager,
+               tokens_per_step=cfg.batch_size * model_cfg.seq_len,
+               injector=build_injector(cfg, info))

@@ -1,0 +1,150 @@
+"""What the trainer needs around its loop: metrics, checkpointing and fault injection.
+
+Kept apart from :mod:`moepec.train.trainer` so the loop reads on its own: the manager is built
+from the run's config here, commits and recoveries become metrics records here, and a
+failed background persist is handled by one documented policy here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from moepec.errors import ConfigError, PersistError
+from moepec.train.config import OnPersistError, TrainConfig
+
+if TYPE_CHECKING:
+    from moepec.train.dist import DistInfo
+
+log = logging.getLogger(__name__)
+
+
+class MetricsWriter:
+    """JSON-lines metrics writer; a no-op on ranks other than 0 or without a path."""
+
+    def __init__(self, path: str | None, enabled: bool, append: bool = False) -> None:
+        self._file: IO[str] | None = None
+        self._lock = threading.Lock()
+        if path is not None and enabled:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            # Kept open for the whole run (closed in close()): one line per log step.
+            # A checkpointed run appends: a restarted worker continues the same file.
+            self._file = open(path, "a" if append else "w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        # Also called from the checkpoint persist thread (commit records): one lock.
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def build_manager(cfg: TrainConfig, model, optimizer, scheduler, loader, ep):
+    """The CheckpointManager of ``cfg.checkpoint``, or None when the run has none.
+
+    Called by the trainer's set-up on every rank (the manager's constructor is
+    collective). The checkpoint config is used as given, except that its path goes
+    through the fault-injecting filesystem when storage faults are planned
+    (:func:`ckpt_url`).
+    """
+    if cfg.checkpoint is None:
+        return None
+    # Imported lazily: checkpointing sits above the trainer's core and is optional.
+    from moepec.manager.manager import CheckpointManager
+
+    ckpt_cfg = dataclasses.replace(cfg.checkpoint, path=ckpt_url(cfg))
+    ep_kwargs = {"expert_parallel": (ep.rank, ep.size)} if ep.enabled else {}
+    return CheckpointManager(model, optimizer, ckpt_cfg,
+                             extra_state={"scheduler": scheduler, "data": loader}, **ep_kwargs)
+
+
+def log_commits(manager, metrics: MetricsWriter) -> None:
+    """Write a ``commit`` record for every checkpoint the persist worker commits.
+
+    Called by the trainer on rank 0 only (the rank that commits and writes metrics).
+    """
+    def on_commit(rec, meta) -> None:  # the persist worker thread
+        metrics.write({"event": "commit", "step": rec.step, "time": time.time(),
+                       "checkpoint": rec.name, "bytes": rec.bytes_written,
+                       "bytes_per_rank": rec.bytes_per_rank, "seconds": rec.seconds,
+                       "k_persist": meta.k_persist, "full": meta.full})
+
+    manager.persister.on_commit = on_commit
+
+
+def recovery_record(report, manager) -> dict[str, Any]:
+    """The ``recovery`` metrics record of a RestoreReport."""
+    return {"event": "recovery", "time": time.time(), "step": report.step,
+            "checkpoint": report.checkpoint, "tier": report.tier, "plt": report.plt,
+            "lost": report.lost_total, "seconds": report.seconds,
+            "k_persist": manager.k_persist, "warnings": report.warnings}
+
+
+def persist_guard(cfg: TrainConfig, metrics: MetricsWriter, step: int, call, *args) -> None:
+    """Run a manager call; a failed background persist is logged and training goes on
+    (on_persist_error="continue": snapshots to RAM continue, the next checkpoint retries)."""
+    try:
+        call(*args)
+    except PersistError as exc:
+        metrics.write({"event": "persist_error", "step": step, "time": time.time(),
+                       "error": str(exc)})
+        if cfg.on_persist_error is OnPersistError.STOP:
+            raise
+        log.error("step %d: %s; training continues", step, exc)
+
+
+_STORAGE_FAULTS = ("storage_error", "enospc", "slow_storage")
+
+
+def ckpt_url(cfg: TrainConfig) -> str:
+    """The checkpoint path, routed through the fault-injecting filesystem when storage
+    faults are planned for a local directory."""
+    assert cfg.checkpoint is not None
+    path = cfg.checkpoint.path
+    wants = any(k in (cfg.faults or "") for k in _STORAGE_FAULTS) or cfg.fault_mtbf > 0
+    if wants and "://" not in path:
+        return "faulty://" + str(Path(path).resolve())
+    return path
+
+
+def fault_state_dir(cfg: TrainConfig) -> str:
+    # Fired faults are remembered next to the run so that restarted workers skip them.
+    if cfg.out_dir:
+        return cfg.out_dir
+    assert cfg.checkpoint is not None
+    if "://" in cfg.checkpoint.path:
+        raise ConfigError("fault injection with a remote --ckpt-dir needs --out-dir (a local "
+                          "folder that remembers which faults already fired)")
+    return cfg.checkpoint.path
+
+
+def build_injector(cfg: TrainConfig, info: DistInfo):
+    """The FaultInjector of ``cfg.faults`` / ``cfg.fault_mtbf`` for this rank, or None.
+
+    Called by the trainer's set-up on every rank; each rank fires only its own faults.
+    """
+    if not (cfg.faults or cfg.fault_mtbf):
+        return None
+    assert cfg.checkpoint is not None  # TrainConfig requires it with faults
+    from moepec.train.faults import KINDS, FaultInjector, FaultPlan
+
+    state = fault_state_dir(cfg)
+    plan = FaultPlan.parse(cfg.faults or "", state_dir=state)
+    if cfg.fault_mtbf:
+        kinds = tuple(k for k in KINDS if k != "corrupt")
+        plan.faults += FaultPlan.random(cfg.seed, cfg.steps, cfg.fault_mtbf, kinds,
+                                        info.world_size).faults
+    return FaultInjector(plan, info.rank, ckpt_url(cfg), seed=cfg.seed,
+                         storage_fault_steps=2 * cfg.checkpoint.interval,
+                         log_path=str(Path(state) / "faults.jsonl"))
