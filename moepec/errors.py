@@ -68,4 +68,4 @@ def check_choice(kind: type[Choice], value: object, name: str,
         return kind(value)
     except ValueError:
         raise error(f"unknown {name} {value!r}; choose one of "
-                          f"{', '.join(m.value for m in kind)}") from None
+                    f"{', '.join(m.value for m in kind)}") from None

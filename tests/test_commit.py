@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,11 @@ from moepec.errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
+    ManifestError,
     StructureMismatchError,
 )
-from moepec.store.storage import Storage
+from moepec.recovery.offline import read_view
+from moepec.store.storage import Storage, committed_manifests
 from moepec.train.faults import corrupt_item
 from tests.toy import Counter, make, run_loop
 
@@ -164,6 +167,58 @@ def test_newer_manifest_format_is_a_clear_error_and_changes_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="upgrade moepec"):
         m2.restore()
     assert tree_digest(ckpt) == before
+
+
+def test_newer_manifest_format_stops_export_and_retention(tmp_path):
+    """Neither export nor retention may act as if a newer checkpoint were absent."""
+    ckpt = tmp_path / "c"
+    manager, _ = _train(ckpt, steps=8, keep_last=1)
+    newest = manager.storage.committed()[-1]
+    path = ckpt / newest / "moepec.json"
+    m = json.loads(path.read_text())
+    m["format"] = "moepec/99"
+    path.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="upgrade moepec"):
+        read_view(str(ckpt))
+    # a run that resumes elsewhere and commits here must not delete what the newer
+    # checkpoint's view needs
+    found = committed_manifests(manager.storage)
+    before = set(manager.storage.committed())
+    m2, model, counter = fresh(ckpt, keep_last=1)
+    m2.save(100)
+    m2.close()
+    assert found.newer_format() is not None
+    assert before <= set(manager.storage.committed())
+
+
+def test_a_manifest_must_name_its_own_folder(tmp_path):
+    """A copied checkpoint folder would read another folder's data: it is damaged."""
+    ckpt = tmp_path / "c"
+    manager, _ = _train(ckpt, steps=4, keep_last=4)
+    names = manager.storage.committed()
+    copy = ckpt / "ckpt-000099-step00000099"
+    shutil.copytree(ckpt / names[-1], copy)
+    found = committed_manifests(manager.storage)
+    assert copy.name in found.damaged and "names checkpoint" in str(found.damaged[copy.name])
+    assert set(found.manifests) == set(names)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"step": "abc"}, "step"), ({"keys": []}, "keys"), ({"full": 1}, "full"),
+    ({"name": "../x"}, "name"), ({"counts": None}, "counts")])
+def test_a_mistyped_manifest_is_damaged_and_skipped(tmp_path, caplog, change, field):
+    ckpt = tmp_path / "c"
+    manager, _ = _train(ckpt, steps=6, keep_last=4)
+    newest = manager.storage.committed()[-1]
+    path = ckpt / newest / "moepec.json"
+    m = json.loads(path.read_text())
+    m.update(change)
+    path.write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match=repr(field)):
+        manager.storage.read_manifest(newest)
+    m2, _, _ = fresh(ckpt, keep_last=4)
+    assert m2.restore().step == 3  # the older checkpoint serves
+    assert newest in caplog.text
 
 
 def test_everything_corrupt_is_an_error(tmp_path):

@@ -213,6 +213,8 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
     """
     from moepec.manager.config import CheckpointConfig
 
+    if not args.dist_timeout > 0:  # named by its flag, before it becomes timeout_s
+        raise ConfigError(f"--dist-timeout must be > 0 seconds (got {args.dist_timeout})")
     ckpt = CheckpointConfig(
         path=_NO_CKPT_DIR if args.ckpt_dir is None else args.ckpt_dir,
         interval=args.ckpt_interval, k_persist=args.k_persist, k_snapshot=args.k_snapshot,

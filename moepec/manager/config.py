@@ -9,7 +9,7 @@ from typing import Any
 from moepec.errors import ConfigError, check_choice
 from moepec.policy.plan import WriteMode
 from moepec.policy.selection import Selection
-from moepec.store.storage import Serialization
+from moepec.store.manifest import Serialization
 
 
 class PecScope(StrEnum):

@@ -258,7 +258,7 @@ class CheckpointManager:
             return None
         self._apply(outcome)
         base = outcome.base
-        report = RestoreReport(step=base.step, checkpoint=base.name, tier=base.tier.value,
+        report = RestoreReport(step=base.step, checkpoint=base.name, tier=str(base.tier),
                                sources=outcome.sources, lost=outcome.lost,
                                plt=self.ledger.plt(), warnings=outcome.warnings,
                                seconds=time.perf_counter() - t0, keys_from=outcome.keys_from)
@@ -378,7 +378,7 @@ class CheckpointManager:
             step=step, seq=self.seq, index=self._index, time=time.time(),
             structure=self.structure, config=self._config_dict,
             k_persist=self.k_persist, k_snapshot=self.k_snapshot, full=full,
-            pec_scope=self.config.pec_scope.value, selection=self.config.selection.value,
+            pec_scope=str(self.config.pec_scope), selection=str(self.config.selection),
             experts_saved=[list(p) for p in (persist_experts or [])],
             experts_snapshot=[list(s) for s in snap_sel],
             counts=self.ledger.counts(), ledger=self.ledger.state_dict(),
@@ -386,7 +386,7 @@ class CheckpointManager:
             selectors={"persist": self.persist_selector.state_dict(),
                        "ram": self.ram_selector.state_dict()},
             k_history=[list(x) for x in self.k_history],
-            world_size=self.world_size, write_mode=self.config.write_mode.value)
+            world_size=self.world_size, write_mode=str(self.config.write_mode))
 
     def _storage_has_all_experts(self) -> bool:
         """Whether the committed view holds a copy of every expert this rank owns."""

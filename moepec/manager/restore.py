@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from moepec.errors import (
     DistributedError,
-    ManifestFormatError,
     NoCheckpointError,
     StructureMismatchError,
 )
@@ -133,10 +132,10 @@ def restore_state(ctx: RestoreContext, found: Committed, ram: Snapshot | None
 
 
 def _usable(found: Committed) -> dict[str, Manifest]:
+    newer = found.newer_format()
+    if newer is not None:
+        raise newer
     for name, exc in found.damaged.items():
-        if isinstance(exc, ManifestFormatError):
-            # Not skipped: restoring older checkpoints past it would lose its progress.
-            raise exc
         log.warning("ignoring %s: %s", name, exc)
     return found.manifests
 
@@ -346,8 +345,9 @@ def _where_from(rec: Recovered) -> tuple[dict[str, dict[str, Any]], dict[str, in
     sources: dict[str, dict[str, Any]] = {}
     keys_from: dict[str, int] = {}
     for (layer, expert, part), src in sorted(rec.unit_source.items()):
-        keys_from[src.tier] = keys_from.get(src.tier, 0) + 1
+        tier = str(src.tier)
+        keys_from[tier] = keys_from.get(tier, 0) + 1
         if part == "model" or f"{layer}/{expert}" not in sources:
-            sources[f"{layer}/{expert}"] = {"step": src.step, "tier": str(src.tier),
+            sources[f"{layer}/{expert}"] = {"step": src.step, "tier": tier,
                                             "checkpoint": src.name}
     return sources, keys_from

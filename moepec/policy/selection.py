@@ -156,7 +156,7 @@ class Selector:
         _check_matrix("tokens_since_save", self.tokens_since_save, self.n_experts)
 
     @classmethod
-    def create(cls, n_experts: Sequence[int], policy: str = Selection.SEQUENTIAL) -> Selector:
+    def create(cls, n_experts: Sequence[int], policy: Selection | str = Selection.SEQUENTIAL) -> Selector:
         """A fresh selector: staggered cursors, nothing saved, no tokens seen."""
         return cls(n_experts=tuple(n_experts), policy=policy)
 
@@ -232,7 +232,7 @@ class Selector:
         """A JSON-able deep copy of the state."""
         return {
             "n_experts": list(self.n_experts),
-            "policy": self.policy.value,
+            "policy": str(self.policy),
             "cursors": list(self.cursors),
             "last_saved": [list(r) for r in self.last_saved],
             "tokens_since_save": [list(r) for r in self.tokens_since_save],

@@ -50,10 +50,10 @@ def inspect_path(path: str, storage_options: dict | None = None) -> dict[str, An
                                       experts_saved=m.meta.experts_saved, plt=m.meta.plt,
                                       bytes_per_rank=m.bytes_per_rank))
         elif name in found.damaged:
-            rows.append(CheckpointRow(name=name, step=seq_step(name), committed=False,
+            rows.append(CheckpointRow(name=name, step=_step_of(name), committed=False,
                                       bytes=0, error=str(found.damaged[name])))
         else:
-            rows.append(CheckpointRow(name=name, step=seq_step(name), committed=False,
+            rows.append(CheckpointRow(name=name, step=_step_of(name), committed=False,
                                       bytes=st.data_bytes(name)))
     head = found.newest
     out: dict[str, Any] = {"path": path, "checkpoints": rows, "head": head}
@@ -65,7 +65,7 @@ def inspect_path(path: str, storage_options: dict | None = None) -> dict[str, An
     return out
 
 
-def seq_step(name: str) -> int:
+def _step_of(name: str) -> int:
     """The step in a checkpoint folder's name."""
     return parse_checkpoint_name(name)[1]
 
@@ -113,6 +113,8 @@ def read_view(path: str, storage_options: dict | None = None
     """The newest committed view, every key read and verified: (manifest, key -> tensor)."""
     st = Storage(path, storage_options)
     found = committed_manifests(st)
+    if found.newer_format() is not None:
+        raise found.newer_format()
     for name, exc in found.damaged.items():
         log.warning("ignoring %s: %s", name, exc)
     head = found.newest

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
+from enum import StrEnum
 from typing import Any
 
 from moepec.errors import ManifestError, ManifestFormatError
@@ -29,6 +30,15 @@ items, XXH64."""
 KNOWN_FORMATS = ("moepec/1", "moepec/2")
 MAX_ANCESTORS = 512
 """Ancestors a manifest lists (its lineage); older ones are forgotten."""
+
+
+class Serialization(StrEnum):
+    """How DCP items are stored on disk (a manifest records which)."""
+
+    RAW = "raw"
+    """Raw tensor bytes (:mod:`moepec.store.dcp_raw`); read by moepec's DCP readers."""
+    TORCH_SAVE = "torch_save"
+    """Stock DCP (torch.save-framed items): any ``dcp.load`` reads it."""
 
 
 @dataclass(frozen=True, slots=True)

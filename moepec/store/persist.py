@@ -258,6 +258,9 @@ class Persister:
         found = committed_manifests(self.storage, self._known)
         for name, exc in found.damaged.items():
             log.warning("retention skips %s: %s", name, exc)
+        if found.newer_format() is not None:
+            log.warning("retention deletes nothing: a newer moepec wrote checkpoints here")
+            return
         self._known = found.manifests  # committed manifests never change
         for name in mf.to_delete(found.manifests, found.uncommitted, self.keep_last):
             log.info("retention deletes %s", name)

@@ -23,7 +23,6 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import fsspec
@@ -39,7 +38,7 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.planner import SavePlan
 
-from moepec.errors import CheckpointError, ManifestError, check_choice
+from moepec.errors import CheckpointError, ManifestError, ManifestFormatError, check_choice
 from moepec.keys import MANIFEST_NAME, parse_checkpoint_name
 from moepec.store import dcp_raw
 from moepec.store.dcp_raw import (
@@ -48,17 +47,9 @@ from moepec.store.dcp_raw import (
     RawFsspecReader,
     RawFsspecWriter,
 )
-from moepec.store.manifest import Manifest, newest
+from moepec.store.manifest import Manifest, Serialization, newest
 
 log = logging.getLogger(__name__)
-
-class Serialization(StrEnum):
-    """How DCP items are stored on disk."""
-
-    RAW = "raw"
-    """Raw tensor bytes (:mod:`moepec.store.dcp_raw`); read by moepec's DCP readers."""
-    TORCH_SAVE = "torch_save"
-    """Stock DCP (torch.save-framed items): any ``dcp.load`` reads it."""
 
 
 class Storage:
@@ -116,7 +107,7 @@ class Storage:
         otherwise single-process. Raises what the storage raised.
         """
         url = self.url_of(name)
-        raw = self.serialization == "raw"
+        raw = self.serialization == Serialization.RAW
         if self.local:
             writer = (RawFileSystemWriter if raw else FileSystemWriter)(
                 url, sync_files=True, overwrite=True)
@@ -235,6 +226,12 @@ class Committed:
     def newest(self) -> str | None:
         return newest(self.manifests)
 
+    def newer_format(self) -> ManifestFormatError | None:
+        """A manifest written by a newer moepec, if any: nothing may act as if it were
+        absent (restoring or retaining past it would lose its progress)."""
+        return next((e for e in self.damaged.values() if isinstance(e, ManifestFormatError)),
+                    None)
+
 
 def committed_manifests(storage: Storage, known: Mapping[str, Manifest] | None = None
                         ) -> Committed:
@@ -254,9 +251,15 @@ def committed_manifests(storage: Storage, known: Mapping[str, Manifest] | None =
             out.manifests[name] = known[name]
         else:
             try:
-                out.manifests[name] = storage.read_manifest(name)
+                manifest = storage.read_manifest(name)
             except CheckpointError as exc:
                 out.damaged[name] = exc
+                continue
+            if manifest.name != name:  # a copied or renamed folder: its data is elsewhere
+                out.damaged[name] = ManifestError(
+                    f"{storage.url}/{name}: the manifest names checkpoint {manifest.name!r}")
+            else:
+                out.manifests[name] = manifest
     return out
 
 

@@ -99,7 +99,7 @@ def persist_guard(cfg: TrainConfig, metrics: MetricsWriter, step: int, call, *ar
     except PersistError as exc:
         metrics.write({"event": "persist_error", "step": step, "time": time.time(),
                        "error": str(exc)})
-        if cfg.on_persist_error is OnPersistError.STOP:
+        if cfg.on_persist_error == OnPersistError.STOP:
             raise
         log.error("step %d: %s; training continues", step, exc)
 
