@@ -50,6 +50,10 @@ class NoCheckpointError(CheckpointError):
     """No committed checkpoint can supply a key that recovery needs."""
 
 
+class LeaseError(CheckpointError):
+    """Another live run holds the checkpoint root (one writer per root)."""
+
+
 class PersistError(CheckpointError):
     """A background persist failed; raised in the training thread at its next call."""
 

@@ -177,7 +177,7 @@ def test_torn_state_slow_snapshot_overlaps_training(tmp_path):
     overlapped = []
 
     def slow(where, step):
-        time.sleep(0.05)
+        time.sleep(0.25)  # longer than a toy step even on a loaded 2-core machine
 
     snapshot.fault_hook = slow
     try:

@@ -19,9 +19,11 @@ from moepec.errors import (
     ConfigError,
     CorruptCheckpointError,
     ManifestError,
+    PersistError,
     StructureMismatchError,
 )
 from moepec.recovery.offline import read_view
+from moepec.store.manifest import FORMAT
 from moepec.store.storage import Storage, committed_manifests
 from moepec.train.faults import corrupt_item
 from tests.toy import Counter, make, run_loop
@@ -159,7 +161,7 @@ def test_newer_manifest_format_is_a_clear_error_and_changes_nothing(tmp_path):
     newest = manager.storage.committed()[-1]
     path = ckpt / newest / "moepec.json"
     m = json.loads(path.read_text())
-    assert m["format"] == "moepec/2" and m["serialization"] == "raw"
+    assert m["format"] == FORMAT and m["serialization"] == "raw"
     m["format"] = "moepec/99"
     path.write_text(json.dumps(m))
     before = tree_digest(ckpt)
@@ -258,10 +260,17 @@ def test_manifest_not_json_is_skipped_with_warning(tmp_path, caplog):
 
 
 def test_unwritable_path_is_a_clear_error(tmp_path):
+    """An unwritable root pauses checkpoints to storage with a clear error at each save;
+    the snapshot is taken all the same (a restore of committed checkpoints would work)."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(CheckpointError, match="cannot write to checkpoint path"):
-        fresh(blocker / "sub")
+    manager, model, counter = fresh(blocker / "sub")
+    assert manager.restore() is None
+    with pytest.raises(PersistError, match="cannot write to checkpoint path"):
+        manager.save(0)
+    manager.wait_for_snapshot()
+    assert manager.ram is not None and manager.ram.step == 0
+    manager.close()
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -21,6 +21,7 @@ from moepec.store.dcp_raw import (
     RawFsspecReader,
     RawFsspecWriter,
 )
+from moepec.store.manifest import Item
 from moepec.store.persist import root_cause
 from moepec.store.storage import _ROOT, Storage, _SavePlanner
 
@@ -122,9 +123,15 @@ def test_truncated_file_is_an_error_not_garbage(tmp_path):
 def test_storage_serializations(tmp_path, serialization):
     st = Storage(str(tmp_path), serialization=serialization)
     state = _state()
-    st.write("ckpt-000000-step00000000", {k: v.contiguous() for k, v in state.items()})
+    where = st.write("ckpt-000000-step00000000", {k: v.contiguous() for k, v in state.items()})
+    # moepec reads by the locations the write reported (the manifest records them)
+    items = {k: Item(shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."),
+                     nbytes=v.numel() * v.element_size(), file=where[k].file,
+                     offset=where[k].offset, length=where[k].length,
+                     encoding=where[k].encoding) for k, v in state.items()}
+    assert {loc.encoding for loc in where.values()} == {serialization}
     got = _targets(state)
-    st.read("ckpt-000000-step00000000", got)
+    st.read("ckpt-000000-step00000000", got, items)
     for k in state:
         assert _equal_bits(got[k], state[k]), k
     if serialization == "torch_save":  # stock DCP: any FileSystemReader loads it

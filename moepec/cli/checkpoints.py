@@ -84,12 +84,17 @@ def _run_verify(args: argparse.Namespace) -> int:
         print(f"DAMAGED manifest: {msg}")
     for item in res.bad:
         print(f"BAD item (checksum or read failed): {item}")
+    for view in res.broken_views:
+        print(f"BROKEN view (cannot be restored): {view}")
+    if res.views == 0 and not res.damaged_manifests:
+        print(f"no committed checkpoint under {args.path}")
     if res.uncommitted:
         print(f"{len(res.uncommitted)} uncommitted checkpoint(s) (ignored by restore): "
               + ", ".join(res.uncommitted))
     status = "OK" if res.ok else "FAILED"
     print(f"{status}: {res.checked} item(s) checked, {len(res.bad)} bad, "
-          f"{len(res.damaged_manifests)} damaged manifest(s)")
+          f"{len(res.damaged_manifests)} damaged manifest(s), {res.views} retained view(s) "
+          f"checked, {len(res.broken_views)} broken")
     return 0 if res.ok else 1
 
 

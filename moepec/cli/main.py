@@ -164,6 +164,9 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    help="committed views to retain (%(default)s)")
     g.add_argument("--ckpt-sync", action="store_true",
                    help="checkpoint synchronously (for comparison with the async default)")
+    g.add_argument("--ckpt-takeover", action="store_true",
+                   help="take the checkpoint root from the run holding its lease (one writer "
+                        "per root; a dead process's lease is taken without it)")
     g.add_argument("--ckpt-serialization", default=d("serialization"),
                    help="raw (tensor bytes, fast) or torch_save (stock DCP) (%(default)s)")
     g.add_argument("--busy-policy", default=d("busy_policy"),
@@ -220,6 +223,7 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
         interval=args.ckpt_interval, k_persist=args.k_persist, k_snapshot=args.k_snapshot,
         selection=args.selection, pec_scope=args.pec_scope, full_every=args.full_every,
         keep_last=args.keep_last, async_snapshot=not args.ckpt_sync,
+        takeover=args.ckpt_takeover,
         async_persist=not args.ckpt_sync, serialization=args.ckpt_serialization,
         busy_policy=args.busy_policy, write_mode=args.write_mode, dynamic_k=args.dynamic_k,
         dynamic_k_down=args.dynamic_k_down, plt_budget=args.plt_budget,
@@ -384,3 +388,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MoepecError as exc:
         print(f"moepec: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:  # a path, a permission, a full disk, a network: one line
+        print(f"moepec: error: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        if "Credentials" in type(exc).__name__:  # botocore's NoCredentialsError and kin
+            print(f"moepec: error: {exc}: set the storage's credentials (for s3://, "
+                  f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --storage-options "
+                  f"'{{\"key\": ..., \"secret\": ...}}')", file=sys.stderr)
+            return EXIT_USAGE
+        # Not a user's mistake we know of: still one line, the traceback under DEBUG.
+        log.debug("unexpected error", exc_info=True)
+        print(f"moepec: error: {type(exc).__name__}: {exc} (rerun with --log-level DEBUG "
+              f"for the traceback; please report it)", file=sys.stderr)
+        return 1

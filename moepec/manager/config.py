@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -79,10 +80,15 @@ class CheckpointConfig:
     """Upper bound of every wait (snapshot, persist, collective)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Passed to fsspec (e.g. endpoint_url, key, secret for s3://)."""
+    takeover: bool = False
+    """Take the checkpoint root's lease from the run holding it (one writer per root)."""
+    lease_timeout_s: float = 300.0
+    """A lease whose holder has not refreshed it for this long is free to take."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ConfigError("CheckpointConfig.path must be a non-empty path or URL")
+        self._check_types()
         if self.interval < 1:
             raise ConfigError(f"interval must be >= 1 (got {self.interval})")
         if self.k_persist < 1:
@@ -104,8 +110,33 @@ class CheckpointConfig:
             raise ConfigError(f"keep_last must be >= 1 (got {self.keep_last})")
         if not 0 < self.plt_budget < 1:
             raise ConfigError(f"plt_budget is a fraction in (0, 1) (got {self.plt_budget})")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be > 0 (got {self.timeout_s})")
+        for name in ("timeout_s", "lease_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a finite number of seconds > 0 "
+                                  f"(got {value})")
+
+    def _check_types(self) -> None:
+        """Whole numbers are ints, fractions numbers, switches bools, options a dict."""
+        ints = ("interval", "k_persist", "full_every", "keep_last") + (
+            () if self.k_snapshot is None else ("k_snapshot",))
+        for name in ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be a whole number (got {value!r} of type "
+                                  f"{type(value).__name__})")
+        for name in ("plt_budget", "timeout_s", "lease_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be a number (got {value!r})")
+        for name in ("async_snapshot", "async_persist", "dynamic_k", "dynamic_k_down",
+                     "verify", "takeover"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False (got "
+                                  f"{getattr(self, name)!r})")
+        if not isinstance(self.storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict of fsspec options (got "
+                              f"{type(self.storage_options).__name__})")
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as plain JSON values, for the manifest (without storage_options,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moepec.errors import CheckpointError, ConfigError
+from moepec.errors import CheckpointError, ConfigError, LeaseError, PersistError
 from moepec.keys import parse_checkpoint_name
 from moepec.manager.config import BusyPolicy, CheckpointConfig, PecScope
 from moepec.manager.restore import RestoreContext, RestoreOutcome, RestoreReport, restore_state
@@ -37,6 +38,7 @@ from moepec.recovery.stitch import Tier
 from moepec.state.catalog import StateCatalog
 from moepec.state.experts import ExpertSpec, discover, structure_of
 from moepec.state.shares import CheckpointKeys
+from moepec.store.lease import Lease
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.persist import Persister
 from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
@@ -62,6 +64,7 @@ class CheckpointManager:
         self._init_layout(expert_parallel)
         self._init_state(model, optimizer, extra_state, expert_spec)
         self._init_tiers()
+        self._init_run()
         self.k_persist = config.k_persist
         self.k_snapshot = config.k_snapshot
         self.k_history: list[list[int]] = [[-1, self.k_persist]]
@@ -115,8 +118,6 @@ class CheckpointManager:
         config = self.config
         self._config_dict = config.to_dict()  # written into every manifest
         self.storage = Storage(config.path, config.storage_options, config.serialization)
-        if self.rank == 0:
-            self.storage.check_writable()
         # A dedicated group for the persist worker: its collectives never interleave
         # with the training thread's (STYLE.md: no collectives off the main thread
         # except on a dedicated group).
@@ -126,7 +127,22 @@ class CheckpointManager:
         self.persister = Persister(self.storage, rank=self.rank,
                                    world_size=self.world_size, group=self._group,
                                    background=config.async_persist, timeout_s=config.timeout_s,
-                                   keep_last=config.keep_last, release=self.ram_tier.release)
+                                   keep_last=config.keep_last, release=self.ram_tier.release,
+                                   guard=self._check_lease)
+
+    def _init_run(self) -> None:
+        """This run's id (agreed over the ranks: rank 0 draws it) and its lease (rank 0),
+        taken at the first save or restore."""
+        ids = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        if self.distributed:
+            dist.broadcast_object_list(ids, src=0)
+        self.run_id: str = ids[0]
+        self.runs = [self.run_id]
+        self._lease = (Lease(self.storage, self.run_id, timeout_s=self.config.lease_timeout_s,
+                             takeover=self.config.takeover) if self.rank == 0 else None)
+        self._storage_ready = False
+        self._paused: str | None = None
+        """Why checkpoints go to RAM only (the root cannot be written), or None."""
 
     # -- the training-loop API --------------------------------------------------
     def observe_routing(self, counts: Sequence[Any]) -> None:
@@ -168,6 +184,8 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("CheckpointManager is closed")
         t0 = time.perf_counter()
+        if not self._storage_ready or self._paused:
+            self._claim_storage()
         self._finish_snapshot()
         counts = self.routing.take()
         for tracker in (self.ledger, self.persist_selector, self.ram_selector):
@@ -208,7 +226,11 @@ class CheckpointManager:
             self._record_copy(self.ram_tier.finish())
         finally:
             self.ram_tier.close()
-            self.persister.close()
+            try:
+                self.persister.close()
+            finally:
+                if self._lease is not None:
+                    self._lease.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -254,6 +276,8 @@ class CheckpointManager:
         found = committed_manifests(self.storage)
         self.seq = max(self.seq, _next_seq(found.listing))
         outcome = restore_state(self._restore_context(), found, self.ram_tier.usable())
+        # The lease once the restore succeeded: a refused restore leaves the root as it was.
+        self._claim_storage()
         if outcome is None:
             return None
         self._apply(outcome)
@@ -304,6 +328,8 @@ class CheckpointManager:
         self.ram_selector.load_state_dict(meta.selectors["ram"])
         self.k_persist, self.k_snapshot = meta.k_persist, meta.k_snapshot
         self.k_history = [list(x) for x in meta.k_history]
+        # This run continues the base's lineage of runs (restore stitches only within it).
+        self.runs = [r for r in meta.runs if r != self.run_id][-63:] + [self.run_id]
         self._index = meta.index + 1
         self._adjust_k(meta.step)
         if outcome.base.tier == Tier.STORAGE and self.ram is not None \
@@ -336,12 +362,50 @@ class CheckpointManager:
                          "in RAM only (busy_policy=skip)", step)
                 return False, None
         pending_error = self.persister.take_error()
+        if self._paused is not None:
+            return False, pending_error or PersistError(
+                f"checkpoints are paused, the snapshot stays in RAM: {self._paused}")
         return pending_error is None, pending_error
+
+    def _claim_storage(self) -> None:
+        """Rank 0 probes that the root can be written and takes its lease; every rank
+        learns the outcome (collective). Another live run's lease raises LeaseError on
+        every rank; an unwritable root pauses checkpoints to storage (RAM snapshots and
+        restores go on) until a later save finds it writable."""
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                self.storage.check_writable()
+                self._lease.acquire()
+                outcome = [("ok", "")]
+            except LeaseError as exc:
+                outcome = [("held", str(exc))]
+            except (CheckpointError, OSError) as exc:
+                outcome = [("unwritable", str(exc))]
+        if self.distributed:
+            dist.broadcast_object_list(outcome, src=0)
+        state, message = outcome[0]
+        if state == "held":
+            raise LeaseError(message)
+        if state == "unwritable" and self._paused is None and self.rank == 0:
+            log.warning("%s; checkpoints to storage are paused (RAM snapshots go on)", message)
+        self._paused = message if state == "unwritable" else None
+        self._storage_ready = state == "ok"
+
+    def _check_lease(self) -> None:
+        """Rank 0, before each commit: this run still holds the root's lease."""
+        if self._lease is not None:
+            self._lease.check()
 
     def _take(self, step: int, full: bool, persist: bool
               ) -> tuple[Snapshot, dict[str, torch.Tensor]]:
         """Choose the experts and build this checkpoint's snapshot: objects and buffers
         captured now, the live tensors to copy returned beside it."""
+        # Objects (RNG, scheduler, loader, hyper-parameters) change during the next
+        # forward: captured now, on the training thread, and first, so that a state that
+        # cannot be stored (ConfigError) leaves the selectors as they were. Rank 0 writes
+        # them (the write plan), so only it pays for serialising them.
+        objects = self.catalog.capture_objects() if self.rank == 0 else {}
         if full:
             snap_sel = [tuple(range(n)) for n in self.n_experts]
             persist_sel = snap_sel
@@ -362,11 +426,8 @@ class CheckpointManager:
                         persist_keys=frozenset(k for k in persist_keys if k in mine_set),
                         meta=self._meta(step, full, snap_sel, persist_experts),
                         refs=2 if persist else 1, all_keys=snap_keys)
-        # Objects (RNG, scheduler, loader, hyper-parameters) and buffers change during
-        # the next forward; they are captured here, on the training thread. Only the
-        # rank that writes the objects pays for serialising them.
-        if any(k.startswith("objects/") for k in mine):
-            snap.tensors.update(self.catalog.capture_objects())
+        # Buffers change during the next forward too: cloned now.
+        snap.tensors.update({k: v for k, v in objects.items() if k in mine_set})
         sources = {k: self.keys.live(k) for k in mine if not k.startswith("objects/")}
         for k in [k for k in sources if k.startswith("model/") and k[6:] in self.catalog.buffers]:
             snap.tensors[k] = sources.pop(k).clone()
@@ -386,7 +447,8 @@ class CheckpointManager:
             selectors={"persist": self.persist_selector.state_dict(),
                        "ram": self.ram_selector.state_dict()},
             k_history=[list(x) for x in self.k_history],
-            world_size=self.world_size, write_mode=str(self.config.write_mode))
+            world_size=self.world_size, write_mode=str(self.config.write_mode),
+            run_id=self.run_id, runs=list(self.runs))
 
     def _storage_has_all_experts(self) -> bool:
         """Whether the committed view holds a copy of every expert this rank owns."""

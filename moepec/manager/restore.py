@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from moepec.errors import (
     DistributedError,
+    ManifestFormatError,
     NoCheckpointError,
     StructureMismatchError,
 )
@@ -36,6 +37,7 @@ from moepec.recovery.records import lost_since, read_recoveries
 from moepec.recovery.stitch import Recovered, Source, Tier, lost_tokens, recover, storage_source
 from moepec.state.catalog import StateCatalog
 from moepec.state.experts import structure_mismatches
+from moepec.state.objects import pickled_objects_message
 from moepec.store import manifest as mf
 from moepec.store.manifest import CheckpointMeta, Item, Manifest
 from moepec.store.snapshot import Snapshot
@@ -135,6 +137,10 @@ def _usable(found: Committed) -> dict[str, Manifest]:
     newer = found.newer_format()
     if newer is not None:
         raise newer
+    older = [n for n, m in found.manifests.items() if m.format not in mf.READABLE_FORMATS]
+    if older:
+        # Not skipped: starting from scratch past them would silently lose the run.
+        raise ManifestFormatError(pickled_objects_message(f"checkpoint {older[-1]}"))
     for name, exc in found.damaged.items():
         log.warning("ignoring %s: %s", name, exc)
     return found.manifests
@@ -184,14 +190,14 @@ class _Views:
     def lineage_of(self, base: Source) -> list[Source]:
         if base.tier == Tier.RAM:
             chain = mf.lineage(self.manifests, self.ram_head) if self.ram_head else []
-            return [base] + [self.sources[n] for n in chain]
+            return [base] + _same_runs(base, [self.sources[n] for n in chain])
         chain = [self.sources[n] for n in mf.lineage(self.manifests, base.name)]
         ram = self.ram
         if ram is not None and ram.seq <= base.seq:
             # the same process's RAM copy, not newer than the base: a valid older copy
             pos = next((i for i, s in enumerate(chain) if s.seq < ram.seq), len(chain))
             chain.insert(pos, ram)
-        return chain
+        return _same_runs(base, chain)
 
     def required_of(self, base: Source) -> set[str]:
         if base.tier == Tier.RAM:
@@ -200,6 +206,21 @@ class _Views:
         else:
             keys = set(base.manifest.view)
         return {k for k in keys if _mine(self.ctx, k)}
+
+
+def _same_runs(base: Source, chain: list[Source]) -> list[Source]:
+    """The copies of ``chain`` taken by runs of the base's lineage: a checkpoint another
+    run wrote into the same root (a second writer, a copied folder) is never stitched in.
+    A run continues a lineage by restoring from it (or taking over its lease)."""
+    runs = set(base.meta.runs) | {base.meta.run_id}
+    if not base.meta.runs:
+        return chain  # written before runs were recorded
+    kept = [s for s in chain if s.meta.run_id in runs]
+    for s in chain:
+        if s.meta.run_id not in runs:
+            log.warning("not stitching %s: it was written by run %s, which is not in the "
+                        "lineage of %s", s.name, s.meta.run_id or "?", base.name)
+    return kept
 
 
 # -- the RAM tier ---------------------------------------------------------------------

@@ -7,6 +7,8 @@ reach the path. Used by ``moepec inspect|verify|export``.
 from __future__ import annotations
 
 import logging
+import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +19,7 @@ from moepec.errors import CheckpointError, NoCheckpointError
 from moepec.keys import parse_checkpoint_name, parse_key
 from moepec.recovery.stitch import read_verified, storage_source
 from moepec.store import manifest as mf
-from moepec.store.manifest import Manifest
+from moepec.store.manifest import DTYPE_SIZES, Manifest
 from moepec.store.storage import Storage, committed_manifests
 
 log = logging.getLogger(__name__)
@@ -85,10 +87,17 @@ class VerifyResult:
     bad: list[str] = field(default_factory=list)
     uncommitted: list[str] = field(default_factory=list)
     damaged_manifests: list[str] = field(default_factory=list)
+    broken_views: list[str] = field(default_factory=list)
+    """Retained views that cannot be restored, with the reason."""
+    views: int = 0
+    """Retained views checked."""
 
     @property
     def ok(self) -> bool:
-        return not self.bad and not self.damaged_manifests
+        """Every committed item intact, every retained view restorable, and there is at
+        least one checkpoint (an empty or mistyped path is not OK)."""
+        return (not self.bad and not self.damaged_manifests and not self.broken_views
+                and self.views > 0)
 
 
 def verify_path(path: str, storage_options: dict | None = None,
@@ -105,7 +114,54 @@ def verify_path(path: str, storage_options: dict | None = None,
         res.bad += [f"{name}:{key}" for key in bad]
         if progress:
             progress(res.checked, total)
+    _check_views(found.manifests, set(res.bad), res)
     return res
+
+
+def retained_heads(manifests: Mapping[str, Manifest]) -> list[str]:
+    """The views retention keeps (the newest ``keep_last`` of the newest lineage, with the
+    keep_last the newest checkpoint was saved with)."""
+    head = mf.newest(manifests)
+    if head is None:
+        return []
+    keep = manifests[head].meta.config.get("keep_last", 1)
+    keep = keep if isinstance(keep, int) and keep >= 1 else 1
+    return mf.lineage(manifests, head)[:keep]
+
+
+def _check_views(manifests: Mapping[str, Manifest], bad: set[str], res: VerifyResult) -> None:
+    """Every retained view: each key's source committed, holding the key, intact; and a
+    copy of every expert's weights."""
+    for head in retained_heads(manifests):
+        res.views += 1
+        problem = _view_problem(manifests, head, bad)
+        if problem:
+            res.broken_views.append(f"{head}: {problem}")
+
+
+def _view_problem(manifests: Mapping[str, Manifest], head: str, bad: set[str]) -> str | None:
+    m = manifests[head]
+    for key, src in sorted(m.view.items()):
+        if src not in manifests:
+            return f"{key} lives in {src}, which is missing or damaged"
+        if key not in manifests[src].keys:
+            return f"{key} is not in {src}, where the view says it is"
+        if f"{src}:{key}" in bad:
+            return f"{key} in {src} is corrupt"
+    missing = missing_experts(m)
+    return f"no copy of {missing}" if missing else None
+
+
+def missing_experts(m: Manifest) -> str | None:
+    """The first expert whose weights the view lacks, named, or None."""
+    have = {(parse_key(k).layer, parse_key(k).expert) for k in m.view
+            if k.startswith("experts/") and parse_key(k).part == "model"}
+    for layer, entry in enumerate(m.meta.structure.get("experts", [])):
+        n = entry[2] if isinstance(entry, list) and len(entry) == 3 else 0
+        for e in range(n if isinstance(n, int) else 0):
+            if (layer, e) not in have:
+                return f"expert {e} of MoE layer {layer}"
+    return None
 
 
 def read_view(path: str, storage_options: dict | None = None
@@ -136,6 +192,20 @@ def read_view(path: str, storage_options: dict | None = None
     return m, values
 
 
+def _check_output(path: str, out: str) -> None:
+    """An export never writes into the checkpoint root it reads."""
+    local = "://" not in path or path.startswith("file://")
+    if local and "://" not in out:
+        root = os.path.realpath(path.removeprefix("file://"))
+        target = os.path.realpath(out)
+        if target == root or target.startswith(root.rstrip(os.sep) + os.sep):
+            raise CheckpointError(f"the output {out} is inside the checkpoint root {path}; "
+                                  f"choose an output outside it")
+    elif out.rstrip("/") == path.rstrip("/") or out.startswith(path.rstrip("/") + "/"):
+        raise CheckpointError(f"the output {out} is inside the checkpoint root {path}; "
+                              f"choose an output outside it")
+
+
 def consolidate(manifest: Manifest, values: dict[str, torch.Tensor]
                 ) -> dict[str, torch.Tensor]:
     """Reassemble a view into ordinary names: ``model.<param>`` and ``optim.<param>.<state>``
@@ -159,6 +229,9 @@ def consolidate(manifest: Manifest, values: dict[str, torch.Tensor]
         if layouts[info.layer] == "stacked":
             if name not in out:
                 shape, dtype = shapes[pname]
+                if math.prod(shape) != value.numel() * shape[0] or dtype not in DTYPE_SIZES:
+                    raise ValueError(f"{pname}: structure says {shape} {dtype}, an expert "
+                                     f"item is {list(value.shape)}")
                 out[name] = torch.zeros(shape, dtype=getattr(torch, dtype))
             out[name][info.expert] = value
         else:
@@ -167,9 +240,24 @@ def consolidate(manifest: Manifest, values: dict[str, torch.Tensor]
 
 
 def export_view(path: str, out: str, fmt: str, storage_options: dict | None = None) -> int:
-    """Write the newest view as one plain DCP checkpoint or safetensors file; returns keys."""
+    """Write the newest view as one plain DCP checkpoint or safetensors file; returns keys.
+
+    Refuses an output inside the checkpoint root and a view that lacks an expert (the
+    export would hold zeros for it); raises CheckpointError naming the problem."""
+    _check_output(path, out)
     manifest, values = read_view(path, storage_options)
-    tensors = consolidate(manifest, values)
+    missing = missing_experts(manifest)
+    if missing:
+        raise CheckpointError(f"the newest view ({manifest.name}) has no copy of {missing}; "
+                              f"an export would hold zeros for it. Run `moepec verify {path}`")
+    try:
+        tensors = consolidate(manifest, values)
+    except (IndexError, KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"{manifest.name}: the manifest's structure does not match its "
+                              f"items ({type(exc).__name__}: {exc}); the checkpoint is "
+                              f"damaged") from None
+    if "://" not in out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     if fmt == "safetensors":
         from safetensors.torch import save_file
 

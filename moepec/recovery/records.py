@@ -42,7 +42,7 @@ def read_recoveries(storage) -> list[dict[str, Any]]:
     """All recovery records under a checkpoint root, oldest first."""
     try:
         paths = sorted(storage.fs.ls(f"{storage.root}/{DIR}", detail=False))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     out = []
     for path in paths:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from moepec.errors import CorruptCheckpointError, NoCheckpointError
 from moepec.keys import parse_key
+from moepec.state.objects import decode_object
 from moepec.store.checksum import checksum_matches
 from moepec.store.manifest import CheckpointMeta, Item, Manifest
 
@@ -60,6 +61,9 @@ class Source:
     """The manifest, for a committed checkpoint."""
     complete: bool = True
     """Holds every non-expert key (a RAM snapshot some of whose shares were lost is not)."""
+    stored_bytes: Callable[[], int] | None = None
+    """The bytes its data files hold (storage): no item may claim more, so a damaged
+    manifest never makes a read allocate more than the checkpoint's own size."""
 
     @property
     def step(self) -> int:
@@ -91,14 +95,27 @@ def _alloc(item: Item) -> torch.Tensor:
 def storage_source(storage, manifest: Manifest) -> Source:
     """A committed checkpoint as a Source (``storage`` is a moepec.store.storage.Storage)."""
     name = manifest.name
+    size: list[int] = []
+
+    def stored_bytes() -> int:
+        if not size:
+            size.append(storage.data_bytes(name))
+        return size[0]
+
     return Source(name=name, tier=Tier.STORAGE, meta=manifest.meta, keys=manifest.keys,
-                  read=lambda targets: storage.read(name, targets), manifest=manifest)
+                  read=lambda targets: storage.read(name, targets, manifest.keys),
+                  manifest=manifest, stored_bytes=stored_bytes)
 
 
 def read_verified(src: Source, keys: Sequence[str], verify: bool = True
                   ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Read ``keys`` from ``src`` in one pass; return (good values, bad keys). A failed read
     is retried key by key to isolate the bad ones. Never raises for bad data."""
+    if src.stored_bytes is not None:
+        too_big = [k for k in keys if src.keys[k].nbytes > src.stored_bytes()]
+        if too_big:  # claims more bytes than the checkpoint holds: never allocated
+            good, bad = read_verified(src, [k for k in keys if k not in too_big], verify)
+            return good, bad + too_big
     targets = {k: _alloc(src.keys[k]) for k in keys}
     try:
         src.read(targets)
@@ -116,7 +133,21 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True
     bad = []
     if verify and src.tier == Tier.STORAGE:
         bad = [k for k, t in targets.items() if not checksum_matches(t, src.keys[k].checksum)]
+    bad += [k for k, t in targets.items() if k not in bad and not _decodes(k, t)]
     return {k: v for k, v in targets.items() if k not in bad}, bad
+
+
+def _decodes(key: str, value: torch.Tensor) -> bool:
+    """An object item must decode (tagged JSON, never pickle): one that does not is a
+    damaged item even when its checksum matches, since a checksum can be forged."""
+    if not key.startswith("objects/"):
+        return True
+    try:
+        decode_object(value, key)
+    except CorruptCheckpointError as exc:
+        log.warning("%s", exc)
+        return False
+    return True
 
 
 def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]],

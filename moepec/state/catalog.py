@@ -2,8 +2,10 @@
 
 Every item of a checkpoint has a key (grammar in :mod:`moepec.keys`). Small objects
 (RNG states, optimizer hyper-parameters, every ``extra_state`` entry's ``state_dict()``)
-are stored as uint8 tensors holding pickle bytes, so every item on disk is a plain
-tensor any DCP tool reads.
+are stored as uint8 tensors holding a tagged JSON document (:mod:`moepec.state.objects`),
+so every item on disk is a plain tensor any DCP tool reads, and loading one runs no
+code. A value that JSON and tensors cannot hold is refused when the manager is built
+(and at every capture), never silently dropped.
 
 The catalogue reads live tensors (views, never copies) and writes restored values
 back into the model, optimizer and extra state in place.
@@ -11,50 +13,27 @@ back into the model, optimizer and extra state in place.
 
 from __future__ import annotations
 
-import pickle
-import random
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from moepec.errors import ConfigError, StructureMismatchError
-from moepec.keys import EXPERT_PREFIX, expert_key, parse_key
+from moepec.errors import ConfigError, CorruptCheckpointError, StructureMismatchError
+from moepec.keys import EXPERT_PREFIX, OBJECT_PREFIX, expert_key, parse_key
 from moepec.state.experts import ExpertMap, canonical_expert_name, expert_slice
+from moepec.state.objects import decode_object, encode_object
+from moepec.state.rng import check_rng_state, rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+EXTRA_PREFIX = f"{OBJECT_PREFIX}extra/"
+_GROUPS_FIX = "keep the optimizer's param_groups hyper-parameters plain data"
 
 
-def to_bytes_tensor(obj: Any) -> torch.Tensor:
-    """Serialise a small object to a uint8 tensor (pickle; tensors inside pickle too)."""
-    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
-                            dtype=torch.uint8)
-
-
-def from_bytes_tensor(t: torch.Tensor) -> Any:
-    # These bytes were written by moepec itself from the job's own state_dicts
-    # (RNG, schedulers, loaders); like torch.load(weights_only=False), only load
-    # checkpoints you trust.
-    return pickle.loads(t.numpy().tobytes())
-
-
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def _extra_where(name: str) -> str:
+    return f"extra_state[{name!r}] state_dict()"
 
 
 class StateCatalog:
@@ -87,6 +66,7 @@ class StateCatalog:
                 raise ConfigError(
                     f"extra_state[{name!r}] ({type(obj).__name__}) has no state_dict()/"
                     f"load_state_dict(); pass objects that do, or wrap it")
+            _check_storable(name, obj)
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         self._name_of = {id(p): n for n, p in self.params.items()}
         self.buffers = {n: b for n, b in model.state_dict(keep_vars=True).items()
@@ -200,14 +180,17 @@ class StateCatalog:
         raise KeyError(key)
 
     def capture_objects(self) -> dict[str, torch.Tensor]:
-        """Serialise every object key now (called at snapshot time, on the training thread)."""
-        out = {"objects/rng": to_bytes_tensor(rng_state())}
+        """Encode every object key now (training thread, at snapshot time: the objects
+        change during the next step). Raises ConfigError, naming the entry, the key path
+        and the type, for a value moepec does not store."""
+        out = {"objects/rng": encode_object(rng_state(), "the RNG state")}
         if self.optimizer is not None:
             groups = [{k: v for k, v in g.items() if k != "params"}
                       for g in self.optimizer.param_groups]
-            out["objects/optim_groups"] = to_bytes_tensor(groups)
+            out["objects/optim_groups"] = encode_object(groups, "optimizer.param_groups",
+                                                        _GROUPS_FIX)
         for name, obj in self.extra_state.items():
-            out[f"objects/extra/{name}"] = to_bytes_tensor(obj.state_dict())
+            out[f"{EXTRA_PREFIX}{name}"] = encode_object(obj.state_dict(), _extra_where(name))
         return out
 
     def ensure_optimizer_state(self, shapes: Mapping[str, tuple[list[int], str]]) -> None:
@@ -245,33 +228,62 @@ class StateCatalog:
                 state[sk] = torch.zeros(shape, dtype=dt, device=device)
 
     def load(self, values: Mapping[str, torch.Tensor]) -> None:
-        """Copy restored values into the live state (training thread only)."""
+        """Copy restored values into the live state (training thread only).
+
+        Every object is decoded and checked before anything is written, so a malformed
+        one (CorruptCheckpointError) or a mismatched optimizer (StructureMismatchError)
+        leaves the live state untouched."""
+        objects = {k: self._decode(k, v) for k, v in values.items()
+                   if k.startswith(OBJECT_PREFIX)}
         with torch.no_grad():
             for key, value in values.items():
-                if key.startswith("objects/"):
-                    self._load_object(key, from_bytes_tensor(value))
-                else:
+                if not key.startswith(OBJECT_PREFIX):
                     self.tensor(key).copy_(value)
+        for key, obj in objects.items():
+            self._apply_object(key, obj)
 
     # -- helpers ---------------------------------------------------------------
-    def _load_object(self, key: str, obj: Any) -> None:
+    def _decode(self, key: str, value: torch.Tensor) -> Any:
+        """A saved object, decoded (no code runs) and checked against this catalogue."""
+        obj = decode_object(value, key)
+        if key == "objects/rng":
+            return check_rng_state(obj, key)
+        if key == "objects/optim_groups":
+            return self._check_groups(obj, key)
+        if key.startswith(EXTRA_PREFIX):
+            if not isinstance(obj, dict):
+                raise CorruptCheckpointError(
+                    f"checkpoint item {key!r} holds a {type(obj).__name__}, not the dict a "
+                    f"state_dict() returns; the item is damaged")
+            return obj
+        raise CorruptCheckpointError(f"checkpoint item {key!r} is an object this moepec does "
+                                     f"not know; the manifest is damaged or from a newer moepec")
+
+    def _check_groups(self, groups: Any, key: str) -> list[dict[str, Any]]:
+        if type(groups) is not list or not all(
+                type(g) is dict and "params" not in g and all(type(k) is str for k in g)
+                for g in groups):
+            raise CorruptCheckpointError(
+                f"checkpoint item {key!r} is not a list of hyper-parameter dicts; the item "
+                f"is damaged")
+        if self.optimizer is not None and len(groups) != len(self.optimizer.param_groups):
+            raise StructureMismatchError(
+                f"checkpoint has {len(groups)} optimizer param groups, the optimizer "
+                f"has {len(self.optimizer.param_groups)}; build the optimizer as "
+                f"when the checkpoint was saved")
+        return groups
+
+    def _apply_object(self, key: str, obj: Any) -> None:
         if key == "objects/rng":
             set_rng_state(obj)
         elif key == "objects/optim_groups":
             if self.optimizer is not None:
-                if len(obj) != len(self.optimizer.param_groups):
-                    raise StructureMismatchError(
-                        f"checkpoint has {len(obj)} optimizer param groups, the optimizer "
-                        f"has {len(self.optimizer.param_groups)}; build the optimizer as "
-                        f"when the checkpoint was saved")
                 for group, saved in zip(self.optimizer.param_groups, obj):
-                    group.update(saved)
-        elif key.startswith("objects/extra/"):
-            name = key[len("objects/extra/"):]
+                    _update_group(group, saved)
+        else:
+            name = key[len(EXTRA_PREFIX):]
             if name in self.extra_state:
                 self.extra_state[name].load_state_dict(obj)
-        else:
-            raise KeyError(key)
 
     def _optim_items(self):
         if self.optimizer is None:
@@ -298,3 +310,29 @@ class StateCatalog:
             return False
         state = self._state(pname).get(sk)
         return state is not None and tuple(state.shape) == tuple(self.params[pname].shape)
+
+
+def _update_group(group: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """Set a param group's hyper-parameters; a tensor one (a tensor ``lr``) is copied into
+    in place, keeping its device and identity (fused and captured optimizers hold it)."""
+    for k, v in saved.items():
+        live = group.get(k)
+        if isinstance(live, torch.Tensor) and isinstance(v, torch.Tensor) \
+                and live.shape == v.shape:
+            with torch.no_grad():
+                live.copy_(v)
+        else:
+            group[k] = v
+
+
+def _check_storable(name: str, obj: Any) -> None:
+    """Refuse an extra_state entry whose state_dict() moepec cannot store, when the
+    manager is built rather than at the first checkpoint. A state_dict() that fails
+    now (state not ready yet) is checked at capture instead."""
+    try:
+        state = obj.state_dict()
+    except Exception as exc:  # noqa: BLE001 - user code; capture_objects checks again
+        log.debug("extra_state[%r].state_dict() failed at construction (%s); checked "
+                  "at the first checkpoint", name, exc)
+        return
+    encode_object(state, _extra_where(name))

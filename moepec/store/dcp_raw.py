@@ -99,7 +99,7 @@ class RawFsspecWriter(_RawWrite, FsspecWriter):
     """FsspecWriter storing raw tensor bytes (s3://, memory://, any fsspec URL)."""
 
 
-def _read_exact(stream: Any, view: memoryview, what: str) -> None:
+def read_exact(stream: Any, view: memoryview, what: str) -> None:
     got = 0
     while got < len(view):
         n = stream.readinto(view[got:])
@@ -142,7 +142,7 @@ class _RawRead:
         what = f"{req.storage_index.fqn} in {info.relative_path}"
         if req.type == LoadItemType.BYTE_IO:
             buf = bytearray(info.length)
-            _read_exact(stream, memoryview(buf), what)
+            read_exact(stream, memoryview(buf), what)
             planner.load_bytes(req, io.BytesIO(bytes(buf)))
             return
         md = self._tensor_md[req.storage_index.fqn]
@@ -155,13 +155,13 @@ class _RawRead:
                 and not target.is_conj() and not target.is_neg()
                 and target.numel() * target.element_size() == info.length):
             if info.length:
-                _read_exact(stream, tensor_bytes(target), what)
+                read_exact(stream, tensor_bytes(target), what)
         else:
             src = torch.empty(size, dtype=dtype)
             if info.length != src.numel() * src.element_size():
                 raise ValueError(f"{what}: {info.length} bytes stored, {size} {dtype} expected")
             if info.length:
-                _read_exact(stream, tensor_bytes(src), what)
+                read_exact(stream, tensor_bytes(src), what)
             target.copy_(narrow_tensor_by_index(src, req.storage_offsets, req.lengths))
         planner.commit_tensor(req, target)
 

@@ -15,19 +15,25 @@ that checks the format, so every reader gets the check.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
 from moepec.errors import ManifestError, ManifestFormatError
 from moepec.keys import parse_checkpoint_name, parse_key, seq_of
 
-FORMAT = "moepec/2"
-"""2: items may be raw tensor bytes (moepec.store.dcp_raw; the manifest's
+FORMAT = "moepec/3"
+"""3: item locations (file, offset, length, encoding) in the manifest, objects as
+tagged JSON (no pickle). 2: items may be raw tensor bytes (moepec.store.dcp_raw; the manifest's
 ``serialization`` says which) and checksums XXH3 (``xxh3:``). 1: torch.save-framed
 items, XXH64."""
-KNOWN_FORMATS = ("moepec/1", "moepec/2")
+KNOWN_FORMATS = ("moepec/1", "moepec/2", "moepec/3")
+READABLE_FORMATS = ("moepec/3",)
+"""Formats whose items moepec reads: older ones store objects with pickle and need
+DCP's pickled ``.metadata`` to find items, neither of which moepec loads any more."""
 MAX_ANCESTORS = 512
 """Ancestors a manifest lists (its lineage); older ones are forgotten."""
 
@@ -41,33 +47,95 @@ class Serialization(StrEnum):
     """Stock DCP (torch.save-framed items): any ``dcp.load`` reads it."""
 
 
+DTYPE_SIZES = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2,
+    "uint32": 4, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+"""The dtypes a checkpoint may hold (the allow-list), and their item sizes in bytes."""
+MAX_DIMS = 8
+_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+"""A data file is a plain name inside its checkpoint folder: no separator, no '..'."""
+
+
+class Encoding(StrEnum):
+    """How one item's bytes are framed in its data file."""
+
+    RAW = "raw"
+    """The tensor's contiguous bytes, native byte order."""
+    TORCH_SAVE = "torch_save"
+    """A torch.save record (read with ``torch.load(weights_only=True)``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One stored tensor of a checkpoint (or of a RAM snapshot, without checksum and rank)."""
+    """One stored tensor of a checkpoint (or of a RAM snapshot: no checksum, rank or
+    location)."""
 
     shape: list[int]
     dtype: str
-    """torch dtype name without the ``torch.`` prefix."""
+    """torch dtype name without the ``torch.`` prefix (one of DTYPE_SIZES)."""
     nbytes: int = 0
     checksum: str | None = None
     """``xxh3:<hex>`` (or ``xxh64:`` in format 1); None for RAM copies."""
     rank: int | None = None
     """The rank that wrote it."""
+    file: str | None = None
+    """Data file inside the checkpoint folder (format 3 on); None: not recorded."""
+    offset: int = 0
+    length: int = 0
+    """Where the item's bytes are in ``file``."""
+    encoding: str = Encoding.RAW
 
     def to_json(self) -> dict[str, Any]:
-        return {"shape": self.shape, "dtype": self.dtype, "nbytes": self.nbytes,
-                "checksum": self.checksum, "rank": self.rank}
+        out = {"shape": self.shape, "dtype": self.dtype, "nbytes": self.nbytes,
+               "checksum": self.checksum, "rank": self.rank}
+        if self.file is not None:
+            out.update(file=self.file, offset=self.offset, length=self.length,
+                       encoding=str(self.encoding))
+        return out
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> Item:
+        """Parse and validate one entry (types, the dtype allow-list, sizes, location)."""
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: an item entry is not an object")
-        shape, dtype = d.get("shape"), d.get("dtype")
-        if not (isinstance(shape, list) and all(isinstance(s, int) for s in shape)
-                and isinstance(dtype, str)):
-            raise ManifestError(f"{where}: an item has no valid shape/dtype")
-        return cls(shape=shape, dtype=dtype, nbytes=d.get("nbytes", 0),
-                   checksum=d.get("checksum"), rank=d.get("rank"))
+        shape, dtype, nbytes = d.get("shape"), d.get("dtype"), d.get("nbytes", 0)
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
+                and all(_is_count(n) for n in shape)):
+            raise ManifestError(f"{where}: an item has an invalid shape {shape!r:.80}")
+        if dtype not in DTYPE_SIZES:
+            raise ManifestError(f"{where}: an item has dtype {dtype!r:.40}, not one moepec "
+                                f"stores")
+        if not _is_count(nbytes) or nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
+            raise ManifestError(f"{where}: an item's nbytes {nbytes!r:.40} does not match "
+                                f"its shape and dtype")
+        checksum, rank = d.get("checksum"), d.get("rank")
+        if not (checksum is None or isinstance(checksum, str)) or not (
+                rank is None or _is_count(rank)):
+            raise ManifestError(f"{where}: an item has an invalid checksum or rank")
+        return cls(shape=shape, dtype=dtype, nbytes=nbytes, checksum=checksum, rank=rank,
+                   **_location(d, nbytes, where))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _location(d: Mapping[str, Any], nbytes: int, where: str) -> dict[str, Any]:
+    """The validated location fields of an item entry ({} when it records none)."""
+    file = d.get("file")
+    if file is None:
+        return {}
+    offset, length, encoding = d.get("offset"), d.get("length"), d.get("encoding")
+    if not (isinstance(file, str) and _FILE_RE.match(file) and ".." not in file):
+        raise ManifestError(f"{where}: an item's data file {file!r:.80} is not a plain file "
+                            f"name inside the checkpoint")
+    if not (_is_count(offset) and _is_count(length)) or encoding not in set(Encoding):
+        raise ManifestError(f"{where}: an item has an invalid offset/length/encoding")
+    if encoding == Encoding.RAW and length != nbytes:
+        raise ManifestError(f"{where}: a raw item's length {length} is not its nbytes {nbytes}")
+    return {"file": file, "offset": offset, "length": length, "encoding": encoding}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +175,11 @@ class CheckpointMeta:
     """[step, K_persist] at each change of K."""
     world_size: int
     write_mode: str
+    run_id: str = ""
+    """The run (writer) that took this checkpoint (format 3 on)."""
+    runs: list[str] = field(default_factory=list)
+    """Every run of this checkpoint's lineage, oldest first: a run that restored another
+    run's checkpoint continues its lineage (restore stitches only within it)."""
 
 
 _META_FIELDS = tuple(f.name for f in fields(CheckpointMeta))
@@ -117,6 +190,8 @@ _META_TYPES: dict[str, type | tuple[type, ...]] = {
     "ledger": dict, "plt": (int, float), "selectors": dict, "k_history": list,
     "world_size": int, "write_mode": str,
 }
+_META_OPTIONAL: dict[str, tuple[type, Any]] = {"run_id": (str, ""), "runs": (list, [])}
+"""Fields older formats lack: type and default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,17 +250,77 @@ class Manifest:
         for name, kind in (("name", str), ("keys", dict),
                            ("view", dict), ("bytes_per_rank", list), ("bytes", int)):
             _need(data, name, kind, where)
-        if not isinstance(data.get("ancestors", []), list):
-            raise ManifestError(f"{where}: manifest field 'ancestors' is not a list")
-        if parse_checkpoint_name(data["name"]) is None:
-            raise ManifestError(f"{where}: 'name' {data['name']!r} is not a checkpoint name")
-        return cls(meta=CheckpointMeta(**{n: data[n] for n in _META_FIELDS}),
+        meta = {n: data[n] for n in _META_TYPES}
+        for name, (kind, default) in _META_OPTIONAL.items():
+            meta[name] = data.get(name, default)
+            if not isinstance(meta[name], kind):
+                raise ManifestError(f"{where}: manifest field {name!r} is not a {kind.__name__}")
+        ancestors = data.get("ancestors", [])
+        _check_structure(data["structure"], where)
+        _check_names(data["name"], ancestors, data["view"], data.get("parent"), where)
+        keys = {k: Item.from_json(v, where) for k, v in data["keys"].items()
+                if _valid_key(k, where)}
+        if sum(i.nbytes for i in keys.values()) != data["bytes"]:
+            raise ManifestError(f"{where}: the items' sizes do not add up to 'bytes'")
+        return cls(meta=CheckpointMeta(**meta),
                    name=data["name"], parent=data.get("parent"),
-                   ancestors=data.get("ancestors", []),
-                   keys={k: Item.from_json(v, where) for k, v in data["keys"].items()},
+                   ancestors=ancestors,
+                   keys=keys,
                    view=data["view"], bytes_per_rank=data["bytes_per_rank"],
                    bytes=data["bytes"], committed_at=data.get("committed_at", 0.0),
                    serialization=data.get("serialization", "torch_save"), format=fmt)
+
+
+MAX_EXPERTS = 1 << 16
+"""Experts per MoE layer a manifest may claim (more is taken as damage)."""
+
+
+def _check_structure(structure: Mapping[str, Any], where: str) -> None:
+    """The model structure: ``experts`` [prefix, layout, count] per MoE layer, ``params``
+    [name, shape, dtype], a ``fingerprint`` string."""
+    experts, params = structure.get("experts"), structure.get("params")
+    ok = isinstance(experts, list) and isinstance(params, list) and isinstance(
+        structure.get("fingerprint"), str)
+    ok = ok and all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
+                    and e[1] in ("stacked", "modules") and _is_count(e[2])
+                    and e[2] <= MAX_EXPERTS for e in experts)
+    ok = ok and all(isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)
+                    and isinstance(p[1], list) and len(p[1]) <= MAX_DIMS
+                    and all(_is_count(n) for n in p[1]) and p[2] in DTYPE_SIZES
+                    for p in params)
+    if not ok:
+        raise ManifestError(f"{where}: manifest field 'structure' is malformed")
+
+
+def _valid_key(key: Any, where: str) -> bool:
+    """A key of the state-key grammar (moepec.keys), or ManifestError."""
+    try:
+        info = parse_key(key)
+    except (ValueError, AttributeError, TypeError):
+        info = None
+    if info is None or info.part not in ("model", "optim", "objects") or (
+            info.is_expert and (info.layer < 0 or info.expert < 0)):
+        raise ManifestError(f"{where}: {key!r:.80} is not a moepec state key")
+    return True
+
+
+def _check_names(name: Any, ancestors: Any, view: Mapping[str, Any], parent: Any,
+                 where: str) -> None:
+    """The checkpoint's own name, its parent, ancestors and view sources follow the
+    checkpoint grammar, and none is newer than the checkpoint itself."""
+    own = parse_checkpoint_name(name) if isinstance(name, str) else None
+    if own is None:
+        raise ManifestError(f"{where}: 'name' {name!r:.80} is not a checkpoint name")
+    if not isinstance(ancestors, list):
+        raise ManifestError(f"{where}: manifest field 'ancestors' is not a list")
+    others = list(ancestors) + list(view.values()) + ([] if parent is None else [parent])
+    for other in others:
+        parsed = parse_checkpoint_name(other) if isinstance(other, str) else None
+        if parsed is None or parsed[0] > own[0]:
+            raise ManifestError(f"{where}: {other!r:.80} in its lineage or view is not an "
+                                f"older checkpoint name")
+    for key in view:
+        _valid_key(key, where)
 
 
 def _need(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> None:

@@ -71,8 +71,11 @@ class Persister:
 
     def __init__(self, storage: Storage, *, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, background: bool, timeout_s: float,
-                 keep_last: int, release: Callable[[Snapshot], None]) -> None:
+                 keep_last: int, release: Callable[[Snapshot], None],
+                 guard: Callable[[], None] | None = None) -> None:
         self.storage = storage
+        self.guard = guard
+        """Called by rank 0 right before each commit; raises to refuse it (the lease)."""
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -165,8 +168,10 @@ class Persister:
         except BaseException as exc:  # noqa: BLE001 - surfaced by check()
             log.error("persist of step %s failed: %s", snap.step, root_cause(exc))
             self._error = exc
-            self.records.append(PersistRecord(checkpoint_name(snap.seq, snap.step), snap.step,
-                                              0, [], 0.0, False))
+            name = checkpoint_name(snap.seq, snap.step)
+            self.records.append(PersistRecord(name, snap.step, 0, [], 0.0, False))
+            if self.rank == 0:
+                self._discard(name)
         finally:
             self.release(snap)
             self._idle.set()
@@ -198,13 +203,15 @@ class Persister:
         tensors = {k: snap.tensors[k] for k in keys}
         # Checksums before the write, on this thread: on 2 cores a checksum thread beside
         # the write slowed the write 2-3x (measured), more than the hashing costs.
-        items = {k: Item(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-                         nbytes=t.numel() * t.element_size(), checksum=tensor_checksum(t),
-                         rank=self.rank) for k, t in tensors.items()}
+        checksums = {k: tensor_checksum(t) for k, t in tensors.items()}
         _hook("write", name)
-        self.storage.write(name, tensors, self.group)
+        where = self.storage.write(name, tensors, self.group)
         _hook("written", name)
-        return items
+        return {k: Item(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                        nbytes=t.numel() * t.element_size(), checksum=checksums[k],
+                        rank=self.rank, file=where[k].file, offset=where[k].offset,
+                        length=where[k].length, encoding=where[k].encoding)
+                for k, t in tensors.items()}
 
     def _gather(self, items: dict[str, Item]) -> dict[str, Item]:
         """Every rank's items (all ranks meet here: the data is written everywhere)."""
@@ -225,12 +232,23 @@ class Persister:
                         bytes_per_rank=bytes_per_rank, bytes=sum(bytes_per_rank),
                         committed_at=time.time(), serialization=self.storage.serialization)
 
+    def _discard(self, name: str) -> None:
+        """Delete what a failed persist left (unless it committed): a full disk stays full
+        otherwise. Best effort: what remains is an uncommitted folder, never read."""
+        try:
+            if not self.storage.is_committed(name):
+                self.storage.delete(name)
+        except Exception as exc:  # noqa: BLE001 - retention removes it later
+            log.warning("could not remove the partial checkpoint %s: %s", name, exc)
+
     def _commit(self, manifest: Manifest) -> None:
         """Rank 0 writes the manifest (the commit); every rank learns whether it did."""
         ok = [True]
         if self.rank == 0:
             _hook("before_commit", manifest.name)
             try:
+                if self.guard is not None:
+                    self.guard()
                 self.storage.write_manifest(manifest)
                 self._known[manifest.name] = manifest
             except Exception:

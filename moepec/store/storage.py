@@ -42,14 +42,24 @@ from moepec.errors import CheckpointError, ManifestError, ManifestFormatError, c
 from moepec.keys import MANIFEST_NAME, parse_checkpoint_name
 from moepec.store import dcp_raw
 from moepec.store.dcp_raw import (
-    RawFileSystemReader,
+    RAW_DESCRIPTOR,
     RawFileSystemWriter,
-    RawFsspecReader,
     RawFsspecWriter,
 )
-from moepec.store.manifest import Manifest, Serialization, newest
+from moepec.store.manifest import Encoding, Item, Manifest, Serialization, newest
+from moepec.store.reader import read_items
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where one item's bytes are: its data file inside the checkpoint folder."""
+
+    file: str
+    offset: int
+    length: int
+    encoding: Encoding
 
 
 class Storage:
@@ -71,8 +81,11 @@ class Storage:
         self.url = str(path).rstrip("/")
         self.options = dict(storage_options or {})
         self.serialization = serialization
-        self.fs, self.root = url_to_fs(self.url, **self.options)
+        self.fs, self.root = _filesystem(self.url, self.options)
         self.local = "file" in _protocols(self.fs)
+        if self.local and os.path.isfile(self.root):
+            raise CheckpointError(f"{self.url} is a file; a checkpoint root is a folder (or an "
+                                  f"fsspec URL)")
 
     # -- paths -----------------------------------------------------------------
     def _dir(self, name: str) -> str:
@@ -99,8 +112,9 @@ class Storage:
 
     # -- data ------------------------------------------------------------------
     def write(self, name: str, tensors: Mapping[str, torch.Tensor],
-              process_group: dist.ProcessGroup | None = None) -> None:
-        """Write one rank's tensors of checkpoint ``name`` as a DCP checkpoint.
+              process_group: dist.ProcessGroup | None = None) -> dict[str, Location]:
+        """Write one rank's tensors of checkpoint ``name`` as a DCP checkpoint; returns
+        where every item of every rank landed (key -> Location).
 
         Collective over ``process_group`` when torch.distributed is initialised
         (every rank of the group calls it, each with its own disjoint keys);
@@ -115,24 +129,27 @@ class Storage:
             writer = (RawFsspecWriter if raw else FsspecWriter)(
                 url, sync_files=False, overwrite=True, **self.options)
         distributed = dist.is_available() and dist.is_initialized()
-        dcp.save({_ROOT: dict(tensors)}, storage_writer=writer, planner=_SavePlanner(),
-                 process_group=process_group if distributed else None,
-                 no_dist=not distributed)
+        metadata = dcp.save({_ROOT: dict(tensors)}, storage_writer=writer,
+                            planner=_SavePlanner(),
+                            process_group=process_group if distributed else None,
+                            no_dist=not distributed)
+        return {index.fqn: Location(
+            info.relative_path, info.offset, info.length,
+            Encoding.RAW if RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None)
+                                               or ()) else Encoding.TORCH_SAVE)
+            for index, info in metadata.storage_data.items()}
 
-    def read(self, name: str, targets: Mapping[str, torch.Tensor]) -> None:
-        """Load ``targets`` (key -> preallocated tensor) from checkpoint ``name``.
-
-        Reads only; every rank reads what it needs on its own (no collective). Reads
-        raw and torch.save-framed items alike.
-        """
-        url = self.url_of(name)
-        reader = (RawFileSystemReader(url) if self.local
-                  else RawFsspecReader(url, **self.options))
-        dcp.load(dict(targets), storage_reader=reader, no_dist=True)
+    def read(self, name: str, targets: Mapping[str, torch.Tensor],
+             items: Mapping[str, Item]) -> None:
+        """Load ``targets`` (key -> preallocated tensor) from checkpoint ``name`` at the
+        locations its manifest's ``items`` record (moepec.store.reader: no unpickling,
+        paths confined to the root). Reads only; no collective; any thread."""
+        read_items(self.fs, (self.root, name), targets, items, local=self.local)
 
     # -- manifests -------------------------------------------------------------
     def write_manifest(self, manifest: Manifest) -> None:
-        """Commit checkpoint ``manifest.name`` by writing its manifest atomically.
+        """Commit checkpoint ``manifest.name`` by writing its manifest atomically. Never
+        overwrites an existing manifest (CheckpointError: the name is taken).
 
         Called by the coordinator (rank 0) only, after every rank's data is written.
         """
@@ -147,15 +164,26 @@ class Storage:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, final)
+            try:
+                os.link(tmp, final)  # unlike rename, fails when the manifest exists
+            except FileExistsError:
+                raise CheckpointError(f"{self.url}/{name} is committed already; a commit "
+                                      f"never overwrites a manifest") from None
+            finally:
+                os.unlink(tmp)
             dir_fd = os.open(self._dir(name), os.O_RDONLY)
             try:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
         else:
-            # One PUT: object stores make the object visible whole or not at all.
-            self.fs.pipe_file(final, data)
+            # One conditional PUT (If-None-Match on S3): the object appears whole or not at
+            # all, and never replaces an existing manifest.
+            try:
+                self.fs.pipe_file(final, data, mode="create")
+            except FileExistsError:
+                raise CheckpointError(f"{self.url}/{name} is committed already; a commit "
+                                      f"never overwrites a manifest") from None
 
     def read_manifest(self, name: str) -> Manifest:
         """The manifest of checkpoint ``name``. Raises CheckpointError when it has none,
@@ -178,7 +206,7 @@ class Storage:
         """(name, committed) for every checkpoint folder, oldest first by sequence."""
         try:
             entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         found = []
         for entry in entries:
@@ -188,21 +216,35 @@ class Storage:
         found.sort(key=lambda n: parse_checkpoint_name(n))
         return [(n, self.fs.exists(f"{self._dir(n)}/{MANIFEST_NAME}")) for n in found]
 
+    def is_committed(self, name: str) -> bool:
+        """Whether checkpoint ``name`` has its manifest."""
+        return self.fs.exists(f"{self._dir(name)}/{MANIFEST_NAME}")
+
     def committed(self) -> list[str]:
         """Names of the committed checkpoints, oldest first."""
         return [n for n, ok in self.list_checkpoints() if ok]
 
     def delete(self, name: str) -> None:
-        """Remove a checkpoint: the manifest first (un-commit), then the data."""
-        manifest = f"{self._dir(name)}/{MANIFEST_NAME}"
+        """Remove a checkpoint: the manifest first (un-commit), then the data. A
+        checkpoint folder that is a symlink loses the link only: nothing outside the
+        root is ever deleted."""
+        if parse_checkpoint_name(name) is None:
+            raise CheckpointError(f"{name!r} is not a checkpoint name; nothing deleted")
+        folder = self._dir(name)
+        if self.local and os.path.islink(folder):
+            os.unlink(folder)
+            return
+        manifest = f"{folder}/{MANIFEST_NAME}"
         if self.fs.exists(manifest):
             self.fs.rm(manifest)
-        if self.fs.exists(self._dir(name)):
-            self.fs.rm(self._dir(name), recursive=True)
+        if self.fs.exists(folder):
+            self.fs.rm(folder, recursive=True)
 
     def data_bytes(self, name: str) -> int:
         """Bytes of the data files of a checkpoint (everything but the manifest)."""
         total = 0
+        if self.local and os.path.islink(self._dir(name)):
+            return 0  # not ours to measure: it points outside the root
         for path, info in self.fs.find(self._dir(name), detail=True).items():
             if not path.endswith(MANIFEST_NAME):
                 total += int(info.get("size") or 0)
@@ -299,6 +341,28 @@ class _SavePlanner(DefaultSavePlanner):
                 raise CheckpointError(f"{key}: moepec writes whole tensors, got {chunks}")
         self.global_plan, self.metadata = plans, metadata
         return plans, metadata
+
+
+_PACKAGES = {"s3": "moepec[s3] (s3fs)", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
+             "abfs": "adlfs"}
+
+
+def _filesystem(url: str, options: Mapping[str, Any]):
+    """fsspec's filesystem and path for ``url``; CheckpointError naming the fix when the
+    protocol is unknown or its package is missing."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    try:
+        return url_to_fs(url, **options)
+    except ImportError as exc:
+        package = _PACKAGES.get(protocol, "the fsspec implementation of that protocol")
+        raise CheckpointError(f"{url}: {protocol}:// needs {package}: pip install "
+                              f"{package.split(' ')[0]!r} ({exc})") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{url}: {exc}; use a local path or an fsspec URL such as "
+                              f"s3://bucket/run or memory://run") from None
+    except TypeError as exc:
+        raise CheckpointError(f"{url}: the storage options do not fit this filesystem "
+                              f"({exc})") from None
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from moepec.errors import ConfigError, MoepecError
+from moepec.store.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,11 @@ class InjectedFault(MoepecError):
 
 
 # -- storage that fails on demand ------------------------------------------------
+_EXEMPT = ("moepec-write-probe", "moepec.lease")
+"""Files the injected faults spare: the set-up's probe and lease, so that a fault hits the
+checkpoint data and manifests it is meant for."""
+
+
 class FaultyFileSystem(LocalFileSystem):
     """A local filesystem (``faulty://<path>``) whose writes can be made to fail or crawl.
 
@@ -66,12 +72,13 @@ class FaultyFileSystem(LocalFileSystem):
         return LocalFileSystem._strip_protocol(path)
 
     def _open(self, path, mode="rb", **kwargs):
-        if any(c in mode for c in "wa") and not str(path).endswith("moepec-write-probe"):
+        if any(c in mode for c in "wa") and not str(path).endswith(_EXEMPT):
             self._maybe_fail(path)
         return super()._open(path, mode=mode, **kwargs)
 
     def pipe_file(self, path, value, **kwargs):
-        self._maybe_fail(path)
+        if not str(path).endswith(_EXEMPT):
+            self._maybe_fail(path)
         return super().pipe_file(path, value, **kwargs)
 
     @classmethod
@@ -172,15 +179,13 @@ def kill_self() -> None:
 
 
 def corrupt_item(ckpt_dir: str | Path, fqn: str) -> None:
-    """Flip the bytes of the second half of item ``fqn`` in a local DCP checkpoint folder
-    (located through the checkpoint's own .metadata)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(str(ckpt_dir)).read_metadata()
-    info = next(i for idx, i in md.storage_data.items() if idx.fqn == fqn)
-    file = Path(ckpt_dir) / info.relative_path
+    """Flip the bytes of the second half of item ``fqn`` in a local committed checkpoint
+    folder (located through the checkpoint's manifest)."""
+    folder = Path(ckpt_dir)
+    item = Storage(str(folder.parent)).read_manifest(folder.name).keys[fqn]
+    file = folder / item.file
     data = bytearray(file.read_bytes())
-    for i in range(info.offset + info.length // 2, info.offset + info.length - 8):
+    for i in range(item.offset + item.length // 2, item.offset + item.length - 8):
         data[i] ^= 0xFF
     file.write_bytes(bytes(data))
 
@@ -188,10 +193,6 @@ def corrupt_item(ckpt_dir: str | Path, fqn: str) -> None:
 def corrupt_newest(storage_url: str, rng: random.Random) -> str | None:
     """Flip bytes in one expert item of the newest committed checkpoint (local paths only).
     Returns 'checkpoint:key' or None when there is nothing to corrupt."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from moepec.store.storage import Storage
-
     path = storage_url[len("faulty://"):] if storage_url.startswith("faulty://") else storage_url
     st = Storage(path)
     if not st.local:
@@ -200,8 +201,7 @@ def corrupt_newest(storage_url: str, rng: random.Random) -> str | None:
     if not names:
         return None
     name = names[-1]
-    md = FileSystemReader(f"{st.root}/{name}").read_metadata()
-    fqns = sorted(idx.fqn for idx in md.storage_data if idx.fqn.startswith("experts/"))
+    fqns = sorted(k for k in st.read_manifest(name).keys if k.startswith("experts/"))
     if not fqns:
         return None
     fqn = fqns[rng.randrange(len(fqns))]

@@ -1,0 +1,91 @@
+"""Reading a checkpoint's items by the locations its manifest records.
+
+No DCP ``.metadata`` (a pickle) is read and nothing is unpickled: each item's data file,
+offset, length and encoding come from the validated JSON manifest
+(:class:`moepec.store.manifest.Item`). Raw items are read straight into their target
+tensors; ``torch_save`` items (stock DCP framing) are decoded with
+``torch.load(weights_only=True)``. Items of one file are read in offset order through
+one open file, so a restore that stitches a view from many checkpoints makes one
+sequential pass per data file and no planning round trips.
+
+Every path is confined to the checkpoint root: a data file is a plain name inside its
+checkpoint folder (the manifest's validation), and on a local disk the resolved path
+must lie inside the resolved root, so a symlink cannot lead out of it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import defaultdict
+from collections.abc import Mapping
+
+import torch
+
+from moepec.errors import CheckpointError, CorruptCheckpointError
+from moepec.store.checksum import tensor_bytes
+from moepec.store.dcp_raw import read_exact
+from moepec.store.manifest import Encoding, Item
+
+
+def confined(root: str, *parts: str, local: bool) -> str:
+    """``root/parts...``, refusing anything that resolves outside ``root`` (local disks:
+    symlinks followed; object stores have none). Raises CorruptCheckpointError."""
+    for part in parts:
+        if not part or part in (".", "..") or "/" in part or "\\" in part:
+            raise CorruptCheckpointError(f"{part!r} is not a plain name inside {root}")
+    path = "/".join((root,) + parts)
+    if local:
+        real_root = os.path.realpath(root)
+        real = os.path.realpath(path)
+        if not real.startswith(real_root.rstrip(os.sep) + os.sep):
+            raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint "
+                                         f"root {real_root}")
+    return path
+
+
+def read_items(fs, folder_parts: tuple[str, str], targets: Mapping[str, torch.Tensor],
+               items: Mapping[str, Item], *, local: bool) -> None:
+    """Fill ``targets`` (key -> preallocated tensor of the item's shape and dtype) from
+    the checkpoint folder ``root/name`` (``folder_parts``). Reads only; no collective;
+    any thread. Raises CheckpointError (or OSError) for anything missing, short or
+    inconsistent: the caller isolates the bad key."""
+    root, name = folder_parts
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for key in targets:
+        item = items[key]
+        if item.file is None:
+            raise CheckpointError(
+                f"{name} was written by an older moepec whose manifest does not record where "
+                f"items are; this moepec does not read it (it would have to unpickle DCP's "
+                f".metadata). Restore it with the moepec that wrote it, or start a new run")
+        by_file[item.file].append(key)
+    for file, keys in by_file.items():
+        keys.sort(key=lambda k: items[k].offset)
+        path = confined(root, name, file, local=local)
+        with (open(path, "rb") if local else fs.open(path, "rb")) as stream:
+            for key in keys:
+                _read_one(stream, key, items[key], targets[key])
+
+
+def _read_one(stream, key: str, item: Item, target: torch.Tensor) -> None:
+    if list(target.shape) != item.shape or str(target.dtype).removeprefix("torch.") != item.dtype:
+        raise CheckpointError(f"{key}: the target is {list(target.shape)} {target.dtype}, the "
+                              f"item {item.shape} {item.dtype}")
+    stream.seek(item.offset)
+    if item.encoding == Encoding.RAW:
+        if target.is_cpu and target.is_contiguous() and not target.is_conj() \
+                and not target.is_neg():
+            read_exact(stream, tensor_bytes(target), key)
+        else:
+            src = torch.empty_like(target, device="cpu", memory_format=torch.contiguous_format)
+            read_exact(stream, tensor_bytes(src), key)
+            target.copy_(src)
+        return
+    buf = bytearray(item.length)
+    read_exact(stream, memoryview(buf), key)
+    value = torch.load(io.BytesIO(bytes(buf)), weights_only=True)
+    if not torch.is_tensor(value) or list(value.shape) != item.shape:
+        raise CorruptCheckpointError(f"{key}: the stored record is not the {item.shape} tensor "
+                                     f"the manifest describes")
+    target.copy_(value)

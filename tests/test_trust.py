@@ -1,0 +1,264 @@
+"""Checkpoints from strangers and careless users: nothing on the load path runs code or
+leaves the checkpoint root, one writer per root, and runs never mix."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moepec import CheckpointConfig, CheckpointManager
+from moepec.errors import LeaseError, MoepecError
+from moepec.recovery.offline import export_view, inspect_path, verify_path
+from moepec.store.checksum import tensor_checksum
+from moepec.store.storage import Storage
+from tests.toy import Counter, full_state, make, run_loop
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Payload:
+    """Unpickling this runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _train(path: Path, steps: int = 8, **kw):
+    model, opt, sched = make(0, "stacked", 4)
+    counter = Counter()
+    cfg = CheckpointConfig(path=str(path), interval=2, k_persist=1, keep_last=kw.pop("keep_last", 8),
+                           **kw)
+    mgr = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
+    saved = {}
+    run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, steps,
+             on_save=lambda s: saved.__setitem__(s, full_state(model, opt)))
+    mgr.close()
+    return mgr, saved
+
+
+def _fresh(path: Path, **kw):
+    model, opt, sched = make(5, "stacked", 4)
+    counter = Counter()
+    cfg = CheckpointConfig(path=str(path), interval=2, k_persist=1, **kw)
+    return CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter}), \
+        model, opt
+
+
+def _all_tools(root: Path, out: Path) -> list[str]:
+    """Run restore, verify, inspect and export; return what each did (never a traceback)."""
+    results = []
+    for name, call in [("restore", lambda: _fresh(root)[0].restore()),
+                       ("verify", lambda: verify_path(str(root))),
+                       ("inspect", lambda: inspect_path(str(root))),
+                       ("export", lambda: export_view(str(root), str(out), "safetensors"))]:
+        try:
+            call()
+            results.append(f"{name}: ok")
+        except MoepecError as exc:
+            results.append(f"{name}: {type(exc).__name__}")
+    return results
+
+
+def test_a_pickle_payload_in_dcp_metadata_runs_nothing(tmp_path):
+    root = tmp_path / "c"
+    _, saved = _train(root)
+    marker = tmp_path / "pwned"
+    for folder in root.glob("ckpt-*"):
+        (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    results = _all_tools(root, tmp_path / "out.safetensors")
+    assert not marker.exists()
+    # moepec never reads .metadata: everything still works, bit-exact
+    assert results == ["restore: ok", "verify: ok", "inspect: ok", "export: ok"]
+    assert verify_path(str(root)).ok
+    mgr, model, _ = _fresh(root)
+    report = mgr.restore()
+    assert torch.equal(model.embed.weight, saved[report.step]["model/embed.weight"])
+
+
+def test_a_pickle_payload_in_every_object_item_runs_nothing(tmp_path):
+    root = tmp_path / "c"
+    _train(root)
+    marker = tmp_path / "pwned"
+    st = Storage(str(root))
+    poisoned = 0
+    for name in st.committed():
+        path = root / name / "moepec.json"
+        m = json.loads(path.read_text())
+        for key, item in m["keys"].items():
+            if not key.startswith("objects/"):
+                continue
+            payload = pickle.dumps(_Payload(marker))
+            if len(payload) > item["length"]:
+                continue  # too small to hold it (the rng and hyper-parameters do)
+            poisoned += 1
+            data = payload.ljust(item["length"], b"\0")  # same size: the manifest adds up
+            blob = bytearray((root / name / item["file"]).read_bytes())
+            blob[item["offset"]:item["offset"] + len(data)] = data
+            (root / name / item["file"]).write_bytes(bytes(blob))
+            # a careful attacker recomputes the checksum too
+            item["checksum"] = tensor_checksum(torch.frombuffer(bytearray(data),
+                                                                dtype=torch.uint8))
+        path.write_text(json.dumps(m))
+    assert poisoned >= 2 * len(st.committed())
+    results = _all_tools(root, tmp_path / "out.safetensors")
+    assert not marker.exists()
+    assert results[0] == "restore: CorruptCheckpointError"  # every base's objects are bad
+    assert not verify_path(str(root)).ok
+
+
+def test_item_paths_never_leave_the_root(tmp_path):
+    root = tmp_path / "c"
+    _train(root)
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\x07" * 4096)
+    st = Storage(str(root))
+    newest = st.committed()[-1]
+    path = root / newest / "moepec.json"
+    m = json.loads(path.read_text())
+    key = next(k for k in m["keys"] if k.startswith("model/"))
+    m["keys"][key]["file"] = "../../secret.bin"
+    path.write_text(json.dumps(m))
+    assert newest in verify_path(str(root)).damaged_manifests[0]
+    # a data file that is a symlink out of the root is not followed
+    older = st.committed()[-2]
+    data = next((root / older).glob("*.distcp"))
+    data.unlink()
+    data.symlink_to(secret)
+    res = verify_path(str(root))
+    assert res.bad and all(b.startswith(older) for b in res.bad) and not res.ok
+
+
+def test_retention_deletes_a_symlinked_checkpoint_link_not_its_target(tmp_path):
+    outside = tmp_path / "outside"
+    root = tmp_path / "c"
+    _train(root, steps=4)
+    st = Storage(str(root))
+    first = st.committed()[0]
+    (root / first).rename(outside)
+    (root / first).symlink_to(outside, target_is_directory=True)
+    _train(root, steps=12, keep_last=1)  # retention runs and drops the first checkpoint
+    assert (outside / "moepec.json").exists()  # the target is untouched
+    assert not (root / first).exists()
+
+
+_HOLDER = """
+import sys, time, torch
+sys.path.insert(0, {root!r})
+from moepec import CheckpointConfig, CheckpointManager
+from tests.toy import Counter, make, run_loop
+model, opt, sched = make(0, "stacked", 4)
+counter = Counter()
+cfg = CheckpointConfig(path={path!r}, interval=2, k_persist=1, keep_last=8,
+                       async_persist=False, lease_timeout_s=600)
+mgr = CheckpointManager(model, opt, cfg, extra_state={{"sched": sched, "data": counter}})
+run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, 4)
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(2), 4, 2)
+    print("committed", flush=True)
+except Exception as exc:
+    print("refused", type(exc).__name__, flush=True)
+"""
+
+
+def _holder(path: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER.format(root=str(ROOT), path=str(path))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_a_second_writer_is_refused_and_the_first_run_is_intact(tmp_path):
+    root = tmp_path / "c"
+    holder = _holder(root)
+    try:
+        before = sorted(p.name for p in root.glob("ckpt-*"))
+        mgr, _, _ = _fresh(root)
+        with pytest.raises(LeaseError, match="in use by run .*--ckpt-takeover") as err:
+            mgr.restore()
+        assert str(holder.pid) in str(err.value) and "\n" not in str(err.value)
+        with pytest.raises(LeaseError):
+            mgr.save(0)
+        mgr.close()
+        assert sorted(p.name for p in root.glob("ckpt-*")) == before
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "committed"  # the first run goes on
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_takeover_stops_the_old_writer_committing(tmp_path):
+    root = tmp_path / "c"
+    holder = _holder(root)
+    try:
+        mgr, _, _ = _fresh(root, takeover=True)
+        report = mgr.restore()
+        assert report is not None and report.step == 3
+        mgr.save(10)
+        mgr.close()  # releases the lease again
+        mgr2, _, _ = _fresh(root, takeover=True)
+        mgr2.restore()  # holds it now
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().split()[0] == "refused"
+        mgr2.close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_dead_holder_on_this_host_frees_the_lease(tmp_path):
+    root = tmp_path / "c"
+    holder = _holder(root)
+    holder.kill()
+    holder.wait()
+    mgr, _, _ = _fresh(root)
+    assert mgr.restore().step == 3  # the restarted worker's case: no takeover flag needed
+    mgr.close()
+
+
+def test_restore_never_stitches_another_runs_checkpoint(tmp_path, caplog):
+    root = tmp_path / "c"
+    _, saved = _train(root, steps=8)
+    st = Storage(str(root))
+    names = st.committed()
+    foreign = names[-2]
+    path = root / foreign / "moepec.json"
+    m = json.loads(path.read_text())
+    m["run_id"], m["runs"] = "stranger", ["stranger"]
+    path.write_text(json.dumps(m))
+    mgr, model, _ = _fresh(root)
+    report = mgr.restore()
+    assert report.checkpoint == names[-1]
+    assert "not stitching " + foreign in caplog.text
+    assert all(src["checkpoint"] != foreign for src in report.sources.values())
+    mgr.close()
+
+
+def test_a_lease_left_with_a_fresh_heartbeat_by_another_host_blocks(tmp_path):
+    root = tmp_path / "c"
+    _train(root, steps=4)
+    (root / "moepec.lease").write_text(json.dumps(
+        {"run_id": "abc", "host": "elsewhere", "pid": 1, "heartbeat": time.time()}))
+    mgr, _, _ = _fresh(root)
+    with pytest.raises(LeaseError, match="run abc .*host elsewhere"):
+        mgr.restore()
+    mgr.close()
+    mgr, _, _ = _fresh(root, lease_timeout_s=0.01)  # expired: free
+    time.sleep(0.05)
+    assert mgr.restore().step == 3
+    mgr.close()
