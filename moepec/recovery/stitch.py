@@ -111,6 +111,10 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True
                   ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Read ``keys`` from ``src`` in one pass; return (good values, bad keys). A failed read
     is retried key by key to isolate the bad ones. Never raises for bad data."""
+    missing = [k for k in keys if k not in src.keys]
+    if missing:  # a view that names a source without the key: those keys are bad
+        good, bad = read_verified(src, [k for k in keys if k in src.keys], verify)
+        return good, bad + missing
     if src.stored_bytes is not None:
         too_big = [k for k in keys if src.keys[k].nbytes > src.stored_bytes()]
         if too_big:  # claims more bytes than the checkpoint holds: never allocated

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from moepec.errors import ManifestError, ManifestFormatError
+from moepec.errors import ManifestError, ManifestFormatError, MoepecError
 from moepec.keys import parse_checkpoint_name, parse_key, seq_of
+from moepec.policy.plt import PLTLedger
+from moepec.policy.selection import Selector
 
 FORMAT = "moepec/3"
 """3: item locations (file, offset, length, encoding) in the manifest, objects as
@@ -104,7 +106,7 @@ class Item:
         if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
                 and all(_is_count(n) for n in shape)):
             raise ManifestError(f"{where}: an item has an invalid shape {shape!r:.80}")
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise ManifestError(f"{where}: an item has dtype {dtype!r:.40}, not one moepec "
                                 f"stores")
         if not _is_count(nbytes) or nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
@@ -131,7 +133,8 @@ def _location(d: Mapping[str, Any], nbytes: int, where: str) -> dict[str, Any]:
     if not (isinstance(file, str) and _FILE_RE.match(file) and ".." not in file):
         raise ManifestError(f"{where}: an item's data file {file!r:.80} is not a plain file "
                             f"name inside the checkpoint")
-    if not (_is_count(offset) and _is_count(length)) or encoding not in set(Encoding):
+    if not (_is_count(offset) and _is_count(length)) or not isinstance(encoding, str) \
+            or encoding not in set(Encoding):
         raise ManifestError(f"{where}: an item has an invalid offset/length/encoding")
     if encoding == Encoding.RAW and length != nbytes:
         raise ManifestError(f"{where}: a raw item's length {length} is not its nbytes {nbytes}")
@@ -262,6 +265,7 @@ class Manifest:
                 if _valid_key(k, where)}
         if sum(i.nbytes for i in keys.values()) != data["bytes"]:
             raise ManifestError(f"{where}: the items' sizes do not add up to 'bytes'")
+        _check_bookkeeping(meta, where)
         return cls(meta=CheckpointMeta(**meta),
                    name=data["name"], parent=data.get("parent"),
                    ancestors=ancestors,
@@ -286,10 +290,37 @@ def _check_structure(structure: Mapping[str, Any], where: str) -> None:
                     and e[2] <= MAX_EXPERTS for e in experts)
     ok = ok and all(isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)
                     and isinstance(p[1], list) and len(p[1]) <= MAX_DIMS
-                    and all(_is_count(n) for n in p[1]) and p[2] in DTYPE_SIZES
+                    and all(_is_count(n) for n in p[1]) and isinstance(p[2], str)
+                    and p[2] in DTYPE_SIZES
                     for p in params)
     if not ok:
         raise ManifestError(f"{where}: manifest field 'structure' is malformed")
+
+
+def _check_bookkeeping(meta: Mapping[str, Any], where: str) -> None:
+    """Routing counts, PLT ledger, selectors and K history fit the structure: loaded into
+    fresh objects of their own classes, which check them (policy layer, pure)."""
+    n_experts = [e[2] for e in meta["structure"]["experts"]]
+    try:
+        counts = meta["counts"]
+        if len(counts) != len(n_experts) or any(
+                len(row) != n or not all(_is_count(c) for c in row)
+                for row, n in zip(counts, n_experts)):
+            raise ValueError("counts do not match the experts per layer")
+        for name in ("experts_saved", "experts_snapshot"):
+            rows = meta[name]
+            if not all(isinstance(r, list) and all(_is_count(e) for e in r) for r in rows):
+                raise ValueError(name)
+        if not all(isinstance(h, list) and len(h) == 2 and all(isinstance(x, int) for x in h)
+                   for h in meta["k_history"]):
+            raise ValueError("k_history")
+        if n_experts and min(n_experts) > 0:
+            PLTLedger.create(n_experts).load_state_dict(meta["ledger"])
+            for tier in ("persist", "ram"):
+                Selector.create(n_experts).load_state_dict(meta["selectors"][tier])
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, MoepecError) as exc:
+        raise ManifestError(f"{where}: the manifest's bookkeeping (counts, PLT ledger, "
+                            f"selectors, K) is malformed ({type(exc).__name__})") from None
 
 
 def _valid_key(key: Any, where: str) -> bool:
