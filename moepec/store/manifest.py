@@ -323,14 +323,14 @@ def _check_bookkeeping(meta: Mapping[str, Any], where: str) -> None:
                             f"selectors, K) is malformed ({type(exc).__name__})") from None
 
 
+_KEY_RE = re.compile(r"^(?:(?:model|optim|objects)/|experts/\d{1,6}/\d{1,6}/(?:model|optim)/)"
+                     r"[^\x00]+$")
+"""The state-key grammar of moepec.keys, as one expression (checked for every key)."""
+
+
 def _valid_key(key: Any, where: str) -> bool:
     """A key of the state-key grammar (moepec.keys), or ManifestError."""
-    try:
-        info = parse_key(key)
-    except (ValueError, AttributeError, TypeError):
-        info = None
-    if info is None or info.part not in ("model", "optim", "objects") or (
-            info.is_expert and (info.layer < 0 or info.expert < 0)):
+    if not (isinstance(key, str) and _KEY_RE.match(key)):
         raise ManifestError(f"{where}: {key!r:.80} is not a moepec state key")
     return True
 
