@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -26,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moepec.errors import CheckpointError, ConfigError, LeaseError, PersistError
+from moepec.errors import CheckpointError, ConfigError, PersistError
 from moepec.keys import parse_checkpoint_name
+from moepec.manager.claim import RootClaim
 from moepec.manager.config import BusyPolicy, CheckpointConfig, PecScope
 from moepec.manager.restore import RestoreContext, RestoreOutcome, RestoreReport, restore_state
 from moepec.manager.routing import RoutingCounter
@@ -38,7 +38,6 @@ from moepec.recovery.stitch import Tier
 from moepec.state.catalog import StateCatalog
 from moepec.state.experts import ExpertSpec, discover, structure_of
 from moepec.state.shares import CheckpointKeys
-from moepec.store.lease import Lease
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.persist import Persister
 from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
@@ -128,21 +127,16 @@ class CheckpointManager:
                                    world_size=self.world_size, group=self._group,
                                    background=config.async_persist, timeout_s=config.timeout_s,
                                    keep_last=config.keep_last, release=self.ram_tier.release,
-                                   guard=self._check_lease)
+                                   guard=lambda: self.root_claim.check())
 
     def _init_run(self) -> None:
-        """This run's id (agreed over the ranks: rank 0 draws it) and its lease (rank 0),
-        taken at the first save or restore."""
-        ids = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        if self.distributed:
-            dist.broadcast_object_list(ids, src=0)
-        self.run_id: str = ids[0]
+        """This run's id and its claim on the root (the lease: taken at the first save or
+        restore). Collective: rank 0 draws the id."""
+        self.root_claim = RootClaim(self.storage, rank=self.rank, distributed=self.distributed,
+                                    lease_timeout_s=self.config.lease_timeout_s,
+                                    takeover=self.config.takeover)
+        self.run_id = self.root_claim.run_id
         self.runs = [self.run_id]
-        self._lease = (Lease(self.storage, self.run_id, timeout_s=self.config.lease_timeout_s,
-                             takeover=self.config.takeover) if self.rank == 0 else None)
-        self._storage_ready = False
-        self._paused: str | None = None
-        """Why checkpoints go to RAM only (the root cannot be written), or None."""
 
     # -- the training-loop API --------------------------------------------------
     def observe_routing(self, counts: Sequence[Any]) -> None:
@@ -184,8 +178,8 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("CheckpointManager is closed")
         t0 = time.perf_counter()
-        if not self._storage_ready or self._paused:
-            self._claim_storage()
+        if not self.root_claim.ready or self.root_claim.paused:
+            self.root_claim.claim()
         self._finish_snapshot()
         counts = self.routing.take()
         for tracker in (self.ledger, self.persist_selector, self.ram_selector):
@@ -229,8 +223,7 @@ class CheckpointManager:
             try:
                 self.persister.close()
             finally:
-                if self._lease is not None:
-                    self._lease.release()
+                self.root_claim.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -277,7 +270,7 @@ class CheckpointManager:
         self.seq = max(self.seq, _next_seq(found.listing))
         outcome = restore_state(self._restore_context(), found, self.ram_tier.usable())
         # The lease once the restore succeeded: a refused restore leaves the root as it was.
-        self._claim_storage()
+        self.root_claim.claim()
         if outcome is None:
             return None
         self._apply(outcome)
@@ -362,40 +355,10 @@ class CheckpointManager:
                          "in RAM only (busy_policy=skip)", step)
                 return False, None
         pending_error = self.persister.take_error()
-        if self._paused is not None:
+        if self.root_claim.paused is not None:
             return False, pending_error or PersistError(
-                f"checkpoints are paused, the snapshot stays in RAM: {self._paused}")
+                f"checkpoints are paused, the snapshot stays in RAM: {self.root_claim.paused}")
         return pending_error is None, pending_error
-
-    def _claim_storage(self) -> None:
-        """Rank 0 probes that the root can be written and takes its lease; every rank
-        learns the outcome (collective). Another live run's lease raises LeaseError on
-        every rank; an unwritable root pauses checkpoints to storage (RAM snapshots and
-        restores go on) until a later save finds it writable."""
-        outcome: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                self.storage.check_writable()
-                self._lease.acquire()
-                outcome = [("ok", "")]
-            except LeaseError as exc:
-                outcome = [("held", str(exc))]
-            except (CheckpointError, OSError) as exc:
-                outcome = [("unwritable", str(exc))]
-        if self.distributed:
-            dist.broadcast_object_list(outcome, src=0)
-        state, message = outcome[0]
-        if state == "held":
-            raise LeaseError(message)
-        if state == "unwritable" and self._paused is None and self.rank == 0:
-            log.warning("%s; checkpoints to storage are paused (RAM snapshots go on)", message)
-        self._paused = message if state == "unwritable" else None
-        self._storage_ready = state == "ok"
-
-    def _check_lease(self) -> None:
-        """Rank 0, before each commit: this run still holds the root's lease."""
-        if self._lease is not None:
-            self._lease.check()
 
     def _take(self, step: int, full: bool, persist: bool
               ) -> tuple[Snapshot, dict[str, torch.Tensor]]:
