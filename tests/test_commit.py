@@ -223,6 +223,16 @@ def test_a_mistyped_manifest_is_damaged_and_skipped(tmp_path, caplog, change, fi
     assert newest in caplog.text
 
 
+def test_a_recovery_over_budget_warns_when_dynamic_k_is_off(tmp_path, caplog):
+    ckpt = tmp_path / "c"
+    _train(ckpt, steps=8)
+    m2, _, _ = fresh(ckpt)
+    report = m2.restore()
+    assert report.plt > m2.config.plt_budget
+    assert "over the budget 3.75%, and dynamic K is off" in caplog.text
+    assert "dynamic_k=True" in caplog.text
+
+
 def test_everything_corrupt_is_an_error(tmp_path):
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=4, keep_last=4)

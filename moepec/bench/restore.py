@@ -8,7 +8,7 @@ no planning round trips); the baseline is a stock ``dcp.save`` of the model and
 optimizer state dicts, loaded back with ``dcp.load``. Both run in this process, on the
 same model, timed as medians of a few repeats (page cache warm for both).
 
-Run: moepec bench restore [--experts 32 64] [--repeats 3] [--out FILE]
+Run: moepec bench restore [--experts 32 64] [--repeats 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -61,51 +61,52 @@ def _pec_run(root: Path, n_experts: int) -> int:
         if torch.is_tensor(v))
 
 
-def _time_restore(root: Path, n_experts: int, repeats: int) -> tuple[float, int]:
-    times, sources = [], 0
-    for _ in range(repeats):
-        model, opt = _model(n_experts, 1)
-        mgr = CheckpointManager(model, opt, CheckpointConfig(path=str(root), k_persist=1))
-        t0 = time.perf_counter()
-        report = mgr.restore()
-        times.append(time.perf_counter() - t0)
-        sources = len({s["checkpoint"] for s in report.sources.values()} | {report.checkpoint})
-        mgr.close()
-    return statistics.median(times), sources
+def _restore_once(root: Path, n_experts: int) -> tuple[float, int]:
+    model, opt = _model(n_experts, 1)
+    mgr = CheckpointManager(model, opt, CheckpointConfig(path=str(root), k_persist=1))
+    t0 = time.perf_counter()
+    report = mgr.restore()
+    seconds = time.perf_counter() - t0
+    mgr.close()
+    return seconds, len({s["checkpoint"] for s in report.sources.values()}
+                        | {report.checkpoint})
 
 
-def _time_dcp_load(root: Path, n_experts: int, repeats: int) -> float:
-    model, opt = _model(n_experts, 0)
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-             checkpoint_id=str(root), no_dist=True)
-    times = []
-    for _ in range(repeats):
-        model2, opt2 = _model(n_experts, 1)
-        state = {"model": model2.state_dict(), "optim": opt2.state_dict()}
-        t0 = time.perf_counter()
-        dcp.load(state, checkpoint_id=str(root), no_dist=True)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _load_once(root: Path, n_experts: int) -> float:
+    model, opt = _model(n_experts, 1)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    t0 = time.perf_counter()
+    dcp.load(state, checkpoint_id=str(root), no_dist=True)
+    return time.perf_counter() - t0
 
 
-def run(experts: list[int], repeats: int = 3) -> list[dict]:
-    """One row per expert count: both timings and their ratio."""
+def run(experts: list[int], repeats: int = 5) -> list[dict]:
+    """One row per expert count: both timings (medians, the two alternating so that both
+    see the same machine) and their ratio."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in experts:
-            nbytes = _pec_run(Path(tmp) / f"pec{n}", n)
-            stitched, sources = _time_restore(Path(tmp) / f"pec{n}", n, repeats)
-            full = _time_dcp_load(Path(tmp) / f"full{n}", n, repeats)
+            pec, full = Path(tmp) / f"pec{n}", Path(tmp) / f"full{n}"
+            nbytes = _pec_run(pec, n)
+            model, opt = _model(n, 0)
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                     checkpoint_id=str(full), no_dist=True)
+            stitched, loads, sources = [], [], 0
+            for _ in range(repeats):
+                seconds, sources = _restore_once(pec, n)
+                stitched.append(seconds)
+                loads.append(_load_once(full, n))
+            s, f = statistics.median(stitched), statistics.median(loads)
             rows.append({"experts": n, "state_mb": nbytes / 1e6, "view_checkpoints": sources,
-                         "stitched_restore_s": stitched, "dcp_load_full_s": full,
-                         "ratio": stitched / full, "goal": GOAL})
+                         "stitched_restore_s": s, "dcp_load_full_s": f, "ratio": s / f,
+                         "goal": GOAL, "repeats": repeats})
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--experts", type=int, nargs="+", default=[32, 64])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (%(default)s)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)

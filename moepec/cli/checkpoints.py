@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from moepec.errors import ConfigError
 
-BENCHES = ("size", "overhead", "sharding", "report")
+BENCHES = ("size", "overhead", "sharding", "restore", "report", "gpu", "validate")
 
 
 def _storage_options(args: argparse.Namespace) -> dict:
@@ -136,6 +136,6 @@ def commands():
          _add_verify, _run_verify),
         ("export", "write the newest view as one plain DCP checkpoint or safetensors file",
          _add_export, _run_export),
-        ("bench", "run a benchmark: size, overhead, sharding, report",
+        ("bench", "run a benchmark: size, overhead, sharding, restore, report, gpu, validate",
          _add_bench, _run_bench),
     ]

@@ -349,8 +349,9 @@ register(Command("demo", "fault-tolerant training end to end: faults, recovery, 
 
 def _register_checkpoint_commands() -> None:
     from moepec.cli.checkpoints import commands
+    from moepec.cli.planning import commands as planning_commands
 
-    for name, help_, add, run in commands():
+    for name, help_, add, run in commands() + planning_commands():
         register(Command(name, help_, add, run))
 
 

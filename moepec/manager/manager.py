@@ -429,8 +429,17 @@ class CheckpointManager:
                 break
 
     def _adjust_k(self, step: int) -> None:
-        """Dynamic K after a recovery (policy.plt.dynamic_k), when configured."""
-        if not self.config.dynamic_k or not self.n_experts:
+        """Dynamic K after a recovery (policy.plt.dynamic_k), when configured; without it,
+        a warning when the recovery left PLT over the budget."""
+        if not self.n_experts:
+            return
+        if not self.config.dynamic_k:
+            if self.ledger.plt() > self.config.plt_budget and self.rank == 0:
+                log.warning("PLT is %.2f%% after this recovery, over the budget %.2f%%, and "
+                            "dynamic K is off: set CheckpointConfig(dynamic_k=True) "
+                            "(moepec train --dynamic-k), or save more experts per checkpoint "
+                            "(k_persist) or checkpoint more often (interval)",
+                            100 * self.ledger.plt(), 100 * self.config.plt_budget)
             return
         plt = self.ledger.plt()
         new = dynamic_k(self.k_persist, plt, self.config.plt_budget, min(self.n_experts),

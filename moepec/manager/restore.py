@@ -88,6 +88,9 @@ class RestoreContext:
     weights_in_view: bool
     """False with pec_scope "optimizer" (expert weights are saved as non-expert state)."""
     verify: bool
+    read_in_place: bool = True
+    """Read values straight into the live tensors that fit (no second copy); False
+    reads everything into new tensors first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +298,8 @@ def _agreed_recover(ctx: RestoreContext, views: _Views) -> Recovered:
     """
     bases = views.bases
     while True:
-        rec = recover(bases, views.lineage_of, views.required_of, verify=ctx.verify)
+        rec = recover(bases, views.lineage_of, views.required_of, verify=ctx.verify,
+                      target=ctx.catalog.read_target if ctx.read_in_place else None)
         if ctx.world_size == 1:
             return rec
         seq = torch.tensor([rec.base.seq], dtype=torch.int64)

@@ -88,7 +88,17 @@ class Recovered:
     warnings: list[str]
 
 
-def _alloc(item: Item) -> torch.Tensor:
+Target = Callable[[str], torch.Tensor | None]
+"""Where a key may be read to in place (the live tensor it restores), or None."""
+
+
+def _alloc(key: str, item: Item, target: Target | None) -> torch.Tensor:
+    """The tensor ``key`` is read into: its live tensor when that fits (no allocation and
+    no second copy; a bad read is overwritten by the fallback copy), else a new one."""
+    live = target(key) if target is not None else None
+    if (live is not None and live.is_cpu and live.is_contiguous() and list(live.shape)
+            == item.shape and str(live.dtype).removeprefix("torch.") == item.dtype):
+        return live
     return torch.empty(item.shape, dtype=getattr(torch, item.dtype))
 
 
@@ -107,20 +117,21 @@ def storage_source(storage, manifest: Manifest) -> Source:
                   manifest=manifest, stored_bytes=stored_bytes)
 
 
-def read_verified(src: Source, keys: Sequence[str], verify: bool = True
-                  ) -> tuple[dict[str, torch.Tensor], list[str]]:
+def read_verified(src: Source, keys: Sequence[str], verify: bool = True,
+                  target: Target | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Read ``keys`` from ``src`` in one pass; return (good values, bad keys). A failed read
     is retried key by key to isolate the bad ones. Never raises for bad data."""
     missing = [k for k in keys if k not in src.keys]
     if missing:  # a view that names a source without the key: those keys are bad
-        good, bad = read_verified(src, [k for k in keys if k in src.keys], verify)
+        good, bad = read_verified(src, [k for k in keys if k in src.keys], verify, target)
         return good, bad + missing
     if src.stored_bytes is not None:
         too_big = [k for k in keys if src.keys[k].nbytes > src.stored_bytes()]
         if too_big:  # claims more bytes than the checkpoint holds: never allocated
-            good, bad = read_verified(src, [k for k in keys if k not in too_big], verify)
+            good, bad = read_verified(src, [k for k in keys if k not in too_big], verify,
+                                      target)
             return good, bad + too_big
-    targets = {k: _alloc(src.keys[k]) for k in keys}
+    targets = {k: _alloc(k, src.keys[k], target) for k in keys}
     try:
         src.read(targets)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - isolate the bad key below
@@ -130,7 +141,7 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True
         good: dict[str, torch.Tensor] = {}
         bad: list[str] = []
         for k in keys:
-            g, b = read_verified(src, [k], verify)
+            g, b = read_verified(src, [k], verify, target)
             good.update(g)
             bad += b
         return good, bad
@@ -155,7 +166,8 @@ def _decodes(key: str, value: torch.Tensor) -> bool:
 
 
 def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]],
-            required_of: Callable[[Source], set[str]], verify: bool = True) -> Recovered:
+            required_of: Callable[[Source], set[str]], verify: bool = True,
+            target: Target | None = None) -> Recovered:
     """Choose a base and stitch every key. Raises NoCheckpointError when impossible.
 
     ``bases`` are tried newest first; ``lineage_of(base)`` lists the sources that may
@@ -165,7 +177,7 @@ def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]
     warnings: list[str] = []
     for base in bases:
         ne_keys = [k for k in base.keys if not parse_key(k).is_expert]
-        values, bad = read_verified(base, ne_keys, verify)
+        values, bad = read_verified(base, ne_keys, verify, target)
         if bad:
             msg = (f"{base.name}: {len(bad)} non-expert item(s) corrupt or missing "
                    f"(e.g. {bad[0]}); trying an older checkpoint")
@@ -173,7 +185,7 @@ def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]
             warnings.append(msg)
             continue
         units = _expert_units(required_of(base))
-        unit_source = _stitch(units, lineage_of(base), values, warnings, verify)
+        unit_source = _stitch(units, lineage_of(base), values, warnings, verify, target)
         return Recovered(values=values, base=base, unit_source=unit_source, warnings=warnings)
     raise CorruptCheckpointError(
         "every committed checkpoint has corrupt or missing non-expert state: "
@@ -191,8 +203,8 @@ def _expert_units(required: set[str]) -> dict[Unit, set[str]]:
 
 
 def _stitch(units: Mapping[Unit, set[str]], lineage: Sequence[Source],
-            values: dict[str, torch.Tensor], warnings: list[str], verify: bool
-            ) -> dict[Unit, Source]:
+            values: dict[str, torch.Tensor], warnings: list[str], verify: bool,
+            target: Target | None = None) -> dict[Unit, Source]:
     """Read every unit whole from its newest intact copy in ``lineage`` into ``values``;
     a bad copy falls back to the next older one. Returns each unit's source."""
     unit_source: dict[Unit, Source] = {}
@@ -210,7 +222,7 @@ def _stitch(units: Mapping[Unit, set[str]], lineage: Sequence[Source],
         for group in by_src.values():  # one read per source: its units in one pass
             src = pending[group[0]][0]
             good, bad = read_verified(src, [k for u in group for k in sorted(units[u])],
-                                      verify)
+                                      verify, target)
             bad_set = set(bad)
             for u in group:
                 if units[u] & bad_set:

@@ -193,6 +193,16 @@ class StateCatalog:
             out[f"{EXTRA_PREFIX}{name}"] = encode_object(obj.state_dict(), _extra_where(name))
         return out
 
+    def read_target(self, key: str) -> torch.Tensor | None:
+        """The live tensor a restore may read ``key`` into in place, or None (objects,
+        experts of other ranks, optimizer state the optimizer does not have yet)."""
+        if key.startswith(OBJECT_PREFIX):
+            return None
+        try:
+            return self.tensor(key)
+        except (KeyError, AssertionError):
+            return None
+
     def ensure_optimizer_state(self, shapes: Mapping[str, tuple[list[int], str]]) -> None:
         """Create missing optimizer state (a fresh optimizer has none) from saved shapes.
 
@@ -238,7 +248,9 @@ class StateCatalog:
         with torch.no_grad():
             for key, value in values.items():
                 if not key.startswith(OBJECT_PREFIX):
-                    self.tensor(key).copy_(value)
+                    live = self.tensor(key)
+                    if live.data_ptr() != value.data_ptr() or live.shape != value.shape:
+                        live.copy_(value)  # not read in place already
         for key, obj in objects.items():
             self._apply_object(key, obj)
 

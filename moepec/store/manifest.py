@@ -15,6 +15,7 @@ that checks the format, so every reader gets the check.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -100,24 +101,35 @@ class Item:
     @classmethod
     def from_json(cls, d: Any, where: str) -> Item:
         """Parse and validate one entry (types, the dtype allow-list, sizes, location)."""
-        if not isinstance(d, dict):
+        # Runs for every item of every manifest a restore reads: plain type() checks (which
+        # also keep bools out of the counts) rather than helpers.
+        if type(d) is not dict:
             raise ManifestError(f"{where}: an item entry is not an object")
         shape, dtype, nbytes = d.get("shape"), d.get("dtype"), d.get("nbytes", 0)
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
-                and all(_is_count(n) for n in shape)):
+        if type(shape) is not list or len(shape) > MAX_DIMS or not all(
+                type(n) is int and n >= 0 for n in shape):
             raise ManifestError(f"{where}: an item has an invalid shape {shape!r:.80}")
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        if type(dtype) is not str or dtype not in DTYPE_SIZES:
             raise ManifestError(f"{where}: an item has dtype {dtype!r:.40}, not one moepec "
                                 f"stores")
-        if not _is_count(nbytes) or nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
+        if type(nbytes) is not int or nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
             raise ManifestError(f"{where}: an item's nbytes {nbytes!r:.40} does not match "
                                 f"its shape and dtype")
         checksum, rank = d.get("checksum"), d.get("rank")
-        if not (checksum is None or isinstance(checksum, str)) or not (
-                rank is None or _is_count(rank)):
+        if not (checksum is None or type(checksum) is str) or not (
+                rank is None or (type(rank) is int and rank >= 0)):
             raise ManifestError(f"{where}: an item has an invalid checksum or rank")
         return cls(shape=shape, dtype=dtype, nbytes=nbytes, checksum=checksum, rank=rank,
                    **_location(d, nbytes, where))
+
+
+_ENCODINGS = frozenset(e.value for e in Encoding)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_file(file: str) -> bool:
+    """A plain file name inside a checkpoint folder (few distinct names: cached)."""
+    return bool(_FILE_RE.match(file)) and ".." not in file
 
 
 def _is_count(value: Any) -> bool:
@@ -130,11 +142,11 @@ def _location(d: Mapping[str, Any], nbytes: int, where: str) -> dict[str, Any]:
     if file is None:
         return {}
     offset, length, encoding = d.get("offset"), d.get("length"), d.get("encoding")
-    if not (isinstance(file, str) and _FILE_RE.match(file) and ".." not in file):
+    if not (type(file) is str and _plain_file(file)):
         raise ManifestError(f"{where}: an item's data file {file!r:.80} is not a plain file "
                             f"name inside the checkpoint")
-    if not (_is_count(offset) and _is_count(length)) or not isinstance(encoding, str) \
-            or encoding not in set(Encoding):
+    if not (type(offset) is int and offset >= 0 and type(length) is int and length >= 0) \
+            or type(encoding) is not str or encoding not in _ENCODINGS:
         raise ManifestError(f"{where}: an item has an invalid offset/length/encoding")
     if encoding == Encoding.RAW and length != nbytes:
         raise ManifestError(f"{where}: a raw item's length {length} is not its nbytes {nbytes}")
@@ -330,9 +342,15 @@ _KEY_RE = re.compile(r"^(?:(?:model|optim|objects)/|experts/\d{1,6}/\d{1,6}/(?:m
 
 def _valid_key(key: Any, where: str) -> bool:
     """A key of the state-key grammar (moepec.keys), or ManifestError."""
-    if not (isinstance(key, str) and _KEY_RE.match(key)):
+    if not (type(key) is str and _known_key(key)):
         raise ManifestError(f"{where}: {key!r:.80} is not a moepec state key")
     return True
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _known_key(key: str) -> bool:
+    """The grammar check of one key; the manifests of a root repeat the same keys."""
+    return bool(_KEY_RE.match(key))
 
 
 def _check_names(name: Any, ancestors: Any, view: Mapping[str, Any], parent: Any,
@@ -345,8 +363,10 @@ def _check_names(name: Any, ancestors: Any, view: Mapping[str, Any], parent: Any
     if not isinstance(ancestors, list):
         raise ManifestError(f"{where}: manifest field 'ancestors' is not a list")
     others = list(ancestors) + list(view.values()) + ([] if parent is None else [parent])
-    for other in others:
-        parsed = parse_checkpoint_name(other) if isinstance(other, str) else None
+    if not all(type(o) is str for o in others):
+        raise ManifestError(f"{where}: its lineage or view holds a name that is not a string")
+    for other in set(others):  # a view names few distinct checkpoints: each checked once
+        parsed = parse_checkpoint_name(other)
         if parsed is None or parsed[0] > own[0]:
             raise ManifestError(f"{where}: {other!r:.80} in its lineage or view is not an "
                                 f"older checkpoint name")

@@ -20,7 +20,7 @@ from moepec.train import dist
 from moepec.train.config import Device, TrainConfig
 from moepec.train.data import TokenLoader, eval_batches, load_corpus
 from moepec.train.steps import build_optimizer, build_scheduler
-from moepec.train.wiring import build_injector, build_manager
+from moepec.train.wiring import build_injector, build_manager, log_plt_outlook
 
 __all__ = ["Run", "device_for", "setup"]
 
@@ -120,6 +120,7 @@ def setup(cfg: TrainConfig, info: dist.DistInfo) -> Run:
         log.info("training %s (%.2fM params on rank 0) on %d rank(s), ep %d, %s, %d steps, "
                  "global batch %d x %d tokens", cfg.config, n_params / 1e6, info.world_size,
                  ep.size, device, cfg.steps, cfg.batch_size, model_cfg.seq_len)
+        log_plt_outlook(cfg, model_cfg.n_experts)
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, val=val,
                device=device, manager=manager,
                tokens_per_step=cfg.batch_size * model_cfg.seq_len,

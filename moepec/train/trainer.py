@@ -46,7 +46,12 @@ from moepec.train.steps import (  # noqa: F401
     param_digest,
     train_step,
 )
-from moepec.train.wiring import MetricsWriter, log_commits, persist_guard, recovery_record
+from moepec.train.wiring import (
+    MetricsWriter,
+    log_commits,
+    persist_guard,
+    recovery_record,
+)
 
 __all__ = ["StepResult", "TrainConfig", "TrainResult", "build_optimizer", "build_scheduler",
            "evaluate", "forward_backward", "optimizer_step", "param_digest", "train",

@@ -91,6 +91,29 @@ def recovery_record(report, manager) -> dict[str, Any]:
             "k_persist": manager.k_persist, "warnings": report.warnings}
 
 
+def log_plt_outlook(cfg: TrainConfig, n_experts: int) -> None:
+    """At start-up (rank 0): log the expected PLT per fault of the chosen K, interval and
+    experts (:func:`moepec.policy.outlook.plt_outlook`, the simulator's model), and warn,
+    naming a K or interval that fits, when it exceeds the budget."""
+    ck = cfg.checkpoint
+    if ck is None or n_experts < 2:
+        return
+    from moepec.policy.outlook import plt_outlook
+
+    faults = max(1.0, cfg.steps / cfg.fault_mtbf) if cfg.fault_mtbf else 1.0
+    k = min(ck.k_persist, n_experts)
+    o = plt_outlook(n_experts, k, ck.interval, cfg.steps, faults=faults, budget=ck.plt_budget)
+    what = (f"expected PLT {100 * o.per_fault:.2f}% per fault"
+            + (f", {100 * o.expected:.2f}% over ~{faults:.1f} faults" if faults != 1 else "")
+            + f" (K={k} of {n_experts} experts, interval {ck.interval}, {cfg.steps} steps)")
+    if not o.over_budget:
+        log.info("%s, within the PLT budget %.2f%%", what, 100 * ck.plt_budget)
+        return
+    dyn = "dynamic K is on: K doubles after a recovery over budget; " if ck.dynamic_k else ""
+    log.warning("%s exceeds the PLT budget %.2f%%; %s%s", what, 100 * ck.plt_budget, dyn,
+                o.advice())
+
+
 def persist_guard(cfg: TrainConfig, metrics: MetricsWriter, step: int, call, *args) -> None:
     """Run a manager call; a failed background persist is logged and training goes on
     (on_persist_error="continue": snapshots to RAM continue, the next checkpoint retries)."""
