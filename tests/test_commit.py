@@ -26,7 +26,7 @@ from moepec.recovery.offline import read_view
 from moepec.store.manifest import FORMAT
 from moepec.store.storage import Storage, committed_manifests
 from moepec.train.faults import corrupt_item
-from tests.toy import Counter, make, run_loop
+from tests.toy import Counter, full_state, make, run_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -231,6 +231,34 @@ def test_a_recovery_over_budget_warns_when_dynamic_k_is_off(tmp_path, caplog):
     assert report.plt > m2.config.plt_budget
     assert "over the budget 3.75%, and dynamic K is off" in caplog.text
     assert "dynamic_k=True" in caplog.text
+
+
+def test_a_failed_restore_leaves_the_model_as_it_was(tmp_path):
+    """All or nothing by default: reading happens into new tensors."""
+    ckpt = tmp_path / "c"
+    manager, _ = _train(ckpt, steps=4, keep_last=4)
+    key = "experts/0/1/model/moe.0.experts.w1"
+    for name in manager.storage.committed():  # every copy of one expert: after the
+        if key in manager.storage.read_manifest(name).keys:  # non-expert reads
+            _corrupt(ckpt / name, key)
+    m2, model, _ = fresh(ckpt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError):
+        m2.restore()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_restore_in_place_gives_the_same_state(tmp_path):
+    ckpt = tmp_path / "c"
+    _train(ckpt, steps=8, keep_last=4)
+    states = []
+    for in_place in (False, True):
+        m2, model, _ = fresh(ckpt, restore_in_place=in_place)
+        m2.restore()
+        states.append(full_state(model, m2.catalog.optimizer))
+        m2.close()
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 
 
 def test_everything_corrupt_is_an_error(tmp_path):

@@ -76,6 +76,11 @@ class CheckpointConfig:
     ``dcp.load`` with a FileSystemReader reads it; slower to write many small items)."""
     verify: bool = True
     """Verify checksums of everything restored."""
+    restore_in_place: bool = False
+    """Read restored values straight into the live model and optimizer tensors (faster:
+    no second copy, no new memory). The price: a restore that then fails on damage
+    (NoCheckpointError, CorruptCheckpointError) leaves them partly overwritten, so rebuild
+    them before training without a checkpoint. False: all or nothing."""
     timeout_s: float = 600.0
     """Upper bound of every wait (snapshot, persist, collective)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -130,7 +135,7 @@ class CheckpointConfig:
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ConfigError(f"{name} must be a number (got {value!r})")
         for name in ("async_snapshot", "async_persist", "dynamic_k", "dynamic_k_down",
-                     "verify", "takeover"):
+                     "verify", "takeover", "restore_in_place"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False (got "
                                   f"{getattr(self, name)!r})")

@@ -306,7 +306,8 @@ class CheckpointManager:
                               structure=self.structure, n_experts=self.n_experts,
                               rank=self.rank, world_size=self.world_size,
                               weights_in_view=self.config.pec_scope != PecScope.OPTIMIZER,
-                              verify=self.config.verify)
+                              verify=self.config.verify,
+                              read_in_place=self.config.restore_in_place)
 
     def _apply(self, outcome: RestoreOutcome) -> None:
         """Load the restored values and resume the bookkeeping of the base."""

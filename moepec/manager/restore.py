@@ -88,9 +88,9 @@ class RestoreContext:
     weights_in_view: bool
     """False with pec_scope "optimizer" (expert weights are saved as non-expert state)."""
     verify: bool
-    read_in_place: bool = True
-    """Read values straight into the live tensors that fit (no second copy); False
-    reads everything into new tensors first."""
+    read_in_place: bool = False
+    """Read values straight into the live tensors that fit (CheckpointConfig.
+    restore_in_place); False reads everything into new tensors first."""
 
 
 @dataclass(frozen=True, slots=True)
