@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moepec.errors import (
+    CorruptCheckpointError,
     DistributedError,
     ManifestFormatError,
     NoCheckpointError,
@@ -326,7 +327,13 @@ def _account(ctx: RestoreContext, rec: Recovered) -> tuple[PLTLedger, list[list[
             ledger.lost[layer][e] += v
     at_base, at_copy = lost_tokens(rec)
     at_copy = _agree_copy_counts(ctx, rec, at_base, at_copy)
-    lost = ledger.record_recovery(at_base, at_copy)
+    try:
+        lost = ledger.record_recovery(at_base, at_copy)
+    except ValueError as exc:  # counts that contradict each other: damaged bookkeeping
+        raise CorruptCheckpointError(
+            f"{rec.base.name}: its routing counts contradict those of the copies restored "
+            f"with it ({exc}); the checkpoint's bookkeeping is damaged. Run `moepec verify` "
+            f"and restore an older checkpoint") from None
     return ledger, lost
 
 
