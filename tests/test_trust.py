@@ -139,6 +139,27 @@ def test_item_paths_never_leave_the_root(tmp_path):
     assert res.bad and all(b.startswith(older) for b in res.bad) and not res.ok
 
 
+def test_a_bad_item_entry_is_never_used_and_restore_falls_back(tmp_path, caplog):
+    # Restore checks a manifest's entries when it first uses them (store.manifest.Items):
+    # a bad entry of the newest checkpoint's non-expert state must send the restore to the
+    # older base, never into a read of what that entry claims.
+    root = tmp_path / "c"
+    _, saved = _train(root)
+    newest = Storage(str(root)).committed()[-1]
+    path = root / newest / "moepec.json"
+    m = json.loads(path.read_text())
+    key = next(k for k in sorted(m["keys"]) if k.startswith("model/"))
+    m["keys"][key]["dtype"] = "object"
+    path.write_text(json.dumps(m))
+    mgr, model, opt = _fresh(root)
+    report = mgr.restore()
+    mgr.close()
+    assert report.step == 5 and report.checkpoint != newest
+    assert any("dtype 'object'" in r.message for r in caplog.records)
+    now = full_state(model, opt)
+    assert all(torch.equal(now[k], saved[5][k]) for k in now if ".experts." not in k)
+
+
 def test_retention_deletes_a_symlinked_checkpoint_link_not_its_target(tmp_path):
     outside = tmp_path / "outside"
     root = tmp_path / "c"

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moepec.errors import CheckpointError, NoCheckpointError
+from moepec.errors import CheckpointError, ManifestError, NoCheckpointError
 from moepec.keys import parse_checkpoint_name, parse_key
 from moepec.recovery.stitch import read_verified, storage_source
 from moepec.store import manifest as mf
@@ -76,7 +76,10 @@ def _full_bytes(m: Manifest, manifests: Mapping[str, Manifest]) -> int:
     """Bytes of every key of the view (what a full checkpoint of that state holds)."""
     total = 0
     for key, src in m.view.items():
-        item = manifests[src].keys.get(key) if src in manifests else None
+        try:
+            item = manifests[src].keys.get(key) if src in manifests else None
+        except ManifestError:  # a bad entry: verify reports it
+            item = None
         total += item.nbytes if item else 0
     return total
 
@@ -107,14 +110,22 @@ def verify_path(path: str, storage_options: dict | None = None,
     found = committed_manifests(st)
     res = VerifyResult(uncommitted=list(found.uncommitted),
                        damaged_manifests=[f"{n}: {e}" for n, e in found.damaged.items()])
-    total = sum(len(m.keys) for m in found.manifests.values())
-    for name, m in found.manifests.items():
+    manifests = dict(found.manifests)
+    for name, m in found.manifests.items():  # restore checks entries on use; verify all
+        try:
+            for key in m.keys:
+                m.keys[key]
+        except ManifestError as exc:
+            res.damaged_manifests.append(f"{name}: {exc}")
+            del manifests[name]
+    total = sum(len(m.keys) for m in manifests.values())
+    for name, m in manifests.items():
         _, bad = read_verified(storage_source(st, m), sorted(m.keys))
         res.checked += len(m.keys)
         res.bad += [f"{name}:{key}" for key in bad]
         if progress:
             progress(res.checked, total)
-    _check_views(found.manifests, set(res.bad), res)
+    _check_views(manifests, set(res.bad), res)
     return res
 
 

@@ -24,7 +24,7 @@ from enum import StrEnum
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moepec.errors import CorruptCheckpointError, NoCheckpointError
+from moepec.errors import CorruptCheckpointError, ManifestError, NoCheckpointError
 from moepec.keys import parse_key
 from moepec.state.objects import decode_object
 from moepec.store.checksum import checksum_matches
@@ -121,9 +121,9 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True,
                   target: Target | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Read ``keys`` from ``src`` in one pass; return (good values, bad keys). A failed read
     is retried key by key to isolate the bad ones. Never raises for bad data."""
-    missing = [k for k in keys if k not in src.keys]
-    if missing:  # a view that names a source without the key: those keys are bad
-        good, bad = read_verified(src, [k for k in keys if k in src.keys], verify, target)
+    missing = [k for k in keys if not _listed(src, k)]
+    if missing:  # a view that names a source without the key (or a bad entry): bad keys
+        good, bad = read_verified(src, [k for k in keys if k not in missing], verify, target)
         return good, bad + missing
     if src.stored_bytes is not None:
         too_big = [k for k in keys if src.keys[k].nbytes > src.stored_bytes()]
@@ -150,6 +150,19 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True,
         bad = [k for k, t in targets.items() if not checksum_matches(t, src.keys[k].checksum)]
     bad += [k for k, t in targets.items() if k not in bad and not _decodes(k, t)]
     return {k: v for k, v in targets.items() if k not in bad}, bad
+
+
+def _listed(src: Source, key: str) -> bool:
+    """``src`` lists ``key`` with a valid entry (a manifest's entries are checked on
+    first use: store.manifest.Items)."""
+    if key not in src.keys:
+        return False
+    try:
+        src.keys[key]
+    except ManifestError as exc:
+        log.warning("%s", exc)
+        return False
+    return True
 
 
 def _decodes(key: str, value: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
@@ -126,6 +126,55 @@ class Item:
 _ENCODINGS = frozenset(e.value for e in Encoding)
 
 
+class Items(Mapping[str, Item]):
+    """A parsed manifest's items: key -> :class:`Item`, each entry checked by
+    ``Item.from_json`` the first time it is looked up (ManifestError when it is bad).
+
+    A restore of a K=1 view reads the non-expert items of one manifest and one expert of
+    each of E others, yet every manifest lists all of its items: checking each entry on
+    first use instead of all of them up front is what keeps that restore near the cost
+    of one full load. Keys, entry types and the byte total are checked at parse time.
+    """
+
+    __slots__ = ("_raw", "_parsed", "_where")
+
+    def __init__(self, raw: dict[str, Any], where: str) -> None:
+        self._raw, self._where = raw, where
+        self._parsed: dict[str, Item] = {}
+
+    def __getitem__(self, key: str) -> Item:
+        item = self._parsed.get(key)
+        if item is None:
+            item = self._parsed[key] = Item.from_json(self._raw[key], f"{self._where} "
+                                                                      f"item {key}")
+        return item
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._raw
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def keys(self):  # noqa: ANN201 - dict_keys: set operations at C speed (stitching)
+        return self._raw.keys()
+
+
+def _raw_items(raw: dict[str, Any], where: str) -> tuple[Items, int]:
+    """The items of a manifest with their keys and entry types checked, and their total
+    bytes (each entry in full on first use: :class:`Items`)."""
+    _check_keys(raw, where)
+    total = 0
+    for entry in raw.values():
+        nbytes = entry.get("nbytes", 0) if type(entry) is dict else None
+        if type(nbytes) is not int or nbytes < 0:
+            raise ManifestError(f"{where}: an item entry is not an object with a byte count")
+        total += nbytes
+    return Items(raw, where), total
+
+
 @functools.lru_cache(maxsize=1024)
 def _plain_file(file: str) -> bool:
     """A plain file name inside a checkpoint folder (few distinct names: cached)."""
@@ -220,8 +269,8 @@ class Manifest:
     """The checkpoint this one continues (the committed head when it was taken)."""
     ancestors: list[str]
     """Its lineage, oldest first, at most MAX_ANCESTORS (the parent last)."""
-    keys: dict[str, Item]
-    """Every item this checkpoint wrote (all ranks)."""
+    keys: Mapping[str, Item]
+    """Every item this checkpoint wrote (all ranks); :class:`Items` when parsed."""
     view: dict[str, str]
     """Every key of the full state -> the checkpoint holding its newest copy."""
     bytes_per_rank: list[int]
@@ -273,9 +322,8 @@ class Manifest:
         ancestors = data.get("ancestors", [])
         _check_structure(data["structure"], where)
         _check_names(data["name"], ancestors, data["view"], data.get("parent"), where)
-        keys = {k: Item.from_json(v, where) for k, v in data["keys"].items()
-                if _valid_key(k, where)}
-        if sum(i.nbytes for i in keys.values()) != data["bytes"]:
+        keys, total = _raw_items(data["keys"], where)
+        if total != data["bytes"]:
             raise ManifestError(f"{where}: the items' sizes do not add up to 'bytes'")
         _check_bookkeeping(meta, where)
         return cls(meta=CheckpointMeta(**meta),
@@ -340,11 +388,12 @@ _KEY_RE = re.compile(r"^(?:(?:model|optim|objects)/|experts/\d{1,6}/\d{1,6}/(?:m
 """The state-key grammar of moepec.keys, as one expression (checked for every key)."""
 
 
-def _valid_key(key: Any, where: str) -> bool:
-    """A key of the state-key grammar (moepec.keys), or ManifestError."""
-    if not (type(key) is str and _known_key(key)):
-        raise ManifestError(f"{where}: {key!r:.80} is not a moepec state key")
-    return True
+def _check_keys(keys: Mapping[Any, Any], where: str) -> None:
+    """Every key follows the state-key grammar (moepec.keys), or ManifestError."""
+    if set(map(type, keys)) <= {str} and all(map(_known_key, keys)):
+        return  # the common case, at C speed
+    bad = next(k for k in keys if not (type(k) is str and _known_key(k)))
+    raise ManifestError(f"{where}: {bad!r:.80} is not a moepec state key")
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -363,15 +412,14 @@ def _check_names(name: Any, ancestors: Any, view: Mapping[str, Any], parent: Any
     if not isinstance(ancestors, list):
         raise ManifestError(f"{where}: manifest field 'ancestors' is not a list")
     others = list(ancestors) + list(view.values()) + ([] if parent is None else [parent])
-    if not all(type(o) is str for o in others):
+    if not set(map(type, others)) <= {str}:
         raise ManifestError(f"{where}: its lineage or view holds a name that is not a string")
     for other in set(others):  # a view names few distinct checkpoints: each checked once
         parsed = parse_checkpoint_name(other)
         if parsed is None or parsed[0] > own[0]:
             raise ManifestError(f"{where}: {other!r:.80} in its lineage or view is not an "
                                 f"older checkpoint name")
-    for key in view:
-        _valid_key(key, where)
+    _check_keys(view, where)
 
 
 def _need(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> None:
