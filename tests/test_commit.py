@@ -226,11 +226,21 @@ def test_a_mistyped_manifest_is_damaged_and_skipped(tmp_path, caplog, change, fi
 def test_a_recovery_over_budget_warns_when_dynamic_k_is_off(tmp_path, caplog):
     ckpt = tmp_path / "c"
     _train(ckpt, steps=8)
+    m2, _, _ = fresh(ckpt, dynamic_k=False)
+    report = m2.restore()
+    assert report.plt > m2.config.plt_budget and m2.k_persist == 1
+    assert "over the budget 3.75%, and dynamic K is off" in caplog.text
+    assert "dynamic_k=True" in caplog.text
+
+
+def test_dynamic_k_is_on_by_default_and_raises_k_after_a_recovery_over_budget(tmp_path,
+                                                                             caplog):
+    ckpt = tmp_path / "c"
+    _train(ckpt, steps=8)
     m2, _, _ = fresh(ckpt)
     report = m2.restore()
     assert report.plt > m2.config.plt_budget
-    assert "over the budget 3.75%, and dynamic K is off" in caplog.text
-    assert "dynamic_k=True" in caplog.text
+    assert m2.k_persist == 2 and "dynamic K is off" not in caplog.text
 
 
 def test_a_failed_restore_leaves_the_model_as_it_was(tmp_path):

@@ -181,7 +181,8 @@ def _train(s: Settings, tmp: Path, name: str, ckpt: dict | None, *, model: str,
     if ckpt is not None:
         checkpoint = CheckpointConfig(
             path=str(tmp / f"ckpt-{len(list(tmp.iterdir()))}"), interval=interval,
-            plt_budget=PAPER["plt_budget"], timeout_s=DIST_TIMEOUT_S, **ckpt)
+            plt_budget=PAPER["plt_budget"], timeout_s=DIST_TIMEOUT_S,
+            **{"dynamic_k": False, **ckpt})  # K stays as named unless the run says dynamic
         extra = dict(checkpoint=checkpoint, faults=",".join(f"exception@{f}" for f in faults),
                      restarts=len(faults))
     cfg = TrainConfig(config=model, model_overrides=overrides, steps=s.steps, batch_size=16,

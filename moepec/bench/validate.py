@@ -55,7 +55,8 @@ def _train(out: Path, ckpt: Path, args, faults: str | None) -> dict:
     cmd = [sys.executable, "-m", "moepec", "--log-level", "WARNING", "train", "--config",
            args.config, "--steps", str(args.steps), "--threads", "1", "--eval-batches", "0",
            "--no-progress", "--seed", "0", "--out-dir", str(out), "--log-interval", "1",
-           "--ckpt-dir", str(ckpt), "--ckpt-interval", str(args.interval), "--k", str(args.k)]
+           "--ckpt-dir", str(ckpt), "--ckpt-interval", str(args.interval), "--k", str(args.k),
+           "--no-dynamic-k"]  # the simulated "pec" strategy keeps K fixed
     if faults:
         cmd += ["--faults", faults, "--restarts", str(faults.count(",") + 1)]
     subprocess.run(cmd, check=True, capture_output=True)

@@ -104,7 +104,8 @@ def train_argv(cfg: TrainConfig) -> list[str]:
         args += ["--ckpt-dir", ckpt.path, "--ckpt-interval", str(ckpt.interval),
                  "--k", str(ckpt.k_persist), "--k-snapshot", str(ckpt.k_snapshot)]
     args += [] if cfg.faults is None else ["--faults", cfg.faults]
-    args += ["--dynamic-k"] if ckpt is not None and ckpt.dynamic_k else []
+    if ckpt is not None:
+        args += ["--dynamic-k" if ckpt.dynamic_k else "--no-dynamic-k"]
     return args
 
 

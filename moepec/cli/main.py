@@ -174,8 +174,10 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                         "(%(default)s)")
     g.add_argument("--write-mode", default=d("write_mode"),
                    help="baseline, sharded or adaptive write plan over ranks (%(default)s)")
-    g.add_argument("--dynamic-k", action="store_true",
-                   help="double K after a recovery that leaves PLT over --plt-budget")
+    g.add_argument("--dynamic-k", action=argparse.BooleanOptionalAction,
+                   default=d("dynamic_k"),
+                   help="double K after a recovery that leaves PLT over --plt-budget "
+                        "(default: on)")
     g.add_argument("--dynamic-k-down", action="store_true",
                    help="with --dynamic-k, also halve K when PLT is far under budget")
     g.add_argument("--plt-budget", type=float, default=d("plt_budget"),

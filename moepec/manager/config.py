@@ -66,8 +66,9 @@ class CheckpointConfig:
     """Who writes what across ranks: ``baseline``, ``sharded`` or ``adaptive``."""
     plt_budget: float = 0.0375
     """Budget for the cumulative proportion of lost tokens (PLT), used by dynamic K."""
-    dynamic_k: bool = False
-    """After a recovery that leaves PLT over the budget, double K_persist (up to N)."""
+    dynamic_k: bool = True
+    """After a recovery that leaves PLT over the budget, double K_persist (up to N). On by
+    default: it costs nothing until a recovery breaks the budget (README, "Plan a run")."""
     dynamic_k_down: bool = False
     """Also halve K_persist again when PLT is under a quarter of the budget after a recovery."""
     serialization: Serialization = Serialization.RAW
