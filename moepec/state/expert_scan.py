@@ -151,7 +151,9 @@ def _stacked_candidates(path: str, attr: str, direct: list, named: bool, shared:
     small = [(n, p) for n, p in direct if p.dim() < 3]
 
     def cand(items, n_experts: int, taken: bool, why: str) -> Candidate:
-        return Candidate(prefix, attr, "stacked",
+        # An experts module's layer is its parent; a module holding [E, ...] tensors of its
+        # own (beside its router) is the layer itself.
+        return Candidate(prefix if named or shared else path, attr, "stacked",
                          tuple((_full(path, n), tuple(p.shape)) for n, p in items),
                          n_experts, taken, why)
 
