@@ -396,3 +396,21 @@ def test_alike_modules_beside_a_router_are_experts_but_decoder_layers_are_not():
     assert [(lay.prefix, lay.layout, lay.container, lay.n_experts) for lay in emap.layers] \
         == [(f"layers.{i}", "modules", "ffns", 3) for i in range(3)]
     assert canonical_expert_name(emap.layers[0], "weight", 2) == "layers.0.ffns.2.weight"
+
+
+def test_experts_command_prints_what_discovery_finds(capsys):
+    from moepec.cli.main import main
+
+    assert main(["experts", "tests.test_experts:TorchtitanLike"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 1: layers.1.moe.routed_experts  stacked  E=4  inner_experts.w1_EFD" in out
+    assert main(["experts", "tests.test_experts:Unnamed"]) == 1  # none found: exit 1
+    assert 'ExpertSpec(stacked=r"^(?P<layer>blocks\\.\\d+)\\.(?P<name>ffn_bank)$")' in \
+        capsys.readouterr().out
+    assert main(["experts", "tests.test_experts:Unnamed", "--stacked",
+                 r"^(?P<layer>blocks\.\d+)\.(?P<name>ffn_bank)$"]) == 0
+    assert "found by the ExpertSpec's name patterns" in capsys.readouterr().out
+    assert main(["experts", "tests.test_experts:NoSuch"]) == 2
+    assert main(["experts", "no_such_module:f"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("moepec: error:") == 2 and "Traceback" not in err
