@@ -52,7 +52,8 @@ class CheckpointManager:
     Construct on every rank (after ``torch.distributed`` is initialised when
     running with several ranks) with the model and optimizer the loop uses.
     Raises ConfigError for invalid settings and ExpertDiscoveryError when the
-    experts cannot be found unambiguously (pass ``expert_spec``).
+    experts cannot be found unambiguously (pass ``expert_spec``), or none are found and
+    ``config.require_experts`` (by default) asks for them.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,

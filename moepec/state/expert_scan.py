@@ -181,9 +181,10 @@ def _stacked_candidates(path: str, attr: str, direct: list, named: bool, shared:
                      f"which dimension counts experts")]
     sizes = set(anchors.values())
     if len(sizes) > 1 and not ragged:
+        shapes = {n: list(p.shape) for n, p in direct if n in anchors}
         raise ExpertDiscoveryError(
             f"stacked expert tensors of {path!r} disagree on the expert dimension (dim 0): "
-            f"{anchors}; if the larger ones fuse extra experts after the routed ones "
+            f"{shapes}; if the larger ones fuse extra experts after the routed ones "
             f"(LongcatFlash's zero experts) pass moepec.ExpertSpec(ragged=True), else pass "
             f"moepec.ExpertSpec(stacked=...) matching only the [E, ...] expert weights")
     e = max(sizes)
