@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     cb = trainer.moepec
     result = {
         "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
+        "lr": trainer.lr_scheduler.get_last_lr()[0],
         "batches": trainer.batches,
         "resumed_global_step": cb.resumed_global_step,
         "restored_step": cb.report.step if cb.report else None,

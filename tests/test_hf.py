@@ -65,6 +65,7 @@ def test_trainer_killed_mid_run_resumes_at_the_same_step_and_data(tmp_path):
     b = json.loads((tmp_path / "b.json").read_text())
     assert b["restored_step"] == last and b["resumed_global_step"] == last + 1
     assert b["global_step"] == a["global_step"] and b["epoch"] == a["epoch"]
+    assert b["lr"] == a["lr"]  # the LR scheduler resumed, not restarted
     # the data position: the restarted process trained exactly the batches an
     # uninterrupted run trains after that step, in the same order
     assert b["batches"] == a["batches"][last + 1:]
