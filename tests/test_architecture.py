@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "moepec"
 
-APP = ("models", "train", "cli", "bench", "__main__")
+APP = ("models", "train", "integrations", "cli", "bench", "__main__")
 """The app: built on the library, never imported by it."""
 
 LAYERS = {
@@ -27,7 +27,7 @@ LAYERS = {
     "manager": 5,
     "__init__": 6, "__main__": 10,
     # the app
-    "models": 7, "train": 8, "bench": 9, "cli": 10,
+    "models": 7, "train": 8, "integrations": 8, "bench": 9, "cli": 10,
 }
 
 

@@ -351,9 +351,10 @@ register(Command("demo", "fault-tolerant training end to end: faults, recovery, 
 
 def _register_checkpoint_commands() -> None:
     from moepec.cli.checkpoints import commands
+    from moepec.cli.experts import commands as experts_commands
     from moepec.cli.planning import commands as planning_commands
 
-    for name, help_, add, run in commands() + planning_commands():
+    for name, help_, add, run in commands() + planning_commands() + experts_commands():
         register(Command(name, help_, add, run))
 
 

@@ -90,6 +90,20 @@ class CheckpointConfig:
     """Take the checkpoint root's lease from the run holding it (one writer per root)."""
     lease_timeout_s: float = 300.0
     """A lease whose holder has not refreshed it for this long is free to take."""
+    # -- issue 15: expert discovery ------------------------------------------------------
+    require_experts: bool | None = None
+    """What the manager does when discovery finds no experts: True raises
+    ExpertDiscoveryError (listing what it looked at and a ready ExpertSpec), False logs a
+    warning and takes full checkpoints. None (default): True unless ``full_every=1`` asked
+    for full checkpoints anyway -- a partial-experts checkpointer that silently checkpoints
+    in full is the failure this guards against."""
+
+    @property
+    def experts_required(self) -> bool:
+        """``require_experts`` with its default resolved."""
+        if self.require_experts is None:
+            return self.full_every != 1
+        return self.require_experts
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -135,6 +149,9 @@ class CheckpointConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ConfigError(f"{name} must be a number (got {value!r})")
+        if self.require_experts is not None and not isinstance(self.require_experts, bool):
+            raise ConfigError(f"require_experts must be True, False or None (got "
+                              f"{self.require_experts!r})")
         for name in ("async_snapshot", "async_persist", "dynamic_k", "dynamic_k_down",
                      "verify", "takeover", "restore_in_place"):
             if not isinstance(getattr(self, name), bool):

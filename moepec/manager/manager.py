@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moepec.errors import CheckpointError, ConfigError, PersistError
+from moepec.errors import CheckpointError, ConfigError, ExpertDiscoveryError, PersistError
 from moepec.keys import parse_checkpoint_name
 from moepec.manager.claim import RootClaim
 from moepec.manager.config import BusyPolicy, CheckpointConfig, PecScope
@@ -36,7 +36,7 @@ from moepec.policy.selection import Selector, select_two_tier
 from moepec.recovery.records import write_recovery
 from moepec.recovery.stitch import Tier
 from moepec.state.catalog import StateCatalog
-from moepec.state.experts import ExpertSpec, discover, structure_of
+from moepec.state.experts import ExpertSpec, describe, discover, structure_of
 from moepec.state.shares import CheckpointKeys
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.persist import Persister
@@ -52,7 +52,8 @@ class CheckpointManager:
     Construct on every rank (after ``torch.distributed`` is initialised when
     running with several ranks) with the model and optimizer the loop uses.
     Raises ConfigError for invalid settings and ExpertDiscoveryError when the
-    experts cannot be found unambiguously (pass ``expert_spec``).
+    experts cannot be found unambiguously (pass ``expert_spec``), or none are found and
+    ``config.require_experts`` (by default) asks for them.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -100,7 +101,15 @@ class CheckpointManager:
         # Global expert counts: a rank holds n_local of them per layer under EP.
         self.n_experts = tuple(n * self.ep_size for n in self.emap.n_experts)
         if not self.n_experts:
-            log.warning("no experts found in the model: every checkpoint will be a full one")
+            found = describe(self.emap)
+            if config.experts_required:
+                raise ExpertDiscoveryError(
+                    f"{found}\nto checkpoint this model in full on purpose, pass "
+                    f"CheckpointConfig(require_experts=False)")
+            log.warning("%s\nrequire_experts=False: every checkpoint will be a full one", found)
+        elif self.emap.ragged and self.ep_size > 1:
+            raise ConfigError("ExpertSpec(ragged=True) does not work with expert parallelism; "
+                              "run without expert_parallel")
         elif config.k_snapshot > min(self.n_experts):
             raise ConfigError(
                 f"k_snapshot={config.k_snapshot} (and k_persist={config.k_persist}) must be "

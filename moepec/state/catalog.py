@@ -122,7 +122,7 @@ class StateCatalog:
         parts = tuple(parts)
         lay = self.emap.layers[layer]
         local = expert - self.offsets[layer] if self.owns(layer, expert) else 0
-        names = lay.stacked if lay.layout == "stacked" else lay.modules[local]
+        names = lay.tensors_of(local)
         keys = []
         for short, full in names.items():
             canon = canonical_expert_name(lay, short, expert)

@@ -1,0 +1,1 @@
+"""App layer: moepec wired into other training frameworks (Hugging Face transformers)."""
