@@ -89,6 +89,17 @@ class CheckpointConfig:
     """Take the checkpoint root's lease from the run holding it (one writer per root)."""
     lease_timeout_s: float = 300.0
     """A lease whose holder has not refreshed it for this long is free to take."""
+    ram_dir: str | None = None
+    """Where RAM snapshots live. None: in the training process (lost with it; an
+    in-process restart still recovers from them). A folder on a node-local shared-memory
+    filesystem (``/dev/shm/moepec``): snapshot slots that outlive the worker, so a worker
+    restarted by ``torchrun --max-restarts`` recovers from RAM. Off by default: the
+    files outlive a crash (``moepec ram clean``) and count against the container's
+    shared memory, which is often small (64 MiB under Docker's default)."""
+    ram_budget_bytes: int | None = None
+    """Shared memory the RAM tier may use on this node's rank (three slots); None: half
+    of the free space of ``ram_dir``'s filesystem. A tier that cannot fit is refused
+    before training starts."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -115,6 +126,14 @@ class CheckpointConfig:
             raise ConfigError(f"keep_last must be >= 1 (got {self.keep_last})")
         if not 0 < self.plt_budget < 1:
             raise ConfigError(f"plt_budget is a fraction in (0, 1) (got {self.plt_budget})")
+        if self.ram_dir is not None and (not isinstance(self.ram_dir, str) or not self.ram_dir):
+            raise ConfigError(f"ram_dir must be a folder path (e.g. /dev/shm/moepec) or None "
+                              f"for in-process snapshots (got {self.ram_dir!r})")
+        if self.ram_budget_bytes is not None and (
+                not isinstance(self.ram_budget_bytes, int) or isinstance(self.ram_budget_bytes, bool)
+                or self.ram_budget_bytes <= 0):
+            raise ConfigError(f"ram_budget_bytes must be a whole number of bytes > 0 or None "
+                              f"for half the free shared memory (got {self.ram_budget_bytes!r})")
         for name in ("timeout_s", "lease_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

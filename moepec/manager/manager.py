@@ -16,6 +16,7 @@ applies its outcome. ``close`` waits for the persist in flight.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moepec.errors import CheckpointError, ConfigError, PersistError
-from moepec.keys import parse_checkpoint_name
+from moepec.keys import checkpoint_name, parse_checkpoint_name
 from moepec.manager.claim import RootClaim
 from moepec.manager.config import BusyPolicy, CheckpointConfig, PecScope
 from moepec.manager.restore import RestoreContext, RestoreOutcome, RestoreReport, restore_state
@@ -40,6 +41,7 @@ from moepec.state.experts import ExpertSpec, discover, structure_of
 from moepec.state.shares import CheckpointKeys
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.persist import Persister
+from moepec.store.shm import SlotStore, admissible, check_budget, root_identity
 from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
 from moepec.store.storage import Storage, committed_manifests
 
@@ -122,12 +124,28 @@ class CheckpointManager:
         # except on a dedicated group).
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
                        if self.distributed else None)
-        self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s)
+        slots = None
+        if config.ram_dir is not None:
+            check_budget(self._ram_need_bytes(), config.ram_budget_bytes, config.ram_dir)
+            slots = SlotStore(config.ram_dir, root=root_identity(self.storage.url,
+                                                                 self.storage.local),
+                              rank=self.rank, world_size=self.world_size)
+        self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s,
+                                slots=slots)
         self.persister = Persister(self.storage, rank=self.rank,
                                    world_size=self.world_size, group=self._group,
                                    background=config.async_persist, timeout_s=config.timeout_s,
                                    keep_last=config.keep_last, release=self.ram_tier.release,
                                    guard=lambda: self.root_claim.check())
+
+    def _ram_need_bytes(self) -> int:
+        """Shared memory three slots may take on this rank: a full snapshot's share is
+        about 1/world of the model with Adam's two moments (optimizer state may not exist
+        yet), whole for one rank."""
+        model = sum(t.numel() * t.element_size()
+                    for t in self.catalog.model.state_dict().values())
+        per_copy = model * (3 if self.catalog.optimizer is not None else 1)
+        return 3 * -(-per_copy // self.world_size)
 
     def _init_run(self) -> None:
         """This run's id and its claim on the root (the lease: taken at the first save or
@@ -216,10 +234,13 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        # Shared-memory slots go with a clean close; closed while an exception is being
+        # handled (the run failed), they stay for the restarted worker.
+        clean = sys.exc_info()[0] is None
         try:
             self._record_copy(self.ram_tier.finish())
         finally:
-            self.ram_tier.close()
+            self.ram_tier.close(unlink=clean)
             try:
                 self.persister.close()
             finally:
@@ -268,13 +289,20 @@ class CheckpointManager:
         self._drain()
         found = committed_manifests(self.storage)
         self.seq = max(self.seq, _next_seq(found.listing))
-        outcome = restore_state(self._restore_context(), found, self.ram_tier.usable())
+        head = found.manifests.get(max(found.manifests, default=None, key=_seq_of_name)
+                                   ) if found.manifests else None
+        ram = self.ram_tier.recovered(
+            lambda meta: admissible(meta, head.meta if head is not None else None))
+        outcome = restore_state(self._restore_context(), found, ram)
         # The lease once the restore succeeded: a refused restore leaves the root as it was.
         self.root_claim.claim()
         if outcome is None:
+            self.ram_tier.settle(-1, keep=False)
             return None
         self._apply(outcome)
         base = outcome.base
+        kept = self.ram_tier.settle(base.seq, keep=base.tier == Tier.RAM)
+        persisted = self._persist_on_failure(kept, found)
         report = RestoreReport(step=base.step, checkpoint=base.name, tier=str(base.tier),
                                sources=outcome.sources, lost=outcome.lost,
                                plt=self.ledger.plt(), warnings=outcome.warnings,
@@ -282,6 +310,7 @@ class CheckpointManager:
         if self.rank == 0:
             write_recovery(self.storage, report, base_seq=base.seq, next_seq=self.seq,
                            k_persist=self.k_persist)
+        report.persisted_on_failure = persisted
         self.restores.append(report)
         log.info("restored step %d from %s (%s); lost %d token assignments, PLT %.4f%%",
                  report.step, report.checkpoint, report.tier, report.lost_total,
@@ -330,8 +359,43 @@ class CheckpointManager:
                 and self.ram.seq > meta.seq:
             self.ram_tier.drop()  # a snapshot of the abandoned future
         self.persister.set_head(outcome.head)
+        self.seq = max(self.seq, meta.seq + 1)  # a RAM base may be newer than any folder
         self._covered = (None, False)  # recomputed from the restored head at the next save
         self.routing.reset()
+
+    def _persist_on_failure(self, snap: Snapshot | None, found: Any) -> str | None:
+        """Persist the RAM base a previous worker left in shared memory if storage lacks
+        it (it was due for storage and its worker died first), before training resumes,
+        so a second fault cannot lose it. All ranks (they agree on doing it); returns the
+        checkpoint name committed, or None."""
+        due = (snap is not None and snap.origin == "shm" and snap.persist_experts is not None
+               and not any(mf_seq >= snap.seq for mf_seq in
+                           (m.seq for m in found.manifests.values())))
+        if self.distributed:
+            flag = torch.tensor([1 if due else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            due = bool(flag.item())
+        if not due or self.root_claim.paused:
+            return None
+        assert snap is not None
+        name = checkpoint_name(snap.seq, snap.step)
+        if self.rank == 0 and name in dict(found.listing):
+            self.storage.delete(name)  # the dead worker's unfinished write of it
+        if self.distributed:
+            dist.barrier()
+        with self.ram_tier._refs_lock:
+            snap.refs += 1  # the persist worker's hold
+        t0 = time.perf_counter()
+        self.persister.submit(snap)
+        self.persister.wait_idle()
+        try:
+            self.persister.check()
+        except CheckpointError as exc:
+            log.warning("could not persist the RAM snapshot of step %d: %s", snap.step, exc)
+            return None
+        log.info("persisted RAM snapshot of step %d (only in RAM when its worker died) as %s "
+                 "in %.2fs", snap.step, name, time.perf_counter() - t0)
+        return name
 
     # -- internals --------------------------------------------------------------
     def _finish_snapshot(self) -> None:
@@ -451,6 +515,10 @@ class CheckpointManager:
             self.k_persist = new
             self.k_snapshot = max(self.k_snapshot, new)
             self.k_history.append([step, new])
+
+
+def _seq_of_name(name: str) -> int:
+    return parse_checkpoint_name(name)[0]
 
 
 def _next_seq(listing: Sequence[tuple[str, bool]]) -> int:
