@@ -65,6 +65,7 @@ def test_restarted_workers_restore_from_shared_memory(tmp_path):
     # persist on failure: step 15 was only in RAM; the restarted workers committed it
     assert recoveries[0]["persisted"] == "ckpt-000001-step00000015"
     st = Storage(str(tmp_path / "ckpt"))
+    assert st.read_manifest("ckpt-000001-step00000015").meta.experts_saved
     assert verify_path(str(tmp_path / "ckpt")).ok
     # bit-exact restores: each step trained twice has the same loss both times
     losses: dict[int, set[float]] = {}

@@ -215,7 +215,7 @@ class SlotStore:
 
     def commit(self, slot: Slot, header: SlotHeader) -> None:
         """Checksum the slot's data and write its header last (temporary name, rename)."""
-        for key, e in slot.entries.items():
+        for e in slot.entries.values():
             e["checksum"] = tensor_checksum(self._view(slot, e))
         header.entries = slot.entries
         tmp = slot.header_path.with_name(f".{slot.header_path.name}.{os.getpid()}.tmp")
