@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moepec import CheckpointConfig, CheckpointManager, ConfigError
+from moepec.cli.main import main
 from moepec.store import persist
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.shm import admissible, job_name
@@ -73,8 +74,13 @@ def assert_state(model, opt, want, experts):
             assert torch.equal(v, expert_keys(want, layer, e)[k]), (k, layer, e)
 
 
+def ram_cli(capsys, tmp_path, *argv):
+    assert main(["ram", *argv, "--ram-dir", str(tmp_path / "shm"), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 def test_restarted_worker_restores_from_shared_memory_and_persists_what_was_only_in_ram(
-        tmp_path):
+        tmp_path, capsys):
     mgr, parts = manager(tmp_path)
     saved = {}
     # The last checkpoint (step 7) is due for storage, but its commit fails (as if the
@@ -95,6 +101,13 @@ def test_restarted_worker_restores_from_shared_memory_and_persists_what_was_only
     for p in rank_dir(tmp_path).iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     assert stat.S_IMODE(rank_dir(tmp_path).stat().st_mode) == 0o700
+    # moepec ram ls / clean: the writer (this process) still runs, so clean keeps it
+    [row] = ram_cli(capsys, tmp_path, "ls")
+    assert row["root"] == os.path.abspath(tmp_path / "ckpt") and row["runs"] == [mgr.run_id]
+    assert row["live"] and row["newest_step"] == 7 and row["bytes"] > 0
+    assert ram_cli(capsys, tmp_path, "clean", "--older-than", "1") == []
+    assert ram_cli(capsys, tmp_path, "clean", "--run", "nope") == []
+    assert [r["removed"] for r in ram_cli(capsys, tmp_path, "clean")] == [False]
 
     fresh, (model, opt, _, counter) = manager(tmp_path, seed=5)
     report = fresh.restore()
@@ -110,6 +123,7 @@ def test_restarted_worker_restores_from_shared_memory_and_persists_what_was_only
     assert storage.read_manifest(storage.committed()[-1]).step == 7
     fresh.close()
     assert not rank_dir(tmp_path).exists()  # a clean close unlinks the slots
+    assert ram_cli(capsys, tmp_path, "ls") == []
 
 
 def test_torn_slots_are_never_used(tmp_path):
@@ -138,7 +152,7 @@ def test_torn_slots_are_never_used(tmp_path):
     fresh.close()
 
 
-def test_slot_of_another_root_or_an_unrelated_run_is_never_read(tmp_path):
+def test_slot_of_another_root_or_an_unrelated_run_is_never_read(tmp_path, capsys):
     meta = dict(step=1, seq=1, index=0, time=0.0, structure={}, config={}, k_persist=1,
                 k_snapshot=1, full=True, pec_scope="all", selection="sequential",
                 experts_saved=[], experts_snapshot=[], counts=[], ledger={}, plt=0.0,
@@ -162,6 +176,15 @@ def test_slot_of_another_root_or_an_unrelated_run_is_never_read(tmp_path):
     fresh = CheckpointManager(model, opt, cfg, extra_state={"sched": sched})
     assert fresh.restore() is None
     fresh.close()
+    # a crashed run's folder, its writer gone: clean removes it, confined to ram_dir
+    dead = tmp_path / "shm" / "old-run" / "rank0"
+    dead.mkdir(parents=True)
+    (dead / "slot0.data").write_bytes(b"x" * 100)
+    (dead / "slot0.json").write_text(json.dumps({"pid": 2**22 + 7, "step": 3}))
+    rows = ram_cli(capsys, tmp_path, "clean", "--run", "old-run")
+    assert [(r["job"], r["removed"], r["bytes"]) for r in rows] == [("old-run", True, 100 + len(
+        json.dumps({"pid": 2**22 + 7, "step": 3})))]
+    assert not dead.parent.exists()
 
 
 def test_config_and_budget(tmp_path):

@@ -353,8 +353,9 @@ register(Command("demo", "fault-tolerant training end to end: faults, recovery, 
 def _register_checkpoint_commands() -> None:
     from moepec.cli.checkpoints import commands
     from moepec.cli.planning import commands as planning_commands
+    from moepec.cli.ram import commands as ram_commands
 
-    for name, help_, add, run in commands() + planning_commands():
+    for name, help_, add, run in commands() + planning_commands() + ram_commands():
         register(Command(name, help_, add, run))
 
 

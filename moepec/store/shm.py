@@ -355,28 +355,51 @@ def admissible(meta: CheckpointMeta, head: CheckpointMeta | None) -> bool:
     return head.run_id in slot_runs or meta.run_id in head_runs
 
 
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def list_jobs(ram_dir: str) -> list[dict[str, Any]]:
-    """What is under ``ram_dir``: one row per job folder (for ``moepec ram ls``)."""
-    rows = []
+    """What is under ``ram_dir``: one row per job folder (``moepec ram ls``). ``live``:
+    a process that wrote one of its slots still runs on this host."""
+    rows: list[dict[str, Any]] = []
     base = Path(ram_dir)
     if not base.is_dir():
         return rows
-    for job in sorted(p for p in base.iterdir() if p.is_dir()):
-        files = [f for f in job.rglob("*") if f.is_file()]
+    for job in sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink()):
+        files = [f for f in job.rglob("*") if f.is_file() and not f.is_symlink()]
         headers = []
         for h in job.glob("rank*/slot*.json"):
             try:
                 data = json.loads(h.read_text())
                 headers.append((data.get("root"), data.get("meta", {}).get("run_id"),
-                                data.get("seq"), data.get("step")))
+                                data.get("step"), data.get("pid")))
             except (OSError, ValueError, AttributeError):
                 continue
         mtime = max((f.stat().st_mtime for f in files), default=job.stat().st_mtime)
         rows.append({"job": job.name, "path": str(job),
                      "bytes": sum(f.stat().st_size for f in files),
                      "root": next((h[0] for h in headers if h[0]), None),
-                     "runs": sorted({h[1] for h in headers if h[1]}),
-                     "newest_step": max((h[3] for h in headers if isinstance(h[3], int)),
+                     "runs": sorted({h[1] for h in headers if isinstance(h[1], str)}),
+                     "newest_step": max((h[2] for h in headers if isinstance(h[2], int)),
                                         default=None),
+                     "live": any(_alive(h[3]) for h in headers),
                      "age_h": (time.time() - mtime) / 3600})
     return rows
+
+
+def remove_job(ram_dir: str, job: str) -> None:
+    """Delete one job folder, confined to ``ram_dir`` (a direct child, not a link)."""
+    base = Path(ram_dir).resolve()
+    target = base / job
+    if target.is_symlink() or target.resolve().parent != base or not target.is_dir():
+        raise ConfigError(f"{job!r} is not a job folder of {ram_dir}; nothing removed")
+    shutil.rmtree(target)
