@@ -330,13 +330,16 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults", default=d.faults, help="fault spec (%(default)s)")
     p.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval,
                    help="steps between checkpoints (%(default)s)")
+    p.add_argument("--ram-lost", action="store_true",
+                   help="also wipe the node's shared-memory RAM tier once (storage recovers)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from moepec.cli.demo import DemoSettings, run_demo
 
     settings = DemoSettings(steps=args.steps, ranks=args.ranks, seed=args.seed,
-                            faults=args.faults, ckpt_interval=args.ckpt_interval)
+                            faults=args.faults, ckpt_interval=args.ckpt_interval,
+                            ram_lost=args.ram_lost)
     run_demo(args.out_dir, settings)
     print(f"report: {os.path.join(args.out_dir, 'report.md')}")
     return 0
