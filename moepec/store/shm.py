@@ -169,7 +169,8 @@ class SlotStore:
         self.job_dir = Path(ram_dir) / job_name(root)
         self.dir = self.job_dir / f"rank{rank}"
         self.root, self.rank, self.world_size = root, rank, world_size
-        for d in (Path(ram_dir), self.job_dir, self.dir):
+        Path(ram_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        for d in (self.job_dir, self.dir):
             d.mkdir(mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
         self.slots: list[Slot] = []
