@@ -96,6 +96,10 @@ class CheckpointConfig:
     restarted by ``torchrun --max-restarts`` recovers from RAM. Off by default: the
     files outlive a crash (``moepec ram clean``) and count against the container's
     shared memory, which is often small (64 MiB under Docker's default)."""
+    ram_replicas: int | None = None
+    """Copies of each rank's committed RAM slot kept on another node (ring over node ids:
+    ``MOEPEC_NODE_ID``, default the hostname), so a lost node's shares restore from RAM.
+    0 or 1; None: 1 when the ranks span several nodes, else 0. Needs ``ram_dir``."""
     ram_budget_bytes: int | None = None
     """Shared memory the RAM tier may use on this node's rank (three slots); None: half
     of the free space of ``ram_dir``'s filesystem. A tier that cannot fit is refused
@@ -134,6 +138,13 @@ class CheckpointConfig:
                 or self.ram_budget_bytes <= 0):
             raise ConfigError(f"ram_budget_bytes must be a whole number of bytes > 0 or None "
                               f"for half the free shared memory (got {self.ram_budget_bytes!r})")
+        if self.ram_replicas is not None and (self.ram_replicas not in (0, 1)
+                                              or isinstance(self.ram_replicas, bool)):
+            raise ConfigError(f"ram_replicas must be 0, 1 or None (1 when ranks span nodes); "
+                              f"got {self.ram_replicas!r}")
+        if self.ram_replicas and self.ram_dir is None:
+            raise ConfigError("ram_replicas needs the shared-memory RAM tier: set ram_dir "
+                              "(e.g. /dev/shm/moepec)")
         for name in ("timeout_s", "lease_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

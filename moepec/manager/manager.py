@@ -41,6 +41,7 @@ from moepec.state.experts import ExpertSpec, discover, structure_of
 from moepec.state.shares import CheckpointKeys
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.persist import Persister
+from moepec.store.replica import Replicator, node_id, ring_peers
 from moepec.store.shm import SlotStore, admissible, check_budget, root_identity
 from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
 from moepec.store.storage import Storage, committed_manifests
@@ -124,19 +125,43 @@ class CheckpointManager:
         # except on a dedicated group).
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
                        if self.distributed else None)
-        slots = None
+        slots = held = peers = None
         if config.ram_dir is not None:
-            check_budget(self._ram_need_bytes(), config.ram_budget_bytes, config.ram_dir)
-            slots = SlotStore(config.ram_dir, root=root_identity(self.storage.url,
-                                                                 self.storage.local),
-                              rank=self.rank, world_size=self.world_size)
+            peers = self._replica_peers()
+            check_budget(self._ram_need_bytes() * (2 if peers else 1),
+                         config.ram_budget_bytes, config.ram_dir)
+            root = root_identity(self.storage.url, self.storage.local)
+            slots = SlotStore(config.ram_dir, root=root, rank=self.rank,
+                              world_size=self.world_size)
+            if peers:
+                held = SlotStore(config.ram_dir, root=root, rank=peers[1],
+                                 world_size=self.world_size, replica=True)
         self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s,
-                                slots=slots)
+                                slots=slots, replicas=held)
+        self.replicator = None
+        if peers:
+            self.replicator = Replicator(slots, held, succ=peers[0], pred=peers[1],
+                                         timeout_s=config.timeout_s,
+                                         release=self.ram_tier.release)
+            self.ram_tier.on_complete = self.replicator.submit
         self.persister = Persister(self.storage, rank=self.rank,
                                    world_size=self.world_size, group=self._group,
                                    background=config.async_persist, timeout_s=config.timeout_s,
                                    keep_last=config.keep_last, release=self.ram_tier.release,
                                    guard=lambda: self.root_claim.check())
+
+    def _replica_peers(self) -> tuple[int, int] | None:
+        """(successor, predecessor) on the ring over nodes when RAM slots are replicated,
+        else None. Collective when distributed (the node ids are gathered)."""
+        if not self.distributed or self.config.ram_replicas == 0:
+            if self.config.ram_replicas:
+                raise ConfigError("ram_replicas=1 needs ranks on several nodes")
+            return None
+        nodes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(nodes, node_id())
+        if len(set(nodes)) < 2 and self.config.ram_replicas is None:
+            return None
+        return ring_peers(nodes, self.rank)
 
     def _ram_need_bytes(self) -> int:
         """Shared memory three slots may take on this rank: a full snapshot's share is
@@ -240,6 +265,8 @@ class CheckpointManager:
         try:
             self._record_copy(self.ram_tier.finish())
         finally:
+            if self.replicator is not None:
+                self.replicator.close()
             self.ram_tier.close(unlink=clean)
             try:
                 self.persister.close()

@@ -248,15 +248,20 @@ def _gather_ram(ctx: RestoreContext, snaps: Snapshot | Sequence[Snapshot] | None
         snaps = []
     elif isinstance(snaps, Snapshot):
         snaps = [snaps]
-    by_seq = {s.seq: s for s in snaps}
+    # This rank's own share and the replicas it keeps of other ranks' shares, per seq.
+    by_seq: dict[int, dict[str, torch.Tensor]] = {}
+    first: dict[int, Snapshot] = {}
+    for s in snaps:
+        by_seq.setdefault(s.seq, {}).update(s.tensors)
+        first.setdefault(s.seq, s)
     if ctx.world_size == 1:
         if not snaps:
             return None
         snap = max(snaps, key=lambda s: s.seq)
         return _ram_source(f"ram:{snap.seq}", snap.meta, dict(snap.tensors), complete=True)
-    mine = [{"seq": s.seq, "meta": s.meta, "all_keys": s.all_keys,
+    mine = [{"seq": seq, "meta": first[seq].meta, "all_keys": first[seq].all_keys,
              "keys": {k: (list(t.shape), str(t.dtype).removeprefix("torch."))
-                      for k, t in s.tensors.items()}} for s in snaps]
+                      for k, t in tensors.items()}} for seq, tensors in by_seq.items()]
     held: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(held, mine)
     offers = [(r, h) for r, hs in enumerate(held) for h in hs]
@@ -282,14 +287,15 @@ def _gather_ram(ctx: RestoreContext, snaps: Snapshot | Sequence[Snapshot] | None
     return _ram_source(f"ram:{seq}", holders[0][1]["meta"], values, complete)
 
 
-def _broadcast_shares(ctx: RestoreContext, snap: Snapshot | None, owner: Mapping[str, int],
+def _broadcast_shares(ctx: RestoreContext, held: Mapping[str, torch.Tensor] | None,
+                      owner: Mapping[str, int],
                       shapes: Mapping[str, tuple[list[int], str]]) -> dict[str, torch.Tensor]:
     """Every surviving key, sent by its holder; kept where this rank needs it."""
     values: dict[str, torch.Tensor] = {}
     for key in sorted(owner):  # the same order on every rank
         shape, dtype = shapes[key]
         if owner[key] == ctx.rank:
-            t = snap.tensors[key].contiguous()
+            t = held[key].contiguous()
         else:
             t = torch.empty(shape, dtype=getattr(torch, dtype))
         dist.broadcast(t, src=owner[key])

@@ -165,9 +165,10 @@ class SlotStore:
     (either thread) frees it, keeping its header (a valid older copy until reused).
     """
 
-    def __init__(self, ram_dir: str, *, root: str, rank: int, world_size: int) -> None:
+    def __init__(self, ram_dir: str, *, root: str, rank: int, world_size: int,
+                 replica: bool = False) -> None:
         self.job_dir = Path(ram_dir) / job_name(root)
-        self.dir = self.job_dir / f"rank{rank}"
+        self.dir = self.job_dir / (f"replica-of-rank{rank}" if replica else f"rank{rank}")
         self.root, self.rank, self.world_size = root, rank, world_size
         Path(ram_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         for d in (self.job_dir, self.dir):
@@ -226,6 +227,35 @@ class SlotStore:
         os.replace(tmp, slot.header_path)
         slot.seq = header.seq
 
+    def write_raw(self, header: bytes, data: torch.Tensor) -> None:
+        """Store a slot another rank committed (a replica): its data bytes as they are,
+        then its header, last. The header's checksums are verified when it is loaded."""
+        with self._lock:
+            free = [s for s in self.slots if not s.in_use]
+            slot = (min(free, key=lambda s: (s.seq, s.index)) if free
+                    else self._slot(max((s.index for s in self.slots), default=-1) + 1))
+            if not free:
+                self.slots.append(slot)
+            slot.in_use = True
+        try:
+            slot.header_path.unlink(missing_ok=True)
+            slot.seq = -1
+            self._map(slot, max(data.numel(), 1))
+            slot.base[:data.numel()].copy_(data)
+            tmp = slot.header_path.with_name(f".{slot.header_path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+            os.replace(tmp, slot.header_path)
+            slot.seq = json.loads(header).get("seq", -1)
+        finally:
+            self.release(slot)
+
+    def raw(self, slot: Slot) -> tuple[bytes, torch.Tensor]:
+        """A committed slot's header bytes and used data bytes (to send as a replica)."""
+        end = max((e["offset"] + e["nbytes"] for e in slot.entries.values()), default=0)
+        return slot.header_path.read_bytes(), slot.base[:end]
+
     def release(self, slot: Slot) -> None:
         with self._lock:
             slot.in_use = False
@@ -246,7 +276,8 @@ class SlotStore:
         try:
             size = max(os.fstat(fd).st_size, need)
             os.ftruncate(fd, size)  # grows only: older views of the file stay valid
-            mm = mmap.mmap(fd, size)
+            # MAP_POPULATE: the pages are faulted in now, not one by one by the copy
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         # The previous mapping (if any) is dropped, not closed: views may still hold it.

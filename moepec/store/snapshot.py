@@ -227,9 +227,14 @@ class RamTier:
     """
 
     def __init__(self, *, background: bool, timeout_s: float,
-                 slots: SlotStore | None = None) -> None:
+                 slots: SlotStore | None = None, replicas: SlotStore | None = None) -> None:
         self.pool = BufferPool()
         self.slots = slots
+        self.replicas = replicas
+        """Slots of another node's rank this rank keeps (ram_replicas), or None."""
+        self.on_complete: Callable[[Snapshot], None] | None = None
+        """Called (training thread) with each completed shared-memory snapshot, on which
+        it holds a reference it must ``release`` (the replicator)."""
         """Shared-memory slots (ram_dir set), or None for in-process buffers."""
         self.snapshotter = Snapshotter(self.pool, background=background, timeout_s=timeout_s,
                                        slots=slots)
@@ -250,6 +255,10 @@ class RamTier:
             old, self.newest = self.newest, snap
             if old is not None:
                 self.release(old)
+            if self.on_complete is not None and snap.slot is not None:
+                with self._refs_lock:
+                    snap.refs += 1
+                self.on_complete(snap)
         return snap
 
     def usable(self) -> Snapshot | None:
@@ -284,19 +293,24 @@ class RamTier:
         if usable is not None or self.slots is None:
             return [usable] if usable is not None else []
         if not self._loaded:
-            for slot, header, tensors in self.slots.load():
+            found = [(slot, header, tensors, "shm") for slot, header, tensors
+                     in self.slots.load()]
+            if self.replicas is not None:
+                found += [(slot, header, tensors, "replica") for slot, header, tensors
+                          in self.replicas.load()]
+            for slot, header, tensors, origin in found:
                 if accept is not None and not accept(header.meta):
                     log.warning("not reading RAM slot seq %d: written by run %s, which is "
                                 "not in the lineage of this checkpoint root", header.seq,
                                 header.meta.run_id or "?")
                     continue
-                self.slots.hold(slot)
+                (self.slots if origin == "shm" else self.replicas).hold(slot)
                 snap = Snapshot(seq=header.seq, step=header.step, tensors=tensors,
                                 snapshot_experts=[tuple(e) for e in header.snapshot_experts],
                                 persist_experts=(None if header.persist_experts is None else
                                                  [tuple(e) for e in header.persist_experts]),
                                 persist_keys=frozenset(header.persist_keys), meta=header.meta,
-                                all_keys=list(header.all_keys), slot=slot, origin="shm")
+                                all_keys=list(header.all_keys), slot=slot, origin=origin)
                 snap.done.set()
                 self._loaded.append(snap)
         return list(self._loaded)
@@ -307,15 +321,16 @@ class RamTier:
         invalidate slots newer than the base (an abandoned future). Returns the kept one."""
         kept = None
         for snap in self._loaded:
-            if keep and snap.seq == base_seq and kept is None:
+            if keep and snap.seq == base_seq and kept is None and snap.origin == "shm":
                 kept = snap
             else:
                 self.release(snap)
         self._loaded = []
         if kept is not None:
             self.newest = kept
-        if self.slots is not None:
-            self.slots.invalidate(lambda seq: seq > base_seq)
+        for store in (self.slots, self.replicas):
+            if store is not None:
+                store.invalidate(lambda seq: seq > base_seq)
         return kept
 
     @property
@@ -331,3 +346,5 @@ class RamTier:
             self.newest = None
             self._loaded = []
             self.slots.close(unlink)
+        if self.replicas is not None:
+            self.replicas.close(unlink)
