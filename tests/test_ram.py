@@ -149,7 +149,14 @@ def test_torn_slots_are_never_used(tmp_path):
     assert report.tier == "ram" and report.step == 5 and counter.position == 6
     assert_state(model, opt, saved[5], [])
     assert not newest.exists()  # a torn slot's header is removed: never read again
+    assert report.persisted_on_failure  # storage lacked step 5: committed now
     fresh.close()
+    # the slots are gone (a clean close; as after a wiped node): storage serves step 5
+    again, (model, opt, *_) = manager(tmp_path, seed=6)
+    report = again.restore()
+    assert (report.tier, report.step) == ("storage", 5)
+    assert_state(model, opt, saved[5], [])
+    again.close()
 
 
 def test_slot_of_another_root_or_an_unrelated_run_is_never_read(tmp_path, capsys):
