@@ -9,6 +9,9 @@ view. The manager is then abandoned without ``close`` (what a SIGKILL leaves), a
   verified, copied into the model);
 - ``storage``: with ``ram_dir=None`` (the committed checkpoint, read and verified).
 
+Storage is a local folder (page cache warm: storage's best case) and, with ``--s3``, an
+S3 bucket on moto's server over HTTP on loopback (an object store, still on this host).
+
 Timed: ``restore`` (``RestoreReport.seconds``) and restart to first step (manager
 construction + restore + one training step), medians of ``--repeats`` alternating
 runs, page cache warm for storage (its best case). The restores are checked equal
@@ -71,15 +74,15 @@ def _one_step(model, cfg, opt) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _restart(root: Path, ram_dir: str | None, cfg, n_experts: int):
+def _restart(root: str, ram_dir: str | None, cfg, n_experts: int, opts: dict):
     t0 = time.perf_counter()
     model, opt = trained_model(cfg)  # new objects, other values (seed-identical init)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     mgr = CheckpointManager(model, opt, CheckpointConfig(
-        path=str(root), ram_dir=ram_dir, k_persist=1, k_snapshot=n_experts,
-        async_snapshot=False, async_persist=False))
+        path=root, ram_dir=ram_dir, k_persist=1, k_snapshot=n_experts,
+        async_snapshot=False, async_persist=False, storage_options=opts))
     t1 = time.perf_counter()
     report = mgr.restore()
     t2 = time.perf_counter()
@@ -91,14 +94,16 @@ def _restart(root: Path, ram_dir: str | None, cfg, n_experts: int):
                     "restart_to_first_step_s": t3 - t0}, state
 
 
-def measure(name: str, repeats: int, work: Path, ram_base: str) -> dict:
+def measure(name: str, repeats: int, work: Path, ram_base: str, s3: dict | None) -> dict:
     cfg = _cfg(name)
-    root = work / f"ckpt-{name.replace('/', '-')}"
-    ram_dir = f"{ram_base}/{name.replace('/', '-')}"
+    tag = name.replace("/", "-") + ("-s3" if s3 else "")
+    root = f"s3://moepec-bench/{tag}" if s3 else str(work / f"ckpt-{tag}")
+    opts = s3 or {}
+    ram_dir = f"{ram_base}/{tag}"
     model, opt = trained_model(cfg)
     mgr = CheckpointManager(model, opt, CheckpointConfig(
-        path=str(root), ram_dir=ram_dir, k_persist=1, k_snapshot=cfg.n_experts,
-        async_snapshot=False, async_persist=False))
+        path=root, ram_dir=ram_dir, k_persist=1, k_snapshot=cfg.n_experts,
+        async_snapshot=False, async_persist=False, storage_options=opts))
     mgr.save(0)  # the first checkpoint is full: both tiers hold the same view
     nbytes = sum(t.numel() * t.element_size() for t in mgr.ram.tensors.values())
     _abandon(mgr)
@@ -106,7 +111,7 @@ def measure(name: str, repeats: int, work: Path, ram_base: str) -> dict:
     states = {}
     for _ in range(repeats):
         for tier, rd in (("ram", ram_dir), ("storage", None)):
-            report, times, state = _restart(root, rd, cfg, cfg.n_experts)
+            report, times, state = _restart(root, rd, cfg, cfg.n_experts, opts)
             assert report is not None and report.tier == tier, (tier, report)
             rows[tier].append(times)
             states[tier] = state
@@ -114,10 +119,11 @@ def measure(name: str, repeats: int, work: Path, ram_base: str) -> dict:
     equal = ram_s.keys() == st_s.keys() and all(torch.equal(ram_s[k], st_s[k]) for k in ram_s)
     med = {tier: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
            for tier, rs in rows.items()}
-    pof = _persist_on_failure(cfg, work / f"pof-{name.replace('/', '-')}",
-                              f"{ram_base}/pof-{name.replace('/', '-')}")
+    pof = (None if s3 else _persist_on_failure(cfg, work / f"pof-{tag}",
+                                               f"{ram_base}/pof-{tag}"))
     shutil.rmtree(ram_dir, ignore_errors=True)
-    return {"config": name, "snapshot_bytes": nbytes, "median": med, "equal": equal,
+    return {"config": name, "storage": "s3 (moto, loopback)" if s3 else "local folder",
+            "snapshot_bytes": nbytes, "median": med, "equal": equal,
             "restore_speedup": med["storage"]["restore_s"] / med["ram"]["restore_s"],
             "restart_speedup": (med["storage"]["restart_to_first_step_s"]
                                 / med["ram"]["restart_to_first_step_s"]),
@@ -158,6 +164,21 @@ def _persist_on_failure(cfg, root: Path, ram_dir: str) -> float:
     return total
 
 
+def _moto() -> dict:
+    import logging
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    opts = {"key": "testing", "secret": "testing", "client_kwargs": {
+        "endpoint_url": f"http://127.0.0.1:{server._server.server_port}"}}
+    s3fs.S3FileSystem(**opts).mkdir("moepec-bench")
+    return opts
+
+
 def process_start_s() -> float:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch, moepec.manager.manager"], check=True)
@@ -170,23 +191,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--ram-base", default="/dev/shm/moepec-bench" if os.path.isdir("/dev/shm")
                     else None)
+    ap.add_argument("--s3", action="store_true",
+                    help="also measure storage on S3 (moto's server on loopback)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         ram_base = args.ram_base or f"{tmp}/ram"
-        results = {"process_start_s": process_start_s(),
-                   "rows": [measure(c, args.repeats, Path(tmp), ram_base)
-                            for c in args.configs], "goal": GOAL}
+        s3 = _moto() if args.s3 else None
+        rows = [measure(c, args.repeats, Path(tmp), ram_base, None) for c in args.configs]
+        rows += [measure(c, args.repeats, Path(tmp), ram_base, s3)
+                 for c in args.configs] if s3 else []
+        results = {"process_start_s": process_start_s(), "rows": rows, "goal": GOAL}
         shutil.rmtree(ram_base, ignore_errors=True)
     for r in results["rows"]:
         m = r["median"]
-        print(f"{r['config']:<16} {r['snapshot_bytes'] / 2**20:7.1f} MiB  restore ram "
+        pof = r["persist_on_failure_s"]
+        print(f"{r['config']:<16} {r['storage']:<20} {r['snapshot_bytes'] / 2**20:7.1f} MiB  "
+              f"restore ram "
               f"{m['ram']['restore_s']:.3f}s storage {m['storage']['restore_s']:.3f}s "
               f"({r['restore_speedup']:.1f}x)  restart->first step ram "
               f"{m['ram']['restart_to_first_step_s']:.3f}s storage "
               f"{m['storage']['restart_to_first_step_s']:.3f}s ({r['restart_speedup']:.1f}x)  "
-              f"equal={r['equal']}  persist-on-failure {r['persist_on_failure_s']:.3f}s")
+              f"equal={r['equal']}  persist-on-failure "
+              f"{'-' if pof is None else f'{pof:.3f}s'}")
     print(f"process start (python -c 'import torch, moepec'): "
           f"{results['process_start_s']:.2f}s")
     if args.out:
