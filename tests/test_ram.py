@@ -201,3 +201,12 @@ def test_config_and_budget(tmp_path):
         CheckpointConfig(path="x", ram_budget_bytes=0)
     with pytest.raises(ConfigError, match="over its budget"):
         manager(tmp_path, ram_budget_bytes=1000)
+    with pytest.raises(ConfigError, match="ram_replicas must be"):
+        CheckpointConfig(path="x", ram_dir="/dev/shm/x", ram_replicas=2)
+    with pytest.raises(ConfigError, match="needs the shared-memory RAM tier"):
+        CheckpointConfig(path="x", ram_replicas=1)
+    (tmp_path / "afile").write_text("")
+    model, opt, _ = make(0, "stacked", 4)
+    with pytest.raises(ConfigError, match="cannot keep RAM snapshots"):
+        CheckpointManager(model, opt, CheckpointConfig(
+            path=str(tmp_path / "c2"), ram_dir=str(tmp_path / "afile" / "shm")))

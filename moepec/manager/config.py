@@ -101,9 +101,9 @@ class CheckpointConfig:
     ``MOEPEC_NODE_ID``, default the hostname), so a lost node's shares restore from RAM.
     0 or 1; None: 1 when the ranks span several nodes, else 0. Needs ``ram_dir``."""
     ram_budget_bytes: int | None = None
-    """Shared memory the RAM tier may use on this node's rank (three slots); None: half
-    of the free space of ``ram_dir``'s filesystem. A tier that cannot fit is refused
-    before training starts."""
+    """Shared memory the RAM tier may use on one node (three slots per local rank, twice
+    that with replicas); None: half of the free space of ``ram_dir``'s filesystem. A
+    tier that cannot fit is refused before training starts."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:

@@ -16,6 +16,7 @@ applies its outcome. ``close`` waits for the persist in flight.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -128,14 +129,22 @@ class CheckpointManager:
         slots = held = peers = None
         if config.ram_dir is not None:
             peers = self._replica_peers()
-            check_budget(self._ram_need_bytes() * (2 if peers else 1),
-                         config.ram_budget_bytes, config.ram_dir)
             root = root_identity(self.storage.url, self.storage.local)
-            slots = SlotStore(config.ram_dir, root=root, rank=self.rank,
-                              world_size=self.world_size)
-            if peers:
-                held = SlotStore(config.ram_dir, root=root, rank=peers[1],
-                                 world_size=self.world_size, replica=True)
+            # The budget is the node's: every local rank keeps its slots (and replicas).
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            check_budget(self._ram_need_bytes() * (2 if peers else 1) * local,
+                         config.ram_budget_bytes, config.ram_dir, root)
+            try:
+                slots = SlotStore(config.ram_dir, root=root, rank=self.rank,
+                                  world_size=self.world_size)
+                if peers:
+                    held = SlotStore(config.ram_dir, root=root, rank=peers[1],
+                                     world_size=self.world_size, replica=True)
+            except OSError as exc:
+                raise ConfigError(f"cannot keep RAM snapshots in ram_dir={config.ram_dir!r} "
+                                  f"({exc}); use a writable folder on a shared-memory "
+                                  f"filesystem such as /dev/shm/moepec, or ram_dir=None") \
+                    from exc
         self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s,
                                 slots=slots, replicas=held)
         self.replicator = None

@@ -70,15 +70,21 @@ def free_shm_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_budget(need_bytes: int, budget_bytes: int | None, directory: str) -> None:
+def check_budget(need_bytes: int, budget_bytes: int | None, directory: str,
+                 root: str | None = None) -> None:
     """Refuse a RAM tier of ``need_bytes`` (three slots) that does not fit: the budget,
-    by default half the free space of the shared-memory filesystem. Raises ConfigError."""
+    by default half the free space of the shared-memory filesystem, counting as free the
+    slots this checkpoint root's job already holds (a restarted worker reuses them).
+    Raises ConfigError."""
     free = free_shm_bytes(directory)
+    job = Path(directory) / job_name(root) if root is not None else None
+    if job is not None and job.is_dir():
+        free += sum(f.stat().st_size for f in job.rglob("*") if f.is_file())
     budget = free // 2 if budget_bytes is None else budget_bytes
     if need_bytes > budget:
         raise ConfigError(
-            f"the shared-memory RAM tier needs up to {need_bytes / 2**20:.1f} MiB (three "
-            f"snapshot slots) in {directory}, over its budget of {budget / 2**20:.1f} MiB"
+            f"the shared-memory RAM tier needs up to {need_bytes / 2**20:.1f} MiB on this node "
+            f"(three snapshot slots per local rank) in {directory}, over its budget of {budget / 2**20:.1f} MiB"
             f"{' (half the free shared memory)' if budget_bytes is None else ''}; raise "
             f"CheckpointConfig.ram_budget_bytes, free /dev/shm (`moepec ram clean`), lower "
             f"k_snapshot, or use ram_dir=None (in-process snapshots)")
