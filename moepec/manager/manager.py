@@ -419,8 +419,7 @@ class CheckpointManager:
             self.storage.delete(name)  # the dead worker's unfinished write of it
         if self.distributed:
             dist.barrier()
-        with self.ram_tier._refs_lock:
-            snap.refs += 1  # the persist worker's hold
+        self.ram_tier.hold(snap)  # the persist worker's reference, released when written
         t0 = time.perf_counter()
         self.persister.submit(snap)
         self.persister.wait_idle()

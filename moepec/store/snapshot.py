@@ -256,8 +256,7 @@ class RamTier:
             if old is not None:
                 self.release(old)
             if self.on_complete is not None and snap.slot is not None:
-                with self._refs_lock:
-                    snap.refs += 1
+                self.hold(snap)
                 self.on_complete(snap)
         return snap
 
@@ -271,6 +270,11 @@ class RamTier:
         if self.newest is not None:
             self.release(self.newest)
             self.newest = None
+
+    def hold(self, snap: Snapshot) -> None:
+        """One more holder of ``snap`` (it calls ``release`` when done)."""
+        with self._refs_lock:
+            snap.refs += 1
 
     def release(self, snap: Snapshot) -> None:
         """One holder is done with ``snap``; the last one returns its buffers to the pool."""

@@ -236,6 +236,7 @@ class FaultInjector:
         self.on_event = on_event or (lambda e: None)
         self.log_path = log_path
         self._storage_until = -1
+        self._step = -1
         self.ram_dir = ram_dir
 
     def _fire(self, fault: Fault, step: int, **extra) -> None:
@@ -255,6 +256,7 @@ class FaultInjector:
         self.on_event(event)
 
     def before_step(self, step: int) -> None:
+        self._step = step
         if self._storage_until >= 0 and step >= self._storage_until:
             FaultyFileSystem.mode = None
             self._storage_until = -1
@@ -264,8 +266,10 @@ class FaultInjector:
                 self._fire(fault, step)
                 kill_self()
             elif fault.kind in ("kill_persist", "kill_commit"):
-                self._fire(fault, step)
-                self._arm_persist_kill(fault.kind)
+                # Recorded when it acts (in the persist of a later checkpoint), so its
+                # step is the one training was at; marked now so it is armed only once.
+                self.plan.mark(fault)
+                self._arm_persist_kill(fault, step)
             elif fault.kind in ("storage_error", "enospc", "slow_storage"):
                 self._fire(fault, step, until=step + self.storage_fault_steps)
                 FaultyFileSystem.mode = {"storage_error": "error", "enospc": "enospc",
@@ -297,16 +301,26 @@ class FaultInjector:
 
         snapshot.fault_hook = hook
 
-    def _arm_persist_kill(self, kind: str) -> None:
+    def _arm_persist_kill(self, fault: Fault, armed_at: int) -> None:
+        from moepec.keys import parse_checkpoint_name
         from moepec.store import persist
 
+        kind = fault.kind
         delay = self.rng.uniform(0.0, 0.01)
+
+        def fire(name: str) -> None:
+            # The persist of checkpoint step c runs while training is past step c.
+            parsed = parse_checkpoint_name(name)
+            at = max(self._step, parsed[1] + 1 if parsed else -1)
+            self._fire(fault, at, armed_at=armed_at, checkpoint=name)
 
         def hook(where: str, name: str) -> None:
             if kind == "kill_persist" and where == "write":
+                fire(name)
                 threading.Timer(delay, kill_self).start()  # while DCP writes the data
             elif kind == "kill_commit" and where == ("before_commit" if self.rank == 0
                                                      else "written"):
+                fire(name)
                 kill_self()  # data written, manifest not (rank 0 commits)
 
         persist.fault_hook = hook
