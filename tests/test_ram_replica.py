@@ -11,6 +11,7 @@ import shutil
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -60,6 +61,7 @@ def _spawn(tmp_path: Path, phase: str) -> list[dict]:
     return [json.loads((tmp_path / f"out-{phase}-{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_lost_node_restores_its_shares_from_the_replica_on_another_node(tmp_path):
     trained = _spawn(tmp_path, "train")
     assert [t["replicated"] for t in trained] == [True, True]
