@@ -3,8 +3,10 @@
 The demo trains the ``small`` GPT-MoE on the default corpus under torchrun with 2 ranks
 (one process if torchrun cannot start), with PEC on (K_snapshot 2, K_persist 1), injects
 faults of several kinds (a SIGKILL of a rank, a kill while a persist writes, a full
-disk, an exception inside a step), lets torchrun restart the workers, and resumes from
-the newest committed checkpoints each time. A fault-free run of the same seed (cached
+disk, an exception inside a step), lets torchrun restart the workers, and resumes each
+time from the newest view: from the RAM snapshots in shared memory (``/dev/shm``) that
+the killed workers left, else from storage. ``ram_lost`` adds a fault that wipes the
+node's shared memory, to show the storage path too. A fault-free run of the same seed (cached
 in the output folder) gives the reference loss. The report (``report.md`` and plots
 in the output folder) is built by :mod:`moepec.cli.demo_report`.
 """
@@ -19,7 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moepec.errors import MoepecError
@@ -59,12 +61,24 @@ class DemoSettings:
     """torchrun --max-restarts."""
     timeout_s: float = 60.0
     """Collective timeout of the runs."""
+    ram_dir: str | None = field(default_factory=lambda: _default_ram_dir())
+    """Shared-memory folder of the faulty run's RAM tier (its slots outlive the killed
+    workers); None: in-process snapshots (every torchrun restart recovers from storage).
+    Default: ``/dev/shm/moepec-demo`` where /dev/shm exists."""
+    ram_lost: bool = False
+    """Add a ``ram_lost`` fault (the node's ``ram_dir`` wiped, then SIGKILL) at 70% of
+    the run: that recovery comes from storage."""
+
+    def fault_spec(self) -> str:
+        """The faults of the faulty run: ``faults`` plus the ``ram_lost`` one."""
+        extra = f"ram_lost@{int(self.steps * 0.7)}:r0" if self.ram_lost else ""
+        return ",".join(x for x in (self.faults, extra) if x)
 
     def key(self) -> str:
         """Identifies the fault-free run these settings need (for its cache)."""
         d = asdict(self)
         for k in ("faults", "max_restarts", "k_persist", "k_snapshot", "ckpt_interval",
-                  "dynamic_k"):
+                  "dynamic_k", "ram_dir", "ram_lost"):
             d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -79,14 +93,14 @@ class DemoSettings:
             checkpoint = CheckpointConfig(
                 path=str(Path(out) / "ckpt"), interval=self.ckpt_interval,
                 k_persist=self.k_persist, k_snapshot=self.k_snapshot, dynamic_k=self.dynamic_k,
-                timeout_s=self.timeout_s)
+                timeout_s=self.timeout_s, ram_dir=self.ram_dir)
         return TrainConfig(
             config=self.config, steps=self.steps, batch_size=self.batch_size, seed=self.seed,
             # Sized for 2 CPU cores: one torch thread per rank, or two for a single process.
             threads=1 if ranks > 1 else 2, eval_interval=max(1, self.steps // 8),
             eval_batches=4, log_interval=5, progress=False, out_dir=str(out),
             dist_timeout_s=self.timeout_s, checkpoint=checkpoint,
-            faults=self.faults if faulty else None)
+            faults=self.fault_spec() if faulty else None)
 
 
 def train_argv(cfg: TrainConfig) -> list[str]:
@@ -106,7 +120,12 @@ def train_argv(cfg: TrainConfig) -> list[str]:
     args += [] if cfg.faults is None else ["--faults", cfg.faults]
     if ckpt is not None:
         args += ["--dynamic-k" if ckpt.dynamic_k else "--no-dynamic-k"]
+    args += ["--ram-dir", ckpt.ram_dir] if ckpt is not None and ckpt.ram_dir else []
     return args
+
+
+def _default_ram_dir() -> str | None:
+    return "/dev/shm/moepec-demo" if os.path.isdir("/dev/shm") else None
 
 
 def _train_cmd(s: DemoSettings, out: Path, faulty: bool, ranks: int) -> list[str]:
@@ -193,7 +212,7 @@ def run_demo(out_dir: str | Path = "demo-out", settings: DemoSettings | None = N
     faulty = out / "faulty"
     shutil.rmtree(faulty, ignore_errors=True)
     say(f"[2/2] faulty run with PEC (K_snapshot {s.k_snapshot}, K_persist {s.k_persist}), "
-        f"faults {s.faults} ...")
+        f"faults {s.fault_spec()}, RAM tier {s.ram_dir or 'in the process'} ...")
     ranks = _train_run(s, faulty, faulty=True, say=say)
     report = build_report(s, clean, faulty, out, ranks=ranks, wall_s=time.time() - t0)
     say(report["text"])

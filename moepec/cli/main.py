@@ -167,6 +167,9 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-takeover", action="store_true",
                    help="take the checkpoint root from the run holding its lease (one writer "
                         "per root; a dead process's lease is taken without it)")
+    g.add_argument("--ram-dir", default=d("ram_dir"), metavar="DIR",
+                   help="RAM snapshots in shared memory under DIR (e.g. /dev/shm/moepec), "
+                        "kept across worker restarts; unset: in the process")
     g.add_argument("--ckpt-serialization", default=d("serialization"),
                    help="raw (tensor bytes, fast) or torch_save (stock DCP) (%(default)s)")
     g.add_argument("--busy-policy", default=d("busy_policy"),
@@ -229,7 +232,7 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
         async_persist=not args.ckpt_sync, serialization=args.ckpt_serialization,
         busy_policy=args.busy_policy, write_mode=args.write_mode, dynamic_k=args.dynamic_k,
         dynamic_k_down=args.dynamic_k_down, plt_budget=args.plt_budget,
-        timeout_s=args.dist_timeout)
+        timeout_s=args.dist_timeout, ram_dir=args.ram_dir)
     # Built, and so validated, even without --ckpt-dir: a mistyped checkpoint flag fails
     # now, as it always has, rather than in the run that turns checkpointing on.
     return None if args.ckpt_dir is None else ckpt
@@ -329,13 +332,16 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults", default=d.faults, help="fault spec (%(default)s)")
     p.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval,
                    help="steps between checkpoints (%(default)s)")
+    p.add_argument("--ram-lost", action="store_true",
+                   help="also wipe the node's shared-memory RAM tier once (storage recovers)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from moepec.cli.demo import DemoSettings, run_demo
 
     settings = DemoSettings(steps=args.steps, ranks=args.ranks, seed=args.seed,
-                            faults=args.faults, ckpt_interval=args.ckpt_interval)
+                            faults=args.faults, ckpt_interval=args.ckpt_interval,
+                            ram_lost=args.ram_lost)
     run_demo(args.out_dir, settings)
     print(f"report: {os.path.join(args.out_dir, 'report.md')}")
     return 0
@@ -353,8 +359,9 @@ def _register_checkpoint_commands() -> None:
     from moepec.cli.checkpoints import commands
     from moepec.cli.experts import commands as experts_commands
     from moepec.cli.planning import commands as planning_commands
+    from moepec.cli.ram import commands as ram_commands
 
-    for name, help_, add, run in commands() + planning_commands() + experts_commands():
+    for name, help_, add, run in commands() + planning_commands() + experts_commands() + ram_commands():
         register(Command(name, help_, add, run))
 
 

@@ -90,7 +90,21 @@ class CheckpointConfig:
     """Take the checkpoint root's lease from the run holding it (one writer per root)."""
     lease_timeout_s: float = 300.0
     """A lease whose holder has not refreshed it for this long is free to take."""
-    # -- issue 15: expert discovery ------------------------------------------------------
+    ram_dir: str | None = None
+    """Where RAM snapshots live. None: in the training process (lost with it; an
+    in-process restart still recovers from them). A folder on a node-local shared-memory
+    filesystem (``/dev/shm/moepec``): snapshot slots that outlive the worker, so a worker
+    restarted by ``torchrun --max-restarts`` recovers from RAM. Off by default: the
+    files outlive a crash (``moepec ram clean``) and count against the container's
+    shared memory, which is often small (64 MiB under Docker's default)."""
+    ram_replicas: int | None = None
+    """Copies of each rank's committed RAM slot kept on another node (ring over node ids:
+    ``MOEPEC_NODE_ID``, default the hostname), so a lost node's shares restore from RAM.
+    0 or 1; None: 1 when the ranks span several nodes, else 0. Needs ``ram_dir``."""
+    ram_budget_bytes: int | None = None
+    """Shared memory the RAM tier may use on one node (three slots per local rank, twice
+    that with replicas); None: half of the free space of ``ram_dir``'s filesystem. A
+    tier that cannot fit is refused before training starts."""
     require_experts: bool | None = None
     """What the manager does when discovery finds no experts: True raises
     ExpertDiscoveryError (listing what it looked at and a ready ExpertSpec), False logs a
@@ -130,6 +144,21 @@ class CheckpointConfig:
             raise ConfigError(f"keep_last must be >= 1 (got {self.keep_last})")
         if not 0 < self.plt_budget < 1:
             raise ConfigError(f"plt_budget is a fraction in (0, 1) (got {self.plt_budget})")
+        if self.ram_dir is not None and (not isinstance(self.ram_dir, str) or not self.ram_dir):
+            raise ConfigError(f"ram_dir must be a folder path (e.g. /dev/shm/moepec) or None "
+                              f"for in-process snapshots (got {self.ram_dir!r})")
+        if self.ram_budget_bytes is not None and (
+                not isinstance(self.ram_budget_bytes, int) or isinstance(self.ram_budget_bytes, bool)
+                or self.ram_budget_bytes <= 0):
+            raise ConfigError(f"ram_budget_bytes must be a whole number of bytes > 0 or None "
+                              f"for half the free shared memory (got {self.ram_budget_bytes!r})")
+        if self.ram_replicas is not None and (self.ram_replicas not in (0, 1)
+                                              or isinstance(self.ram_replicas, bool)):
+            raise ConfigError(f"ram_replicas must be 0, 1 or None (1 when ranks span nodes); "
+                              f"got {self.ram_replicas!r}")
+        if self.ram_replicas and self.ram_dir is None:
+            raise ConfigError("ram_replicas needs the shared-memory RAM tier: set ram_dir "
+                              "(e.g. /dev/shm/moepec)")
         for name in ("timeout_s", "lease_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

@@ -16,6 +16,8 @@ applies its outcome. ``close`` waits for the persist in flight.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moepec.errors import CheckpointError, ConfigError, ExpertDiscoveryError, PersistError
-from moepec.keys import parse_checkpoint_name
+from moepec.keys import checkpoint_name, parse_checkpoint_name
 from moepec.manager.claim import RootClaim
 from moepec.manager.config import BusyPolicy, CheckpointConfig, PecScope
 from moepec.manager.restore import RestoreContext, RestoreOutcome, RestoreReport, restore_state
@@ -40,6 +42,8 @@ from moepec.state.experts import ExpertSpec, describe, discover, structure_of
 from moepec.state.shares import CheckpointKeys
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.persist import Persister
+from moepec.store.replica import Replicator, node_id, ring_peers
+from moepec.store.shm import SlotStore, admissible, check_budget, root_identity
 from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
 from moepec.store.storage import Storage, committed_manifests
 
@@ -131,12 +135,60 @@ class CheckpointManager:
         # except on a dedicated group).
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
                        if self.distributed else None)
-        self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s)
+        slots = held = peers = None
+        if config.ram_dir is not None:
+            peers = self._replica_peers()
+            root = root_identity(self.storage.url, self.storage.local)
+            # The budget is the node's: every local rank keeps its slots (and replicas).
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            check_budget(self._ram_need_bytes() * (2 if peers else 1) * local,
+                         config.ram_budget_bytes, config.ram_dir, root)
+            try:
+                slots = SlotStore(config.ram_dir, root=root, rank=self.rank,
+                                  world_size=self.world_size)
+                if peers:
+                    held = SlotStore(config.ram_dir, root=root, rank=peers[1],
+                                     world_size=self.world_size, replica=True)
+            except OSError as exc:
+                raise ConfigError(f"cannot keep RAM snapshots in ram_dir={config.ram_dir!r} "
+                                  f"({exc}); use a writable folder on a shared-memory "
+                                  f"filesystem such as /dev/shm/moepec, or ram_dir=None") \
+                    from exc
+        self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s,
+                                slots=slots, replicas=held)
+        self.replicator = None
+        if peers:
+            self.replicator = Replicator(slots, held, succ=peers[0], pred=peers[1],
+                                         timeout_s=config.timeout_s,
+                                         release=self.ram_tier.release)
+            self.ram_tier.on_complete = self.replicator.submit
         self.persister = Persister(self.storage, rank=self.rank,
                                    world_size=self.world_size, group=self._group,
                                    background=config.async_persist, timeout_s=config.timeout_s,
                                    keep_last=config.keep_last, release=self.ram_tier.release,
                                    guard=lambda: self.root_claim.check())
+
+    def _replica_peers(self) -> tuple[int, int] | None:
+        """(successor, predecessor) on the ring over nodes when RAM slots are replicated,
+        else None. Collective when distributed (the node ids are gathered)."""
+        if not self.distributed or self.config.ram_replicas == 0:
+            if self.config.ram_replicas:
+                raise ConfigError("ram_replicas=1 needs ranks on several nodes")
+            return None
+        nodes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(nodes, node_id())
+        if len(set(nodes)) < 2 and self.config.ram_replicas is None:
+            return None
+        return ring_peers(nodes, self.rank)
+
+    def _ram_need_bytes(self) -> int:
+        """Shared memory three slots may take on this rank: a full snapshot's share is
+        about 1/world of the model with Adam's two moments (optimizer state may not exist
+        yet), whole for one rank."""
+        model = sum(t.numel() * t.element_size()
+                    for t in self.catalog.model.state_dict().values())
+        per_copy = model * (3 if self.catalog.optimizer is not None else 1)
+        return 3 * -(-per_copy // self.world_size)
 
     def _init_run(self) -> None:
         """This run's id and its claim on the root (the lease: taken at the first save or
@@ -225,10 +277,15 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        # Shared-memory slots go with a clean close; closed while an exception is being
+        # handled (the run failed), they stay for the restarted worker.
+        clean = sys.exc_info()[0] is None
         try:
             self._record_copy(self.ram_tier.finish())
         finally:
-            self.ram_tier.close()
+            if self.replicator is not None:
+                self.replicator.close()
+            self.ram_tier.close(unlink=clean)
             try:
                 self.persister.close()
             finally:
@@ -277,13 +334,20 @@ class CheckpointManager:
         self._drain()
         found = committed_manifests(self.storage)
         self.seq = max(self.seq, _next_seq(found.listing))
-        outcome = restore_state(self._restore_context(), found, self.ram_tier.usable())
+        head = found.manifests.get(max(found.manifests, default=None, key=_seq_of_name)
+                                   ) if found.manifests else None
+        ram = self.ram_tier.recovered(
+            lambda meta: admissible(meta, head.meta if head is not None else None))
+        outcome = restore_state(self._restore_context(), found, ram)
         # The lease once the restore succeeded: a refused restore leaves the root as it was.
         self.root_claim.claim()
         if outcome is None:
+            self.ram_tier.settle(-1, keep=False)
             return None
         self._apply(outcome)
         base = outcome.base
+        kept = self.ram_tier.settle(base.seq, keep=base.tier == Tier.RAM)
+        persisted = self._persist_on_failure(kept, found)
         report = RestoreReport(step=base.step, checkpoint=base.name, tier=str(base.tier),
                                sources=outcome.sources, lost=outcome.lost,
                                plt=self.ledger.plt(), warnings=outcome.warnings,
@@ -291,6 +355,7 @@ class CheckpointManager:
         if self.rank == 0:
             write_recovery(self.storage, report, base_seq=base.seq, next_seq=self.seq,
                            k_persist=self.k_persist)
+        report.persisted_on_failure = persisted
         self.restores.append(report)
         log.info("restored step %d from %s (%s); lost %d token assignments, PLT %.4f%%",
                  report.step, report.checkpoint, report.tier, report.lost_total,
@@ -339,8 +404,42 @@ class CheckpointManager:
                 and self.ram.seq > meta.seq:
             self.ram_tier.drop()  # a snapshot of the abandoned future
         self.persister.set_head(outcome.head)
+        self.seq = max(self.seq, meta.seq + 1)  # a RAM base may be newer than any folder
         self._covered = (None, False)  # recomputed from the restored head at the next save
         self.routing.reset()
+
+    def _persist_on_failure(self, snap: Snapshot | None, found: Any) -> str | None:
+        """Persist the RAM base a previous worker left in shared memory if storage lacks
+        it (it was due for storage and its worker died first), before training resumes,
+        so a second fault cannot lose it. All ranks (they agree on doing it); returns the
+        checkpoint name committed, or None."""
+        due = (snap is not None and snap.origin == "shm" and snap.persist_experts is not None
+               and not any(mf_seq >= snap.seq for mf_seq in
+                           (m.seq for m in found.manifests.values())))
+        if self.distributed:
+            flag = torch.tensor([1 if due else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            due = bool(flag.item())
+        if not due or self.root_claim.paused:
+            return None
+        assert snap is not None
+        name = checkpoint_name(snap.seq, snap.step)
+        if self.rank == 0 and name in dict(found.listing):
+            self.storage.delete(name)  # the dead worker's unfinished write of it
+        if self.distributed:
+            dist.barrier()
+        self.ram_tier.hold(snap)  # the persist worker's reference, released when written
+        t0 = time.perf_counter()
+        self.persister.submit(snap)
+        self.persister.wait_idle()
+        try:
+            self.persister.check()
+        except CheckpointError as exc:
+            log.warning("could not persist the RAM snapshot of step %d: %s", snap.step, exc)
+            return None
+        log.info("persisted RAM snapshot of step %d (only in RAM when its worker died) as %s "
+                 "in %.2fs", snap.step, name, time.perf_counter() - t0)
+        return name
 
     # -- internals --------------------------------------------------------------
     def _finish_snapshot(self) -> None:
@@ -460,6 +559,10 @@ class CheckpointManager:
             self.k_persist = new
             self.k_snapshot = max(self.k_snapshot, new)
             self.k_history.append([step, new])
+
+
+def _seq_of_name(name: str) -> int:
+    return parse_checkpoint_name(name)[0]
 
 
 def _next_seq(listing: Sequence[tuple[str, bool]]) -> int:

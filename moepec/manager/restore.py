@@ -5,9 +5,10 @@ committed manifests, this rank's RAM snapshot) and returns a :class:`RestoreOutc
 the manager applies it to itself and to the live training state. Every rank runs it
 (collectives on the main thread, in the same order everywhere):
 
-1. gather which RAM snapshot each rank still holds; the newest one is served to all
-   ranks by broadcast from the ranks holding its shares (a rank that restarted has
-   none: its shares are missing, and storage covers them);
+1. gather which RAM snapshots each rank still holds (in this process, or in shared
+   memory left by the worker it replaces); the newest one the ranks hold completely
+   (else the newest any rank holds) is served to all ranks by broadcast from the ranks
+   holding its shares (a rank that lost it has none: storage covers its shares);
 2. check the newest checkpoint was saved from this model;
 3. choose a base and stitch every key (``recovery.stitch.recover``), then make all
    ranks agree on the base: if any rank had to fall back to an older base, all do;
@@ -69,6 +70,9 @@ class RestoreReport:
     seconds: float = 0.0
     keys_from: dict[str, int] = field(default_factory=dict)
     """Number of keys loaded from each tier."""
+    persisted_on_failure: str | None = None
+    """The checkpoint this restore committed from a RAM snapshot a previous worker left
+    (it was only in RAM when that worker died), or None."""
 
     @property
     def lost_total(self) -> int:
@@ -115,8 +119,8 @@ class RestoreOutcome:
     warnings: list[str]
 
 
-def restore_state(ctx: RestoreContext, found: Committed, ram: Snapshot | None
-                  ) -> RestoreOutcome | None:
+def restore_state(ctx: RestoreContext, found: Committed,
+                  ram: Snapshot | Sequence[Snapshot] | None) -> RestoreOutcome | None:
     """Restore the newest view. All ranks call it (collective). Returns None when there is
     nothing to restore. Raises ManifestFormatError (a newer moepec wrote the newest
     checkpoints), StructureMismatchError, NoCheckpointError / CorruptCheckpointError."""
@@ -174,7 +178,11 @@ class _Views:
         self.ram = ram
         self.sources = {n: storage_source(ctx.storage, m) for n, m in manifests.items()}
         storage_bases = sorted(self.sources.values(), key=lambda s: s.seq, reverse=True)
-        self.bases = ([ram] if ram is not None and ram.complete else []) + storage_bases
+        # Newest first; a RAM snapshot before the committed copy of the same seq (it holds
+        # K_snapshot experts), after any newer committed checkpoint.
+        self.bases = sorted(([ram] if ram is not None and ram.complete else [])
+                            + storage_bases, key=lambda s: (s.seq, s.tier == Tier.RAM),
+                            reverse=True)
         # The committed checkpoint a RAM snapshot continues (its lineage on storage).
         self.ram_head = (mf.newest(n for n in manifests if mf.seq_of(n) <= ram.seq)
                          if ram is not None else None)
@@ -228,47 +236,66 @@ def _same_runs(base: Source, chain: list[Source]) -> list[Source]:
 
 
 # -- the RAM tier ---------------------------------------------------------------------
-def _gather_ram(ctx: RestoreContext, snap: Snapshot | None) -> Source | None:
-    """The newest RAM snapshot any rank holds, with every share a rank still has,
-    materialised on every rank that needs it (broadcast from the holders). Collective."""
+def _gather_ram(ctx: RestoreContext, snaps: Snapshot | Sequence[Snapshot] | None
+                ) -> Source | None:
+    """The RAM snapshot to restore from, with every share a rank still has, materialised
+    on every rank that needs it (broadcast from the holders). Collective.
+
+    ``snaps``: the snapshots this rank holds, newest first. The chosen seq is the newest
+    whose shares together hold every non-expert key (a complete base), else the newest
+    any rank holds (its expert copies may still serve)."""
+    if snaps is None:
+        snaps = []
+    elif isinstance(snaps, Snapshot):
+        snaps = [snaps]
+    # This rank's own share and the replicas it keeps of other ranks' shares, per seq.
+    by_seq: dict[int, dict[str, torch.Tensor]] = {}
+    first: dict[int, Snapshot] = {}
+    for s in snaps:
+        by_seq.setdefault(s.seq, {}).update(s.tensors)
+        first.setdefault(s.seq, s)
     if ctx.world_size == 1:
-        if snap is None:
+        if not snaps:
             return None
+        snap = max(snaps, key=lambda s: s.seq)
         return _ram_source(f"ram:{snap.seq}", snap.meta, dict(snap.tensors), complete=True)
-    mine = None
-    if snap is not None:
-        mine = {"seq": snap.seq, "meta": snap.meta, "all_keys": snap.all_keys,
-                "keys": {k: (list(t.shape), str(t.dtype).removeprefix("torch."))
-                         for k, t in snap.tensors.items()}}
+    mine = [{"seq": seq, "meta": first[seq].meta, "all_keys": first[seq].all_keys,
+             "keys": {k: (list(t.shape), str(t.dtype).removeprefix("torch."))
+                      for k, t in tensors.items()}} for seq, tensors in by_seq.items()]
     held: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(held, mine)
-    seqs = [h["seq"] for h in held if h is not None]
-    if not seqs:
+    offers = [(r, h) for r, hs in enumerate(held) for h in hs]
+    if not offers:
         return None
-    seq = max(seqs)
-    holders = [(r, h) for r, h in enumerate(held) if h is not None and h["seq"] == seq]
-    owner: dict[str, int] = {}
-    shapes: dict[str, tuple[list[int], str]] = {}
-    for r, h in holders:
-        for k, spec in h["keys"].items():
-            owner.setdefault(k, r)
-            shapes[k] = spec
-    all_keys = holders[0][1]["all_keys"]
-    complete = all(k in owner for k in all_keys if not parse_key(k).is_expert)
-    values = _broadcast_shares(ctx, snap, owner, shapes)
+    choices = []
+    for seq in sorted({h["seq"] for _, h in offers}, reverse=True):
+        holders = [(r, h) for r, h in offers if h["seq"] == seq]
+        owner: dict[str, int] = {}
+        shapes: dict[str, tuple[list[int], str]] = {}
+        for r, h in holders:
+            for k, spec in h["keys"].items():
+                owner.setdefault(k, r)
+                shapes[k] = spec
+        all_keys = holders[0][1]["all_keys"]
+        complete = all(k in owner for k in all_keys if not parse_key(k).is_expert)
+        choices.append((complete, seq, holders, owner, shapes, all_keys))
+    complete, seq, holders, owner, shapes, all_keys = next(
+        (c for c in choices if c[0]), choices[0])
+    values = _broadcast_shares(ctx, by_seq.get(seq), owner, shapes)
     log.info("RAM snapshot %d: %d of %d keys survive on %d rank(s)%s", seq, len(owner),
              len(all_keys), len(holders), "" if complete else " (not a complete base)")
     return _ram_source(f"ram:{seq}", holders[0][1]["meta"], values, complete)
 
 
-def _broadcast_shares(ctx: RestoreContext, snap: Snapshot | None, owner: Mapping[str, int],
+def _broadcast_shares(ctx: RestoreContext, held: Mapping[str, torch.Tensor] | None,
+                      owner: Mapping[str, int],
                       shapes: Mapping[str, tuple[list[int], str]]) -> dict[str, torch.Tensor]:
     """Every surviving key, sent by its holder; kept where this rank needs it."""
     values: dict[str, torch.Tensor] = {}
     for key in sorted(owner):  # the same order on every rank
         shape, dtype = shapes[key]
         if owner[key] == ctx.rank:
-            t = snap.tensors[key].contiguous()
+            t = held[key].contiguous()
         else:
             t = torch.empty(shape, dtype=getattr(torch, dtype))
         dist.broadcast(t, src=owner[key])

@@ -335,6 +335,23 @@ class Manifest:
                    serialization=data.get("serialization", "torch_save"), format=fmt)
 
 
+def meta_from_json(data: Any, where: str) -> CheckpointMeta:
+    """A CheckpointMeta from its JSON fields (as a RAM slot header stores them), checked
+    as a manifest's are. Raises ManifestError."""
+    if not isinstance(data, dict):
+        raise ManifestError(f"{where}: the checkpoint bookkeeping is not a JSON object")
+    for name, kind in _META_TYPES.items():
+        _need(data, name, kind, where)
+    meta = {n: data[n] for n in _META_TYPES}
+    for name, (kind, default) in _META_OPTIONAL.items():
+        meta[name] = data.get(name, default)
+        if not isinstance(meta[name], kind):
+            raise ManifestError(f"{where}: field {name!r} is not a {kind.__name__}")
+    _check_structure(data["structure"], where)
+    _check_bookkeeping(meta, where)
+    return CheckpointMeta(**meta)
+
+
 MAX_EXPERTS = 1 << 16
 """Experts per MoE layer a manifest may claim (more is taken as damage)."""
 

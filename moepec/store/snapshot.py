@@ -6,6 +6,11 @@ bounded by the snapshots alive at once, at most three (the paper's triple
 buffer): one being filled, one being persisted, and the newest complete one
 kept for recovery from RAM.
 
+With ``CheckpointConfig(ram_dir=...)`` the buffers are slots in node-local shared
+memory (:mod:`moepec.store.shm`) that outlive the process: a snapshot's slot is
+committed (header written last) once its copy is complete, and a restarted worker
+loads the committed slots of its rank (``RamTier.recovered``).
+
 On CUDA the buffers are pinned and the copies run non-blocking on a side
 stream; on CPU they are plain reused tensors copied by one worker thread while
 the training thread runs the next forward and backward (torch releases the GIL
@@ -15,6 +20,7 @@ inside ``copy_``).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -26,11 +32,13 @@ import torch
 
 from moepec.errors import CheckpointError
 from moepec.store.manifest import CheckpointMeta
+from moepec.store.shm import Slot, SlotHeader, SlotStore
 
 log = logging.getLogger(__name__)
 
 # Fault-injection seam (tests and moepec.train.faults set it; None in normal runs): called
-# with ("copy", step) on the copying thread before a snapshot's copy starts.
+# with ("copy", step) on the copying thread before a snapshot's copy starts, and with
+# ("seal", step) after a shared-memory slot's data is written, before its header.
 fault_hook: Callable[[str, int], None] | None = None
 
 
@@ -79,6 +87,11 @@ class Snapshot:
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
     all_keys: list[str] = field(default_factory=list)
     """Every key of this snapshot over all ranks (each rank holds its share)."""
+    slot: Slot | None = None
+    """The shared-memory slot holding ``tensors`` (ram_dir set), else None."""
+    origin: str = "process"
+    """``process`` (taken by this process) or ``shm`` (loaded from a slot a previous
+    worker committed)."""
 
 
 class Snapshotter:
@@ -88,8 +101,10 @@ class Snapshotter:
     until the last started snapshot is complete and re-raises its error.
     """
 
-    def __init__(self, pool: BufferPool, *, background: bool, timeout_s: float) -> None:
+    def __init__(self, pool: BufferPool, *, background: bool, timeout_s: float,
+                 slots: SlotStore | None = None) -> None:
         self.pool = pool
+        self.slots = slots
         self.background = background
         self.timeout_s = timeout_s
         self._pending: Snapshot | None = None
@@ -99,10 +114,20 @@ class Snapshotter:
 
     def start(self, snap: Snapshot, sources: Mapping[str, torch.Tensor]) -> None:
         """Begin copying ``sources`` (live tensors) into pooled buffers of ``snap``."""
-        for key, src in sources.items():
-            buf = self.pool.take(src)
-            snap.pooled[key] = buf
-            snap.tensors[key] = buf
+        if self.slots is not None:
+            # One slot holds the whole snapshot: the tensors still to copy and the objects
+            # and buffers captured already (copied in now; they are small).
+            extras = dict(snap.tensors)
+            layout = {k: (tuple(t.shape), t.dtype) for k, t in {**sources, **extras}.items()}
+            snap.slot, views = self.slots.acquire(layout)
+            for key, t in extras.items():
+                views[key].copy_(t)
+            snap.tensors = views
+        else:
+            for key, src in sources.items():
+                buf = self.pool.take(src)
+                snap.pooled[key] = buf
+                snap.tensors[key] = buf
         self._pending = snap
         if not self.background:
             self._copy(snap, sources)
@@ -167,10 +192,28 @@ class Snapshotter:
                 with torch.no_grad():
                     for key, src in sources.items():
                         snap.tensors[key].copy_(src.detach())
+            if snap.slot is not None:
+                if fault_hook is not None:
+                    fault_hook("seal", snap.step)
+                self._seal(snap)
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
             snap.error = exc
         snap.copy_seconds = time.perf_counter() - t0
         snap.done.set()
+
+
+    def _seal(self, snap: Snapshot) -> None:
+        """Commit ``snap``'s slot: checksums and the header, written last."""
+        slots = self.slots
+        assert slots is not None and snap.slot is not None and snap.meta is not None
+        slots.commit(snap.slot, SlotHeader(
+            root=slots.root, rank=slots.rank, world_size=slots.world_size, seq=snap.seq,
+            step=snap.step, meta=snap.meta, entries={}, all_keys=list(snap.all_keys),
+            persist_keys=sorted(snap.persist_keys),
+            snapshot_experts=[list(e) for e in snap.snapshot_experts],
+            persist_experts=(None if snap.persist_experts is None
+                             else [list(e) for e in snap.persist_experts]),
+            written_at=time.time(), pid=os.getpid()))
 
 
 class RamTier:
@@ -183,9 +226,19 @@ class RamTier:
     either thread.
     """
 
-    def __init__(self, *, background: bool, timeout_s: float) -> None:
+    def __init__(self, *, background: bool, timeout_s: float,
+                 slots: SlotStore | None = None, replicas: SlotStore | None = None) -> None:
         self.pool = BufferPool()
-        self.snapshotter = Snapshotter(self.pool, background=background, timeout_s=timeout_s)
+        self.slots = slots
+        self.replicas = replicas
+        """Slots of another node's rank this rank keeps (ram_replicas), or None."""
+        self.on_complete: Callable[[Snapshot], None] | None = None
+        """Called (training thread) with each completed shared-memory snapshot, on which
+        it holds a reference it must ``release`` (the replicator)."""
+        """Shared-memory slots (ram_dir set), or None for in-process buffers."""
+        self.snapshotter = Snapshotter(self.pool, background=background, timeout_s=timeout_s,
+                                       slots=slots)
+        self._loaded: list[Snapshot] = []
         self.newest: Snapshot | None = None
         """The newest complete snapshot (the RAM recovery copy), or None."""
         self._refs_lock = threading.Lock()
@@ -202,6 +255,9 @@ class RamTier:
             old, self.newest = self.newest, snap
             if old is not None:
                 self.release(old)
+            if self.on_complete is not None and snap.slot is not None:
+                self.hold(snap)
+                self.on_complete(snap)
         return snap
 
     def usable(self) -> Snapshot | None:
@@ -215,13 +271,84 @@ class RamTier:
             self.release(self.newest)
             self.newest = None
 
+    def hold(self, snap: Snapshot) -> None:
+        """One more holder of ``snap`` (it calls ``release`` when done)."""
+        with self._refs_lock:
+            snap.refs += 1
+
     def release(self, snap: Snapshot) -> None:
         """One holder is done with ``snap``; the last one returns its buffers to the pool."""
         with self._refs_lock:
             snap.refs -= 1
             if snap.refs == 0:
-                self.pool.give(snap.pooled)
+                if snap.slot is not None and self.slots is not None:
+                    self.slots.release(snap.slot)
+                else:
+                    self.pool.give(snap.pooled)
                 snap.pooled = {}
 
-    def close(self) -> None:
+    # -- snapshots a previous worker left in shared memory -------------------------
+    def recovered(self, accept: Callable[[CheckpointMeta], bool] | None = None
+                  ) -> list[Snapshot]:
+        """The snapshots a restore may use, newest first: this process's newest when it
+        has one; otherwise, with shared-memory slots, every intact committed slot of this
+        rank that ``accept`` admits (held until ``settle``). Training thread."""
+        usable = self.usable()
+        if usable is not None or self.slots is None:
+            return [usable] if usable is not None else []
+        if not self._loaded:
+            found = [(slot, header, tensors, "shm") for slot, header, tensors
+                     in self.slots.load()]
+            if self.replicas is not None:
+                found += [(slot, header, tensors, "replica") for slot, header, tensors
+                          in self.replicas.load()]
+            for slot, header, tensors, origin in found:
+                if accept is not None and not accept(header.meta):
+                    log.warning("not reading RAM slot seq %d: written by run %s, which is "
+                                "not in the lineage of this checkpoint root", header.seq,
+                                header.meta.run_id or "?")
+                    continue
+                (self.slots if origin == "shm" else self.replicas).hold(slot)
+                snap = Snapshot(seq=header.seq, step=header.step, tensors=tensors,
+                                snapshot_experts=[tuple(e) for e in header.snapshot_experts],
+                                persist_experts=(None if header.persist_experts is None else
+                                                 [tuple(e) for e in header.persist_experts]),
+                                persist_keys=frozenset(header.persist_keys), meta=header.meta,
+                                all_keys=list(header.all_keys), slot=slot, origin=origin)
+                snap.done.set()
+                self._loaded.append(snap)
+        return list(self._loaded)
+
+    def settle(self, base_seq: int, keep: bool) -> Snapshot | None:
+        """After a restore from base ``base_seq``: keep the loaded snapshot of that seq as
+        the newest (``keep``: the base was in RAM), release the other loaded ones, and
+        invalidate slots newer than the base (an abandoned future). Returns the kept one."""
+        kept = None
+        for snap in self._loaded:
+            if keep and snap.seq == base_seq and kept is None and snap.origin == "shm":
+                kept = snap
+            else:
+                self.release(snap)
+        self._loaded = []
+        if kept is not None:
+            self.newest = kept
+        for store in (self.slots, self.replicas):
+            if store is not None:
+                store.invalidate(lambda seq: seq > base_seq)
+        return kept
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.slots.allocated_bytes if self.slots is not None else \
+            self.pool.allocated_bytes
+
+    def close(self, unlink: bool = False) -> None:
+        """Stop the copy worker; with shared-memory slots drop the mappings, and with
+        ``unlink`` (a clean close) remove this rank's slot files."""
         self.snapshotter.close()
+        if self.slots is not None:
+            self.newest = None
+            self._loaded = []
+            self.slots.close(unlink)
+        if self.replicas is not None:
+            self.replicas.close(unlink)

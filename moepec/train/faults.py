@@ -7,7 +7,10 @@ Kinds (``FaultPlan`` entries):
 - ``kill_commit``: SIGKILL after the data is written and before the manifest commit;
 - ``storage_error`` / ``enospc`` / ``slow_storage``: storage writes fail, fail with
   ENOSPC, or are slowed, through :class:`FaultyFileSystem` (an fsspec filesystem);
-- ``corrupt``: flip bytes in a committed checkpoint's data file.
+- ``corrupt``: flip bytes in a committed checkpoint's data file;
+- ``kill_copy``: SIGKILL while the RAM snapshot of this step is copied (a torn slot);
+- ``ram_lost``: remove this node's shared-memory ``ram_dir``, then SIGKILL (the node's
+  RAM is gone: recovery comes from a replica or storage).
 
 Faults fire once: a marker file under ``state_dir`` records those already fired, so a
 restarted worker (torchrun ``--max-restarts``) does not fire the same fault again.
@@ -20,6 +23,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -37,6 +41,8 @@ log = logging.getLogger(__name__)
 
 KINDS = ("sigkill", "exception", "kill_persist", "kill_commit", "storage_error", "enospc",
          "slow_storage", "corrupt")
+RAM_KINDS = ("kill_copy", "ram_lost")
+"""Faults of the shared-memory RAM tier: named in plans, not drawn by random plans."""
 
 
 class InjectedFault(MoepecError):
@@ -104,8 +110,9 @@ class Fault:
     rank: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError(f"unknown fault kind {self.kind!r}; choose from {', '.join(KINDS)}")
+        if self.kind not in KINDS + RAM_KINDS:
+            raise ConfigError(f"unknown fault kind {self.kind!r}; choose from "
+                              f"{', '.join(KINDS + RAM_KINDS)}")
 
     @property
     def key(self) -> str:
@@ -220,7 +227,7 @@ class FaultInjector:
     def __init__(self, plan: FaultPlan, rank: int, ckpt_url: str | None, seed: int = 0,
                  storage_fault_steps: int = 16,
                  on_event: Callable[[dict], None] | None = None,
-                 log_path: str | None = None) -> None:
+                 log_path: str | None = None, ram_dir: str | None = None) -> None:
         self.plan = plan
         self.rank = rank
         self.ckpt_url = ckpt_url
@@ -229,6 +236,8 @@ class FaultInjector:
         self.on_event = on_event or (lambda e: None)
         self.log_path = log_path
         self._storage_until = -1
+        self._step = -1
+        self.ram_dir = ram_dir
 
     def _fire(self, fault: Fault, step: int, **extra) -> None:
         self.plan.mark(fault)
@@ -247,6 +256,7 @@ class FaultInjector:
         self.on_event(event)
 
     def before_step(self, step: int) -> None:
+        self._step = step
         if self._storage_until >= 0 and step >= self._storage_until:
             FaultyFileSystem.mode = None
             self._storage_until = -1
@@ -256,13 +266,23 @@ class FaultInjector:
                 self._fire(fault, step)
                 kill_self()
             elif fault.kind in ("kill_persist", "kill_commit"):
-                self._fire(fault, step)
-                self._arm_persist_kill(fault.kind)
+                # Recorded when it acts (in the persist of a later checkpoint), so its
+                # step is the one training was at; marked now so it is armed only once.
+                self.plan.mark(fault)
+                self._arm_persist_kill(fault, step)
             elif fault.kind in ("storage_error", "enospc", "slow_storage"):
                 self._fire(fault, step, until=step + self.storage_fault_steps)
                 FaultyFileSystem.mode = {"storage_error": "error", "enospc": "enospc",
                                          "slow_storage": "slow"}[fault.kind]
                 self._storage_until = step + self.storage_fault_steps
+            elif fault.kind == "kill_copy":
+                self._fire(fault, step)
+                self._arm_copy_kill(step)
+            elif fault.kind == "ram_lost":
+                if self.ram_dir:
+                    shutil.rmtree(self.ram_dir, ignore_errors=True)
+                self._fire(fault, step, ram_dir=self.ram_dir)
+                kill_self()
             elif fault.kind == "corrupt":
                 target = corrupt_newest(self.ckpt_url, self.rng) if self.ckpt_url else None
                 self._fire(fault, step, target=target)
@@ -272,16 +292,35 @@ class FaultInjector:
             self._fire(fault, step)
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
 
-    def _arm_persist_kill(self, kind: str) -> None:
+    def _arm_copy_kill(self, step: int) -> None:
+        from moepec.store import snapshot
+
+        def hook(where: str, at: int) -> None:
+            if where == "copy" and at == step:
+                kill_self()  # the slot's header was removed; its data is half written
+
+        snapshot.fault_hook = hook
+
+    def _arm_persist_kill(self, fault: Fault, armed_at: int) -> None:
+        from moepec.keys import parse_checkpoint_name
         from moepec.store import persist
 
+        kind = fault.kind
         delay = self.rng.uniform(0.0, 0.01)
+
+        def fire(name: str) -> None:
+            # The persist of checkpoint step c runs while training is past step c.
+            parsed = parse_checkpoint_name(name)
+            at = max(self._step, parsed[1] + 1 if parsed else -1)
+            self._fire(fault, at, armed_at=armed_at, checkpoint=name)
 
         def hook(where: str, name: str) -> None:
             if kind == "kill_persist" and where == "write":
+                fire(name)
                 threading.Timer(delay, kill_self).start()  # while DCP writes the data
             elif kind == "kill_commit" and where == ("before_commit" if self.rank == 0
                                                      else "written"):
+                fire(name)
                 kill_self()  # data written, manifest not (rank 0 commits)
 
         persist.fault_hook = hook

@@ -88,7 +88,8 @@ def recovery_record(report, manager) -> dict[str, Any]:
     return {"event": "recovery", "time": time.time(), "step": report.step,
             "checkpoint": report.checkpoint, "tier": report.tier, "plt": report.plt,
             "lost": report.lost_total, "seconds": report.seconds,
-            "k_persist": manager.k_persist, "warnings": report.warnings}
+            "k_persist": manager.k_persist, "warnings": report.warnings,
+            "keys_from": report.keys_from, "persisted": report.persisted_on_failure}
 
 
 def log_plt_outlook(cfg: TrainConfig, n_experts: int) -> None:
@@ -170,4 +171,5 @@ def build_injector(cfg: TrainConfig, info: DistInfo):
                                         info.world_size).faults
     return FaultInjector(plan, info.rank, ckpt_url(cfg), seed=cfg.seed,
                          storage_fault_steps=2 * cfg.checkpoint.interval,
-                         log_path=str(Path(state) / "faults.jsonl"))
+                         log_path=str(Path(state) / "faults.jsonl"),
+                         ram_dir=cfg.checkpoint.ram_dir)

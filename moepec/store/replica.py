@@ -1,0 +1,120 @@
+"""Replicas of RAM snapshot slots on another node: a lost node's shares survive.
+
+Ranks are placed on a ring over node ids (``MOEPEC_NODE_ID``, default the hostname):
+rank r sends each committed slot to the rank with its local index on the next node and
+stores the slot its predecessor sends in ``<ram_dir>/<job>/replica-of-rank<p>/``. The
+exchange runs on one worker thread over a dedicated gloo group, so it overlaps training
+and never interleaves with the training thread's collectives. Every rank completes
+every snapshot in the same order, so sends and receives pair up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from moepec.errors import ConfigError
+from moepec.store.shm import SlotStore
+from moepec.store.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+
+def node_id() -> str:
+    """This process's failure domain: ``MOEPEC_NODE_ID``, else the hostname."""
+    return os.environ.get("MOEPEC_NODE_ID") or socket.gethostname()
+
+
+def ring_peers(nodes: Sequence[str], rank: int) -> tuple[int, int]:
+    """(successor, predecessor) of ``rank`` on the ring over nodes: the rank with the same
+    local index on the next (previous) node. Raises ConfigError unless every node holds
+    the same number of ranks and there are at least two nodes."""
+    order = sorted(set(nodes))
+    if len(order) < 2:
+        raise ConfigError("ram_replicas needs ranks on at least two nodes (MOEPEC_NODE_ID "
+                          "or the hostname); set ram_replicas=0 on one node")
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    if len({len(v) for v in members.values()}) != 1:
+        raise ConfigError("ram_replicas needs the same number of ranks on every node; set "
+                          "ram_replicas=0")
+    i = order.index(nodes[rank])
+    local = members[nodes[rank]].index(rank)
+    succ = members[order[(i + 1) % len(order)]][local]
+    pred = members[order[(i - 1) % len(order)]][local]
+    return succ, pred
+
+
+class Replicator:
+    """Sends this rank's committed slots to ``succ`` and keeps ``pred``'s in ``held``.
+
+    ``submit`` is called on the training thread when a snapshot completes (the caller
+    took a reference on it; ``release`` gives it back once sent)."""
+
+    def __init__(self, own: SlotStore, held: SlotStore, *, succ: int, pred: int,
+                 timeout_s: float, release: Callable[[Snapshot], None]) -> None:
+        self.own, self.held = own, held
+        self.succ, self.pred = succ, pred
+        self.timeout = timedelta(seconds=timeout_s)
+        self.release = release
+        self.group = dist.new_group(backend="gloo", timeout=self.timeout)
+        self.sent = 0
+        self.errors: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="moepec-replica", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: Snapshot) -> None:
+        self._queue.put(snap)
+
+    def wait_idle(self) -> None:
+        """Block until every submitted snapshot was exchanged (tests, benchmarks)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(self.timeout.total_seconds())
+
+    def _run(self) -> None:
+        while True:
+            snap = self._queue.get()
+            try:
+                if snap is None:
+                    return
+                self._exchange(snap)
+                self.sent += 1
+            except Exception as exc:  # noqa: BLE001 - a lost replica is not fatal
+                log.warning("RAM replica of step %s not exchanged: %s", snap.step, exc)
+                self.errors.append(str(exc))
+            finally:
+                if snap is not None:
+                    self.release(snap)
+                self._queue.task_done()
+
+    def _exchange(self, snap: Snapshot) -> None:
+        """Send ``snap``'s slot to the successor, receive the predecessor's."""
+        assert snap.slot is not None
+        header, data = self.own.raw(snap.slot)
+        sizes = torch.tensor([len(header), data.numel()], dtype=torch.int64)
+        peer = torch.empty(2, dtype=torch.int64)
+        self._wait([dist.isend(sizes, self.succ, group=self.group),
+                    dist.irecv(peer, self.pred, group=self.group)])
+        in_header = torch.empty(int(peer[0]), dtype=torch.uint8)
+        in_data = torch.empty(int(peer[1]), dtype=torch.uint8)
+        out_header = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        self._wait([dist.isend(out_header, self.succ, group=self.group),
+                    dist.isend(data.contiguous(), self.succ, group=self.group),
+                    dist.irecv(in_header, self.pred, group=self.group),
+                    dist.irecv(in_data, self.pred, group=self.group)])
+        self.held.write_raw(in_header.numpy().tobytes(), in_data)
+
+    def _wait(self, works) -> None:
+        for w in works:
+            w.wait(self.timeout)

@@ -1,0 +1,443 @@
+"""Snapshot slots in node-local shared memory that outlive the worker process.
+
+One folder per checkpoint root and rank: ``<ram_dir>/<job>/rank<R>/`` holds at most
+three slots (``slot<i>.data`` + ``slot<i>.json``), reused across checkpoints like the
+in-process buffer pool. Files are created mode 0600 in folders of mode 0700.
+
+A slot is committed like a checkpoint on storage: its header is removed before the
+data is overwritten, the data is written, then the JSON header (keys with offsets,
+dtypes, shapes and XXH3 checksums, the run, rank, world size, step and seq) is written
+last under a temporary name and renamed into place. A slot whose header is missing,
+does not parse, names another checkpoint root, rank or world size, or whose data does
+not match its checksums is *torn* and never used.
+
+``job`` is derived from the checkpoint root, not from the run id: the run id is drawn
+anew by every manager (a worker restarted by torchrun gets a new one), while the root
+is what a restarted worker shares with the one it replaces. Which run's slots a
+restarted worker may read is decided against the storage's lineage by
+:func:`admissible` (a slot from another run is never read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import mmap
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moepec.errors import ConfigError, ManifestError
+from moepec.store.checksum import checksum_matches, tensor_checksum
+from moepec.store.manifest import CheckpointMeta, meta_from_json
+
+log = logging.getLogger(__name__)
+
+HEADER_FORMAT = "moepec-ram-1"
+ALIGN = 64
+"""Byte alignment of every tensor in a slot (any dtype may be viewed at it)."""
+MAX_HEADER_BYTES = 64 << 20
+DEFAULT_DIR = "/dev/shm/moepec"
+
+
+def job_name(root_url: str) -> str:
+    """The folder of one checkpoint root's slots: readable tail + a hash of the URL."""
+    tail = re.sub(r"[^A-Za-z0-9_.-]", "_", root_url.rstrip("/").rsplit("/", 1)[-1])[:40]
+    return f"{tail or 'root'}-{hashlib.sha256(root_url.encode()).hexdigest()[:12]}"
+
+
+def root_identity(url: str, local: bool) -> str:
+    """The checkpoint root as recorded in slot headers (absolute for a local path)."""
+    return os.path.abspath(url) if local and "://" not in url else url
+
+
+def free_shm_bytes(directory: str) -> int:
+    """Free bytes of the filesystem holding ``directory`` (or its nearest parent)."""
+    p = Path(directory)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
+
+
+def check_budget(need_bytes: int, budget_bytes: int | None, directory: str,
+                 root: str | None = None) -> None:
+    """Refuse a RAM tier of ``need_bytes`` (three slots) that does not fit: the budget,
+    by default half the free space of the shared-memory filesystem, counting as free the
+    slots this checkpoint root's job already holds (a restarted worker reuses them).
+    Raises ConfigError."""
+    free = free_shm_bytes(directory)
+    job = Path(directory) / job_name(root) if root is not None else None
+    if job is not None and job.is_dir():
+        free += sum(f.stat().st_size for f in job.rglob("*") if f.is_file())
+    budget = free // 2 if budget_bytes is None else budget_bytes
+    if need_bytes > budget:
+        raise ConfigError(
+            f"the shared-memory RAM tier needs up to {need_bytes / 2**20:.1f} MiB on this node "
+            f"(three snapshot slots per local rank) in {directory}, over its budget of {budget / 2**20:.1f} MiB"
+            f"{' (half the free shared memory)' if budget_bytes is None else ''}; raise "
+            f"CheckpointConfig.ram_budget_bytes, free /dev/shm (`moepec ram clean`), lower "
+            f"k_snapshot, or use ram_dir=None (in-process snapshots)")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ManifestError(f"unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass(slots=True)
+class SlotHeader:
+    """The committed record of one slot (``slot<i>.json``)."""
+
+    root: str
+    rank: int
+    world_size: int
+    seq: int
+    step: int
+    meta: CheckpointMeta
+    entries: dict[str, dict[str, Any]]
+    """key -> {"offset", "shape", "dtype", "nbytes", "checksum"}."""
+    all_keys: list[str]
+    persist_keys: list[str]
+    snapshot_experts: list[list[int]]
+    persist_experts: list[list[int]] | None
+    written_at: float = 0.0
+    pid: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        d = {name: getattr(self, name) for name in self.__slots__ if name != "meta"}
+        return {"format": HEADER_FORMAT, **d, "meta": asdict(self.meta)}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> SlotHeader:
+        """Parse a header; raises ManifestError when anything is missing or mistyped."""
+        if not isinstance(data, dict) or data.get("format") != HEADER_FORMAT:
+            raise ManifestError(f"{where}: not a moepec RAM slot header")
+        kinds = {"root": str, "rank": int, "world_size": int, "seq": int, "step": int,
+                 "entries": dict, "all_keys": list, "persist_keys": list,
+                 "snapshot_experts": list, "written_at": (int, float), "pid": int}
+        for name, kind in kinds.items():
+            if not isinstance(data.get(name), kind):
+                raise ManifestError(f"{where}: header field {name!r} is missing or mistyped")
+        if not (data.get("persist_experts") is None or isinstance(data["persist_experts"], list)):
+            raise ManifestError(f"{where}: header field 'persist_experts' is mistyped")
+        meta = meta_from_json(data.get("meta"), where)
+        fields_ = {n: data[n] for n in cls.__slots__ if n != "meta"}
+        return cls(meta=meta, **fields_)
+
+
+@dataclass(slots=True)
+class Slot:
+    """One slot's files and mapping (owned by :class:`SlotStore`)."""
+
+    index: int
+    data_path: Path
+    header_path: Path
+    size: int = 0
+    mm: mmap.mmap | None = None
+    base: torch.Tensor | None = None
+    """The whole mapping as uint8 (tensors are views of it)."""
+    in_use: bool = False
+    seq: int = -1
+    """The seq its valid header records (-1: none)."""
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class SlotStore:
+    """One rank's slots under one checkpoint root's folder. Thread-safe.
+
+    ``acquire`` (training thread) hands out a free slot mapped to hold a layout, its
+    header removed first; ``commit`` (copy thread) writes the header last; ``release``
+    (either thread) frees it, keeping its header (a valid older copy until reused).
+    """
+
+    def __init__(self, ram_dir: str, *, root: str, rank: int, world_size: int,
+                 replica: bool = False) -> None:
+        self.job_dir = Path(ram_dir) / job_name(root)
+        self.dir = self.job_dir / (f"replica-of-rank{rank}" if replica else f"rank{rank}")
+        self.root, self.rank, self.world_size = root, rank, world_size
+        Path(ram_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        for d in (self.job_dir, self.dir):
+            d.mkdir(mode=0o700, exist_ok=True)
+        self._lock = threading.Lock()
+        self.slots: list[Slot] = []
+        for path in sorted(self.dir.glob("slot*.data")):
+            m = re.fullmatch(r"slot(\d+)\.data", path.name)
+            if m:
+                self.slots.append(self._slot(int(m.group(1))))
+        self.slots.sort(key=lambda s: s.index)
+        for slot in self.slots:
+            slot.seq = self._peek_seq(slot)
+
+    def _slot(self, index: int) -> Slot:
+        return Slot(index, self.dir / f"slot{index}.data", self.dir / f"slot{index}.json")
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(s.size for s in self.slots)
+
+    # -- writing ----------------------------------------------------------------
+    def acquire(self, layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+                ) -> tuple[Slot, dict[str, torch.Tensor]]:
+        """A free slot (the one with the oldest copy) mapped for ``layout``; its header is
+        removed before anything is written, so until ``commit`` it is torn."""
+        entries, offset = {}, 0
+        for key, (shape, dtype) in layout.items():
+            n = _nbytes(shape, dtype)
+            entries[key] = {"offset": offset, "shape": list(shape),
+                            "dtype": str(dtype).removeprefix("torch."), "nbytes": n}
+            offset = _align(offset + n)
+        with self._lock:
+            free = [s for s in self.slots if not s.in_use]
+            slot = (min(free, key=lambda s: (s.seq, s.index)) if free
+                    else self._slot(max((s.index for s in self.slots), default=-1) + 1))
+            if not free:
+                self.slots.append(slot)
+            slot.in_use = True
+        slot.header_path.unlink(missing_ok=True)  # torn from here until commit
+        slot.seq = -1
+        self._map(slot, max(offset, 1))
+        slot.entries = entries
+        views = {k: self._view(slot, e) for k, e in entries.items()}
+        return slot, views
+
+    def commit(self, slot: Slot, header: SlotHeader) -> None:
+        """Checksum the slot's data and write its header last (temporary name, rename)."""
+        for e in slot.entries.values():
+            e["checksum"] = tensor_checksum(self._view(slot, e))
+        header.entries = slot.entries
+        tmp = slot.header_path.with_name(f".{slot.header_path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(header.to_json(), f)
+        os.replace(tmp, slot.header_path)
+        slot.seq = header.seq
+
+    def write_raw(self, header: bytes, data: torch.Tensor) -> None:
+        """Store a slot another rank committed (a replica): its data bytes as they are,
+        then its header, last. The header's checksums are verified when it is loaded."""
+        with self._lock:
+            free = [s for s in self.slots if not s.in_use]
+            slot = (min(free, key=lambda s: (s.seq, s.index)) if free
+                    else self._slot(max((s.index for s in self.slots), default=-1) + 1))
+            if not free:
+                self.slots.append(slot)
+            slot.in_use = True
+        try:
+            slot.header_path.unlink(missing_ok=True)
+            slot.seq = -1
+            self._map(slot, max(data.numel(), 1))
+            slot.base[:data.numel()].copy_(data)
+            tmp = slot.header_path.with_name(f".{slot.header_path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+            os.replace(tmp, slot.header_path)
+            slot.seq = json.loads(header).get("seq", -1)
+        finally:
+            self.release(slot)
+
+    def raw(self, slot: Slot) -> tuple[bytes, torch.Tensor]:
+        """A committed slot's header bytes and used data bytes (to send as a replica)."""
+        end = max((e["offset"] + e["nbytes"] for e in slot.entries.values()), default=0)
+        return slot.header_path.read_bytes(), slot.base[:end]
+
+    def release(self, slot: Slot) -> None:
+        with self._lock:
+            slot.in_use = False
+
+    def invalidate(self, pred: Callable[[int], bool]) -> None:
+        """Remove the headers of free slots whose seq satisfies ``pred`` (an abandoned
+        future after a restore)."""
+        with self._lock:
+            for s in self.slots:
+                if not s.in_use and s.seq >= 0 and pred(s.seq):
+                    s.header_path.unlink(missing_ok=True)
+                    s.seq = -1
+
+    def _map(self, slot: Slot, need: int) -> None:
+        if slot.mm is not None and slot.size >= need:
+            return
+        fd = os.open(slot.data_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            size = max(os.fstat(fd).st_size, need)
+            os.ftruncate(fd, size)  # grows only: older views of the file stay valid
+            # MAP_POPULATE: the pages are faulted in now, not one by one by the copy
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        # The previous mapping (if any) is dropped, not closed: views may still hold it.
+        slot.mm, slot.size = mm, size
+        slot.base = torch.frombuffer(mm, dtype=torch.uint8)
+
+    def _view(self, slot: Slot, e: Mapping[str, Any]) -> torch.Tensor:
+        dtype = _dtype(e["dtype"])
+        raw = slot.base[e["offset"]:e["offset"] + e["nbytes"]]
+        return raw.view(dtype).view(e["shape"]) if e["nbytes"] else torch.empty(
+            e["shape"], dtype=dtype)
+
+    # -- reading ----------------------------------------------------------------
+    def _peek_seq(self, slot: Slot) -> int:
+        header = self._header(slot, quiet=True)
+        return header.seq if header is not None else -1
+
+    def _header(self, slot: Slot, quiet: bool = False) -> SlotHeader | None:
+        where = str(slot.header_path)
+        try:
+            if slot.header_path.stat().st_size > MAX_HEADER_BYTES:
+                raise ManifestError(f"{where}: header too large")
+            header = SlotHeader.from_json(json.loads(slot.header_path.read_text()), where)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, ManifestError, TypeError) as exc:
+            if not quiet:
+                log.warning("ignoring RAM slot %s: %s", where, exc)
+            return None
+        ident = (header.root, header.rank, header.world_size)
+        if ident != (self.root, self.rank, self.world_size):
+            if not quiet:
+                log.warning("ignoring RAM slot %s: it belongs to %s rank %d of %d", where,
+                            header.root, header.rank, header.world_size)
+            return None
+        return header
+
+    def load(self) -> list[tuple[Slot, SlotHeader, dict[str, torch.Tensor]]]:
+        """Every free slot whose header and checksums are intact, newest first, mapped.
+        The caller marks the ones it keeps with ``hold``; a torn slot is skipped (logged)."""
+        out = []
+        for slot in self.slots:
+            if slot.in_use:
+                continue
+            header = self._header(slot)
+            if header is None:
+                slot.seq = -1
+                continue
+            tensors = self._verified(slot, header)
+            if tensors is None:
+                slot.header_path.unlink(missing_ok=True)
+                slot.seq = -1
+                continue
+            slot.entries, slot.seq = header.entries, header.seq
+            out.append((slot, header, tensors))
+        return sorted(out, key=lambda x: x[1].seq, reverse=True)
+
+    def hold(self, slot: Slot) -> None:
+        with self._lock:
+            slot.in_use = True
+
+    def _verified(self, slot: Slot, header: SlotHeader) -> dict[str, torch.Tensor] | None:
+        where = str(slot.header_path)
+        try:
+            size = slot.data_path.stat().st_size
+            for key, e in header.entries.items():
+                ok = (isinstance(e, dict) and isinstance(e.get("offset"), int)
+                      and isinstance(e.get("nbytes"), int) and isinstance(e.get("shape"), list)
+                      and all(isinstance(d, int) and d >= 0 for d in e["shape"])
+                      and 0 <= e["offset"] and e["offset"] + e["nbytes"] <= size
+                      and e["nbytes"] == _nbytes(e["shape"], _dtype(e.get("dtype"))))
+                if not ok:
+                    raise ManifestError(f"entry {key!r} does not fit the data file")
+            self._map(slot, max(size, 1))
+            tensors = {}
+            for key, e in header.entries.items():
+                t = self._view(slot, e)
+                if not checksum_matches(t, e.get("checksum")):
+                    raise ManifestError(f"{key} does not match its checksum")
+                tensors[key] = t
+            return tensors
+        except (OSError, ManifestError, RuntimeError, ValueError) as exc:
+            log.warning("ignoring torn RAM slot %s (seq %d): %s", where, header.seq, exc)
+            return None
+
+    def close(self, unlink: bool) -> None:
+        """Drop the mappings; with ``unlink`` remove this rank's files and folder (a clean
+        close), and the job folder once no rank's folder is left."""
+        for s in self.slots:
+            s.base, s.mm = None, None
+        if unlink:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            try:
+                self.job_dir.rmdir()
+            except OSError:
+                pass  # another rank's folder is still there
+
+
+def admissible(meta: CheckpointMeta, head: CheckpointMeta | None) -> bool:
+    """Whether a slot written by ``meta``'s run may be read when storage's newest
+    committed checkpoint is ``head``: it continues the head's lineage or is in it (a
+    slot of an unrelated run into the same root is never read)."""
+    if head is None:
+        return True
+    slot_runs = set(meta.runs) | {meta.run_id}
+    head_runs = set(head.runs) | {head.run_id}
+    return head.run_id in slot_runs or meta.run_id in head_runs
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_jobs(ram_dir: str) -> list[dict[str, Any]]:
+    """What is under ``ram_dir``: one row per job folder (``moepec ram ls``). ``live``:
+    a process that wrote one of its slots still runs on this host."""
+    rows: list[dict[str, Any]] = []
+    base = Path(ram_dir)
+    if not base.is_dir():
+        return rows
+    for job in sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink()):
+        files = [f for f in job.rglob("*") if f.is_file() and not f.is_symlink()]
+        headers = []
+        for h in job.glob("rank*/slot*.json"):
+            try:
+                data = json.loads(h.read_text())
+                headers.append((data.get("root"), data.get("meta", {}).get("run_id"),
+                                data.get("step"), data.get("pid")))
+            except (OSError, ValueError, AttributeError):
+                continue
+        mtime = max((f.stat().st_mtime for f in files), default=job.stat().st_mtime)
+        rows.append({"job": job.name, "path": str(job),
+                     "bytes": sum(f.stat().st_size for f in files),
+                     "root": next((h[0] for h in headers if h[0]), None),
+                     "runs": sorted({h[1] for h in headers if isinstance(h[1], str)}),
+                     "newest_step": max((h[2] for h in headers if isinstance(h[2], int)),
+                                        default=None),
+                     "live": any(_alive(h[3]) for h in headers),
+                     "age_h": (time.time() - mtime) / 3600})
+    return rows
+
+
+def remove_job(ram_dir: str, job: str) -> None:
+    """Delete one job folder, confined to ``ram_dir`` (a direct child, not a link)."""
+    base = Path(ram_dir).resolve()
+    target = base / job
+    if target.is_symlink() or target.resolve().parent != base or not target.is_dir():
+        raise ConfigError(f"{job!r} is not a job folder of {ram_dir}; nothing removed")
+    shutil.rmtree(target)

@@ -1,0 +1,212 @@
+"""The shared-memory RAM tier: slots that outlive the process, committed header last.
+
+A "restarted worker" here is a second CheckpointManager built over fresh model and
+optimizer objects in the same process after the first was abandoned without ``close``
+(what a SIGKILL leaves: committed slots and no clean-up). The torchrun tests with real
+SIGKILLs are in tests/test_ram_torchrun.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+
+from moepec import CheckpointConfig, CheckpointManager, ConfigError
+from moepec.cli.main import main
+from moepec.store import persist
+from moepec.store.manifest import CheckpointMeta
+from moepec.store.shm import admissible, job_name
+from moepec.store.storage import Storage
+from tests.toy import Counter, full_state, make, run_loop
+
+
+def manager(tmp_path, seed=0, **kw):
+    model, opt, sched = make(seed, "stacked", 4)
+    counter = Counter()
+    cfg = CheckpointConfig(path=str(tmp_path / "ckpt"), ram_dir=str(tmp_path / "shm"),
+                           interval=2, k_persist=1, k_snapshot=3, keep_last=3, **kw)
+    mgr = CheckpointManager(model, opt, cfg, extra_state={"data": counter, "sched": sched})
+    return mgr, (model, opt, sched, counter)
+
+
+def train(mgr, parts, steps, saved):
+    model, opt, sched, counter = parts
+    gen = torch.Generator().manual_seed(1)
+    run_loop(mgr, model, opt, sched, counter, gen, 0, steps,
+             lambda s: saved.__setitem__(s, full_state(model, opt)))
+    mgr.wait_for_snapshot()
+    mgr.persister.wait_idle()
+
+
+def crash(mgr):
+    """What a SIGKILL leaves: nothing cleaned up (threads stop, files stay)."""
+    mgr.ram_tier.snapshotter.close()
+    mgr.persister.close() if mgr.persister._error is None else None
+    mgr.root_claim.release()
+
+
+def rank_dir(tmp_path):
+    return tmp_path / "shm" / job_name(os.path.abspath(tmp_path / "ckpt")) / "rank0"
+
+
+def slot_headers(tmp_path):
+    return sorted(rank_dir(tmp_path).glob("slot*.json"),
+                  key=lambda p: json.loads(p.read_text())["seq"])
+
+
+def expert_keys(state, layer, expert):
+    return {k: v[expert] for k, v in state.items()
+            if f"moe.{layer}.experts." in k and v.dim() > 0}
+
+
+def assert_state(model, opt, want, experts):
+    """Non-expert state and the given (layer, expert)s equal ``want`` bit-exact."""
+    now = full_state(model, opt)
+    for k, v in now.items():
+        if ".experts." not in k:
+            assert torch.equal(v, want[k]), k
+    for layer, e in experts:
+        for k, v in expert_keys(now, layer, e).items():
+            assert torch.equal(v, expert_keys(want, layer, e)[k]), (k, layer, e)
+
+
+def ram_cli(capsys, tmp_path, *argv):
+    assert main(["ram", *argv, "--ram-dir", str(tmp_path / "shm"), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_restarted_worker_restores_from_shared_memory_and_persists_what_was_only_in_ram(
+        tmp_path, capsys):
+    mgr, parts = manager(tmp_path)
+    saved = {}
+    # The last checkpoint (step 7) is due for storage, but its commit fails (as if the
+    # worker died before committing): it exists only in RAM.
+    persist.fault_hook = lambda where, name: (_ for _ in ()).throw(OSError("died")) \
+        if where == "before_commit" and name.endswith("step00000007") else None
+    try:
+        train(mgr, parts, 8, saved)
+    finally:
+        persist.fault_hook = None
+    storage = Storage(str(tmp_path / "ckpt"))
+    assert [storage.read_manifest(n).step for n in storage.committed()] == [1, 3, 5]
+    snap_experts = [list(e) for e in mgr.ram.snapshot_experts]
+    in_process_plt = mgr.ram.meta.plt
+    crash(mgr)
+    assert 2 <= len(slot_headers(tmp_path)) <= len(list(rank_dir(tmp_path).glob(
+        "slot*.data"))) <= 3  # at most three slots, reused over four checkpoints
+    for p in rank_dir(tmp_path).iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+    assert stat.S_IMODE(rank_dir(tmp_path).stat().st_mode) == 0o700
+    # moepec ram ls / clean: the writer (this process) still runs, so clean keeps it
+    [row] = ram_cli(capsys, tmp_path, "ls")
+    assert row["root"] == os.path.abspath(tmp_path / "ckpt") and row["runs"] == [mgr.run_id]
+    assert row["live"] and row["newest_step"] == 7 and row["bytes"] > 0
+    assert ram_cli(capsys, tmp_path, "clean", "--older-than", "1") == []
+    assert ram_cli(capsys, tmp_path, "clean", "--run", "nope") == []
+    assert [r["removed"] for r in ram_cli(capsys, tmp_path, "clean")] == [False]
+
+    fresh, (model, opt, _, counter) = manager(tmp_path, seed=5)
+    report = fresh.restore()
+    assert report.tier == "ram" and report.step == 7 and counter.position == 8
+    # K_snapshot experts per layer come from RAM bit-exact, the rest from storage
+    assert_state(model, opt, saved[7], [(layer, e) for layer, es in enumerate(snap_experts)
+                                        for e in es])
+    ram_units = {k for k, v in report.sources.items() if v["tier"] == "ram"}
+    assert ram_units == {f"{layer}/{e}" for layer, es in enumerate(snap_experts) for e in es}
+    assert report.plt >= in_process_plt
+    # persist on failure: storage now holds the step-7 checkpoint, committed
+    assert report.persisted_on_failure is not None
+    assert storage.read_manifest(storage.committed()[-1]).step == 7
+    fresh.close()
+    assert not rank_dir(tmp_path).exists()  # a clean close unlinks the slots
+    assert ram_cli(capsys, tmp_path, "ls") == []
+
+
+def test_torn_slots_are_never_used(tmp_path):
+    mgr, parts = manager(tmp_path)
+    saved = {}
+    train(mgr, parts, 8, saved)
+    crash(mgr)
+    storage = Storage(str(tmp_path / "ckpt"))
+    for name in storage.committed()[2:]:
+        storage.delete(name)  # storage stops at step 3: steps 5 and 7 are in RAM only
+    older, newest = slot_headers(tmp_path)
+    assert [json.loads(p.read_text())["step"] for p in (older, newest)] == [5, 7]
+    # a byte of the newest slot's data flipped: its checksum no longer matches
+    header = json.loads(newest.read_text())
+    entry = next(e for e in header["entries"].values() if e["nbytes"] > 8)
+    with open(newest.with_suffix(".data"), "r+b") as f:
+        f.seek(entry["offset"] + 4)
+        b = f.read(1)
+        f.seek(entry["offset"] + 4)
+        f.write(bytes([b[0] ^ 0xFF]))
+    fresh, (model, opt, _, counter) = manager(tmp_path, seed=5)
+    report = fresh.restore()
+    assert report.tier == "ram" and report.step == 5 and counter.position == 6
+    assert_state(model, opt, saved[5], [])
+    assert not newest.exists()  # a torn slot's header is removed: never read again
+    assert report.persisted_on_failure  # storage lacked step 5: committed now
+    fresh.close()
+    # the slots are gone (a clean close; as after a wiped node): storage serves step 5
+    again, (model, opt, *_) = manager(tmp_path, seed=6)
+    report = again.restore()
+    assert (report.tier, report.step) == ("storage", 5)
+    assert_state(model, opt, saved[5], [])
+    again.close()
+
+
+def test_slot_of_another_root_or_an_unrelated_run_is_never_read(tmp_path, capsys):
+    meta = dict(step=1, seq=1, index=0, time=0.0, structure={}, config={}, k_persist=1,
+                k_snapshot=1, full=True, pec_scope="all", selection="sequential",
+                experts_saved=[], experts_snapshot=[], counts=[], ledger={}, plt=0.0,
+                selectors={}, k_history=[], world_size=1, write_mode="adaptive")
+    head = CheckpointMeta(**meta, run_id="b", runs=["a", "b"])
+    assert admissible(CheckpointMeta(**meta, run_id="c", runs=["a", "b", "c"]), head)
+    assert admissible(CheckpointMeta(**meta, run_id="a", runs=["a"]), head)
+    assert not admissible(CheckpointMeta(**meta, run_id="x", runs=["x"]), head)
+    assert admissible(CheckpointMeta(**meta, run_id="x", runs=["x"]), None)
+    # a slot folder copied under another root's job is ignored (the header names its root)
+    mgr, parts = manager(tmp_path)
+    train(mgr, parts, 4, {})
+    crash(mgr)
+    other = tmp_path / "other"
+    dest = tmp_path / "shm" / job_name(os.path.abspath(other / "ckpt")) / "rank0"
+    dest.parent.mkdir(parents=True)
+    rank_dir(tmp_path).rename(dest)
+    model, opt, sched = make(5, "stacked", 4)
+    cfg = CheckpointConfig(path=str(other / "ckpt"), ram_dir=str(tmp_path / "shm"),
+                           interval=2)
+    fresh = CheckpointManager(model, opt, cfg, extra_state={"sched": sched})
+    assert fresh.restore() is None
+    fresh.close()
+    # a crashed run's folder, its writer gone: clean removes it, confined to ram_dir
+    dead = tmp_path / "shm" / "old-run" / "rank0"
+    dead.mkdir(parents=True)
+    (dead / "slot0.data").write_bytes(b"x" * 100)
+    (dead / "slot0.json").write_text(json.dumps({"pid": 2**22 + 7, "step": 3}))
+    rows = ram_cli(capsys, tmp_path, "clean", "--run", "old-run")
+    assert [(r["job"], r["removed"], r["bytes"]) for r in rows] == [("old-run", True, 100 + len(
+        json.dumps({"pid": 2**22 + 7, "step": 3})))]
+    assert not dead.parent.exists()
+
+
+def test_config_and_budget(tmp_path):
+    with pytest.raises(ConfigError, match="ram_dir"):
+        CheckpointConfig(path="x", ram_dir="")
+    with pytest.raises(ConfigError, match="ram_budget_bytes"):
+        CheckpointConfig(path="x", ram_budget_bytes=0)
+    with pytest.raises(ConfigError, match="over its budget"):
+        manager(tmp_path, ram_budget_bytes=1000)
+    with pytest.raises(ConfigError, match="ram_replicas must be"):
+        CheckpointConfig(path="x", ram_dir="/dev/shm/x", ram_replicas=2)
+    with pytest.raises(ConfigError, match="needs the shared-memory RAM tier"):
+        CheckpointConfig(path="x", ram_replicas=1)
+    (tmp_path / "afile").write_text("")
+    model, opt, _ = make(0, "stacked", 4)
+    with pytest.raises(ConfigError, match="cannot keep RAM snapshots"):
+        CheckpointManager(model, opt, CheckpointConfig(
+            path=str(tmp_path / "c2"), ram_dir=str(tmp_path / "afile" / "shm")))
