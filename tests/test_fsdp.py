@@ -119,16 +119,19 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
                              "sources": report.sources}
             state = full(model, opt)
             mgr.close()
-        else:
-            model, opt = build(7, world, expert_dim)
-            mgr = manager(model, opt, ckpt, counter)
-            report = mgr.restore()
-            result.update(step=report.step, sources=report.sources,
-                          position=counter.position)
-            state = full(model, opt)
-            # Training goes on from the restored shards (optimizer state in place).
-            train(model, opt, mgr, counter, report.step + 1, 1)
-            mgr.close()
+            if rank == 0:
+                torch.save(state, Path(out) / "ram-restored.pt")
+            expert_dim = 1 - expert_dim  # and from storage, experts sharded the other way
+        model, opt = build(7, world, expert_dim)
+        mgr = manager(model, opt, ckpt, counter)
+        report = mgr.restore()
+        result.update(step=report.step, sources=report.sources, position=counter.position)
+        state = full(model, opt)
+        # Training goes on from the restored shards (optimizer state in place), and its
+        # partial checkpoint in this layout stitches onto those of the other.
+        if job == "save":
+            train(model, opt, mgr, counter, report.step + 1, 1, record)
+        mgr.close()
         if rank == 0:
             torch.save(state, Path(out) / f"{job}-restored.pt")
         result["ok"] = True
@@ -154,7 +157,8 @@ def spawn(job: str, world: int, tmp: Path, ckpt: Path, expert_dim: int = 0) -> l
 def expected(tmp: Path, base_step: int, sources: dict) -> dict[str, torch.Tensor]:
     """The stitched state: everything from ``base_step``, each expert's weights and
     moments from the step of its restored copy."""
-    hist = {s: torch.load(tmp / f"hist-s{s}.pt") for s in range(STEPS)}
+    steps = {base_step} | {s["step"] for s in sources.values()}
+    hist = {s: torch.load(tmp / f"hist-s{s}.pt") for s in steps}
     want = {k: v.clone() for k, v in hist[base_step].items()}
     for key, value in want.items():
         base = key.split("/")[1]
@@ -188,7 +192,7 @@ def check_shards(ckpt: Path, world: int) -> None:
     exactly, each by the rank holding it, and every rank wrote."""
     st = Storage(str(ckpt))
     names = st.committed()
-    assert len(names) == STEPS
+    assert len(names) == STEPS + 1
     for name in names:
         m = st.read_manifest(name)
         assert m.format == "moepec/4"
@@ -228,28 +232,48 @@ def restore_plain(ckpt: Path, n_experts: int = 4):
 
 
 # -- tests -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("expert_dim", [0, 1])
-def test_fsdp2_save_restores_bit_exact_on_other_layouts(tmp_path: Path, expert_dim: int) -> None:
+def _save_and_restore(tmp_path: Path, world: int, expert_dim: int) -> None:
+    """Train at FSDP ``world`` with experts sharded on ``expert_dim``; restore from the RAM
+    tier (same processes), from storage with experts sharded on the other dim (same
+    processes), and in one process with plain tensors: all bit-exact."""
     ckpt = tmp_path / "ckpt"
-    saved = spawn("save", 2, tmp_path, ckpt, expert_dim)
-    check_shards(ckpt, 2)
-    # The same processes restored from their RAM shards.
+    saved = spawn("save", world, tmp_path, ckpt, expert_dim)
+    check_shards(ckpt, world)
     assert all(r["ram"]["tier"] == "ram" and r["ram"]["step"] == STEPS - 1 for r in saved)
-    ram_sources = merged(r["ram"]["sources"] for r in saved)
-    want = expected(tmp_path, STEPS - 1, ram_sources)
-    assert_same(torch.load(tmp_path / "save-restored.pt"), want)
+    sources = merged(r["ram"]["sources"] for r in saved)
+    want = expected(tmp_path, STEPS - 1, sources)
+    assert_same(torch.load(tmp_path / "ram-restored.pt"), want)
     # Partial checkpoints: some expert is stale, restored exactly at its saved step.
-    assert any(s["step"] < STEPS - 1 for s in ram_sources.values())
-    # One process, plain tensors.
+    assert any(s["step"] < STEPS - 1 for s in sources.values())
+    from_storage = merged(r["sources"] for r in saved)
+    assert {k: v["step"] for k, v in from_storage.items()} == {
+        k: v["step"] for k, v in sources.items()}
+    assert_same(torch.load(tmp_path / "save-restored.pt"), want)
+    # One process, plain tensors, from the newest checkpoint (written in the other layout)
+    # and older ones (this layout).
     report, got, counter = restore_plain(ckpt)
-    assert report.step == STEPS - 1 and counter.position == STEPS
-    assert_same(got, expected(tmp_path, report.step, report.sources))
-    # FSDP2 again (a fresh start of the same layout) restores the same state.
-    res = spawn("restore", 2, tmp_path, ckpt, 1 - expert_dim)
-    assert merged(r["sources"] for r in res) == report.sources
-    assert_same(torch.load(tmp_path / "restore-restored.pt"), got)
+    assert report.step == STEPS and counter.position == STEPS + 1
+    assert {s["step"] for s in report.sources.values()} >= {STEPS, STEPS - 1}
+    assert_same(got, expected(tmp_path, STEPS, report.sources))
+    # A model that cannot hold the checkpoint: a one-line error naming the mismatch.
+    with pytest.raises(StructureMismatchError) as err:
+        restore_plain(ckpt, n_experts=8)
+    assert "\n" not in str(err.value) and "MoE layer 0" in str(err.value)
+    return ckpt
 
 
+def test_fsdp2_partial_experts_restore_bit_exact_on_other_layouts(tmp_path: Path) -> None:
+    """Experts sharded on dim 1: every rank holds part of every expert."""
+    _save_and_restore(tmp_path, 2, 1)
+
+
+@pytest.mark.slow
+def test_fsdp2_expert_ranges_restore_bit_exact_on_other_layouts(tmp_path: Path) -> None:
+    """Experts sharded on dim 0: each rank holds a range of experts."""
+    _save_and_restore(tmp_path, 2, 0)
+
+
+@pytest.mark.slow
 def test_plain_checkpoint_restores_into_fsdp2(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     model, opt = build(0, 1, None)
@@ -273,9 +297,7 @@ def test_fsdp_checkpoint_into_another_model_is_a_one_line_error(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_fsdp4_restores_at_fsdp2(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    spawn("save", 4, tmp_path, ckpt, 0)
-    check_shards(ckpt, 4)
+    ckpt = _save_and_restore(tmp_path, 4, 0)
     res = spawn("restore", 2, tmp_path, ckpt, 0)
     want = expected(tmp_path, STEPS - 1, merged(r["sources"] for r in res))
     assert_same(torch.load(tmp_path / "restore-restored.pt"), want)
