@@ -100,6 +100,10 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
     result: dict = {"ok": False}
     try:
         counter = toy.Counter()
+        if job == "kill":
+            _killed_save(rank, world, ckpt, counter)
+            result["ok"] = True
+            return
         if job == "save":
             model, opt = build(0, world, expert_dim)
             mgr = manager(model, opt, ckpt, counter)
@@ -141,6 +145,34 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
     finally:
         (Path(out) / f"{job}-r{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
+
+
+def _killed_save(rank: int, world: int, ckpt: str, counter) -> None:
+    """Rank 1 dies (SIGKILL) in the second checkpoint, after writing its shards and before
+    all ranks meet; rank 0 must give up that checkpoint (PersistError), not commit it."""
+    import os
+    import signal
+
+    from moepec.errors import PersistError
+    from moepec.store import persist
+
+    if rank == 1:
+        seen = {"n": 0}
+
+        def hook(point: str, name: str) -> None:
+            if point == "written":
+                seen["n"] += 1
+                if seen["n"] == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        persist.fault_hook = hook
+    model, opt = build(0, world, 1)
+    mgr = manager(model, opt, ckpt, counter)
+    try:
+        train(model, opt, mgr, counter, 0, 2)
+    except PersistError:
+        return  # not closed: close() would meet the dead rank
+    raise AssertionError("the checkpoint of the killed rank did not fail")
 
 
 def spawn(job: str, world: int, tmp: Path, ckpt: Path, expert_dim: int = 0) -> list[dict]:
@@ -293,6 +325,22 @@ def test_fsdp_checkpoint_into_another_model_is_a_one_line_error(tmp_path: Path) 
     with pytest.raises(StructureMismatchError) as err:
         restore_plain(ckpt, n_experts=8)
     assert "\n" not in str(err.value) and "experts" in str(err.value)
+
+
+@pytest.mark.slow
+def test_rank_killed_during_sharded_save_leaves_no_commit(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    store = tmp_path / "store-kill"
+    ctx = mp.start_processes(_worker, args=(2, str(store), str(tmp_path), "kill", str(ckpt), 1),
+                             nprocs=2, join=False, start_method="spawn")
+    for proc in ctx.processes:
+        proc.join(120)
+    codes = [proc.exitcode for proc in ctx.processes]
+    assert codes[1] == -9
+    result = json.loads((tmp_path / "kill-r0.json").read_text())
+    assert result["ok"], result.get("trace")
+    listing = Storage(str(ckpt)).list_checkpoints()
+    assert [committed for _, committed in listing] in ([True], [True, False])
 
 
 @pytest.mark.slow
