@@ -345,3 +345,47 @@ def test_fsdp4_expert_ranges_restore_at_fsdp2(tmp_path: Path) -> None:
     assert all(r["step"] == STEPS for r in res)  # the newest: FSDP 4, experts on dim 1
     want = expected(tmp_path, STEPS, merged(r["sources"] for r in res))
     assert_same(torch.load(tmp_path / "restore-restored.pt"), want)
+
+
+# -- the reference trainer ---------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--fsdp", "--ep", "2"], "--fsdp with --ep 2"),
+    (["--fsdp"], "torchrun --nproc_per_node N -m moepec train --fsdp"),
+])
+def test_train_fsdp_bad_layout_is_a_one_line_error(argv, message, capsys) -> None:
+    from moepec.cli.main import main
+
+    code = main(["train", "--config", "tiny", "--steps", "1", "--batch-size", "2",
+                 "--eval-batches", "0", "--no-progress", "--device", "cpu", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) >= 1 and message in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.slow
+def test_train_fsdp_checkpoints_and_resumes_in_one_process(tmp_path: Path) -> None:
+    """`moepec train --fsdp` under torchrun writes sharded checkpoints (format 4, both
+    ranks write); a one-process run of plain tensors resumes from them."""
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--config", "tiny", "--batch-size", "4", "--ckpt-dir", str(ckpt),
+              "--ckpt-interval", "2", "--device", "cpu", "--threads", "1", "--no-progress",
+              "--eval-batches", "0"]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", "-m", "moepec", "train", "--fsdp",
+                          "--steps", "4", *common], capture_output=True, text=True,
+                         timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    st = Storage(str(ckpt))
+    names = st.committed()
+    assert len(names) == 2
+    for name in names:
+        m = st.read_manifest(name)
+        assert m.format == "moepec/4" and all(b > 0 for b in m.bytes_per_rank)
+    run = subprocess.run([sys.executable, "-m", "moepec", "train", "--steps", "6", *common],
+                         capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "restored step 3 from ckpt-000001-step00000003" in run.stderr
+    assert len(st.committed()) == 3

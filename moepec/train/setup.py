@@ -109,6 +109,10 @@ def _fully_shard(model: GPTMoE, device: torch.device, info: dist.DistInfo) -> No
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if not torch.distributed.is_initialized():
+        raise ConfigError("--fsdp shards the model over the ranks of a torchrun job; run "
+                          "`torchrun --nproc_per_node N -m moepec train --fsdp ...` (one "
+                          "process has nothing to shard over)")
     mesh = init_device_mesh(device.type, (info.world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
