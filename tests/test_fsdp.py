@@ -104,6 +104,10 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
             _killed_save(rank, world, ckpt, counter)
             result["ok"] = True
             return
+        if job == "ep2d":
+            result["sources"] = _fsdp_x_ep(rank, ckpt, out, counter)
+            result["ok"] = True
+            return
         if job == "save":
             model, opt = build(0, world, expert_dim)
             mgr = manager(model, opt, ckpt, counter)
@@ -153,6 +157,53 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
     finally:
         (Path(out) / f"{job}-r{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
+
+
+def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
+    """torchtitan's MoE layout on a 2-D mesh (dp 2 x ep 2): experts sharded over EP on dim
+    0 (Shard(0) on "ep") and over FSDP on dim 1, the rest fully_shard over all 4 ranks.
+    Steps with set gradients (the toy's forward is not expert parallel); a checkpoint per
+    step; then a restore from the RAM tier in the same processes."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    torch.manual_seed(0)
+    model = toy.ToyMoE(n_experts=4)
+    for moe in model.moe:
+        for name in ("w1", "w2"):
+            w = getattr(moe.experts, name)
+            setattr(moe.experts, name,
+                    nn.Parameter(distribute_tensor(w.data, mesh["ep"], [Shard(0)])))
+        fully_shard(moe.experts, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1))
+    flat = init_device_mesh("cpu", (4,))
+    for block in model.dense:
+        fully_shard(block, mesh=flat)
+    fully_shard(model, mesh=flat)
+    assert model.moe[0].experts.w1.placements == (Shard(1), Shard(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = manager(model, opt, ckpt, counter)
+    for step in range(STEPS):
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.full_like(p, 0.01 * (step + 1) * (i + 1))
+        mgr.wait_for_snapshot()
+        opt.step()
+        mgr.step(step)
+        state = full(model, opt)
+        if rank == 0:
+            torch.save(state, Path(out) / f"hist-s{step}.pt")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    report = mgr.restore()
+    assert report.tier == "ram"
+    state = full(model, opt)
+    mgr.close()
+    if rank == 0:
+        torch.save(state, Path(out) / "ep2d-restored.pt")
+    return report.sources
 
 
 def _killed_save(rank: int, world: int, ckpt: str, counter) -> None:
@@ -230,12 +281,12 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
-def check_shards(ckpt: Path, world: int) -> None:
+def check_shards(ckpt: Path, world: int, n: int = STEPS + 1) -> None:
     """Every chunk of every checkpoint written once: the chunks of a tensor tile it
     exactly, each by the rank holding it, and every rank wrote."""
     st = Storage(str(ckpt))
     names = st.committed()
-    assert len(names) == STEPS + 1
+    assert len(names) == n
     for name in names:
         m = st.read_manifest(name)
         assert m.format == "moepec/4"
@@ -334,6 +385,21 @@ def test_rank_killed_during_sharded_save_leaves_no_commit(tmp_path: Path) -> Non
     assert result["ok"], result.get("trace")
     listing = Storage(str(ckpt)).list_checkpoints()
     assert [committed for _, committed in listing] in ([True], [True, False])
+
+
+@pytest.mark.slow
+def test_fsdp_x_ep_2d_mesh_restores_bit_exact(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    res = spawn("ep2d", 4, tmp_path, ckpt)
+    check_shards(ckpt, 4, STEPS)
+    sources = merged(r["sources"] for r in res)
+    want = expected(tmp_path, STEPS - 1, sources)
+    assert any(s["step"] < STEPS - 1 for s in sources.values())
+    assert_same(torch.load(tmp_path / "ep2d-restored.pt"), want)
+    report, got, _ = restore_plain(ckpt)
+    assert {k: v["step"] for k, v in report.sources.items()} == {
+        k: v["step"] for k, v in sources.items()}
+    assert_same(got, want)
 
 
 @pytest.mark.slow
