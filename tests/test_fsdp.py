@@ -309,6 +309,43 @@ def check_shards(ckpt: Path, world: int, n: int = STEPS + 1) -> None:
                 assert rank is not None and 0 <= rank < world
 
 
+def _check_manifest_rules(ckpt: Path) -> None:
+    """A chunk key needs format 4 and a well-formed suffix (in items and in the view)."""
+    from moepec.errors import ManifestError
+    from moepec.store.manifest import Manifest
+
+    st = Storage(str(ckpt))
+    name = st.committed()[-1]
+    data = json.loads((ckpt / name / "moepec.json").read_text())
+    assert Manifest.from_json(data, name).format == "moepec/4"
+    chunk = next(k for k in data["view"] if "#" in k)
+    bad = [dict(data, format="moepec/3"),
+           dict(data, view={**data["view"], chunk.split("#")[0] + "#1,2": name})]
+    for d in bad:
+        with pytest.raises(ManifestError):
+            Manifest.from_json(d, name)
+
+
+def test_chunk_keys_and_views() -> None:
+    from moepec.keys import chunk_key
+    from moepec.state.chunks import overlap
+    from moepec.store.manifest import updated_view
+
+    assert chunk_key("model/w", (0, 0), (7, 5), (7, 5)) == "model/w"
+    key = chunk_key("optim/w/exp_avg", (4, 0), (3, 5), (7, 5))
+    assert split_chunk(key) == ("optim/w/exp_avg", ((4, 0), (3, 5), (7, 5)))
+    for bad in ("model/w#4,0+4,5:7,5", "model/w#4,0+3:7,5", "model/w#x"):
+        with pytest.raises(ValueError):
+            split_chunk(bad)
+    assert overlap(((0, 0), (4, 5)), ((2, 1), (5, 4))) == ((2, 1), (2, 4))
+    assert overlap(((0,), (4,)), ((4,), (3,))) is None
+    # A tensor saved in another layout replaces every older chunk of it in the view.
+    old = {"model/w#0,0+4,5:7,5": "ckpt-000001-step00000001",
+           "model/w#4,0+3,5:7,5": "ckpt-000001-step00000001", "model/b": "ckpt-000001-step00000001"}
+    new = updated_view(old, "ckpt-000002-step00000002", ["model/w"])
+    assert new == {"model/w": "ckpt-000002-step00000002", "model/b": "ckpt-000001-step00000001"}
+
+
 def _indices(shape):
     import itertools
     return itertools.product(*(range(n) for n in shape))
@@ -350,6 +387,7 @@ def _save_and_restore(tmp_path: Path, world: int, expert_dim: int) -> Path:
     assert {k: v["step"] for k, v in from_storage.items()} == {
         k: v["step"] for k, v in sources.items()}
     assert_same(torch.load(tmp_path / "save-restored.pt"), want)
+    _check_manifest_rules(ckpt)
     # One process, plain tensors, from the newest checkpoint (written in the other layout)
     # and older ones (this layout).
     report, got, counter = restore_plain(ckpt)

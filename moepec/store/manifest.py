@@ -283,7 +283,7 @@ class Manifest:
         _check_names(data["name"], ancestors, data["view"], data.get("parent"), where)
         keys = {k: Item.from_json(v, where) for k, v in data["keys"].items()
                 if _valid_key(k, where)}
-        _check_chunks(keys, fmt, where)
+        _check_chunks(keys, data["view"], fmt, where)
         if sum(i.nbytes for i in keys.values()) != data["bytes"]:
             raise ManifestError(f"{where}: the items' sizes do not add up to 'bytes'")
         _check_bookkeeping(meta, where)
@@ -362,12 +362,10 @@ def _known_key(key: str) -> bool:
     return bool(_KEY_RE.match(key))
 
 
-def _check_chunks(keys: Mapping[str, Item], fmt: str, where: str) -> None:
-    """A chunk key's suffix is well formed and agrees with its item's shape; chunks are
-    known from format 4 on."""
-    for key, item in keys.items():
-        if CHUNK_MARK not in key:
-            continue
+def _check_chunks(keys: Mapping[str, Item], view: Mapping[str, str], fmt: str,
+                  where: str) -> None:
+    """Chunk keys (format 4 on) are well formed, and an item's shape is its chunk's."""
+    for key in [k for k in keys if CHUNK_MARK in k] + [k for k in view if CHUNK_MARK in k]:
         if fmt != FORMAT_CHUNKS:
             raise ManifestError(f"{where}: {key[:80]!r} names a chunk, which format {fmt} "
                                 f"does not have")
@@ -375,7 +373,8 @@ def _check_chunks(keys: Mapping[str, Item], fmt: str, where: str) -> None:
             _, chunk = split_chunk(key)
         except ValueError as exc:
             raise ManifestError(f"{where}: {exc}") from None
-        if chunk is None or list(chunk[1]) != item.shape:
+        item = keys.get(key)
+        if item is not None and (chunk is None or list(chunk[1]) != item.shape):
             raise ManifestError(f"{where}: {key[:80]!r} is a chunk of shape "
                                 f"{list(chunk[1]) if chunk else None}, its item {item.shape}")
 
