@@ -410,7 +410,7 @@ class StateCatalog:
         leaves the live state untouched."""
         objects = {k: self._decode(k, v) for k, v in values.items()
                    if k.startswith(OBJECT_PREFIX)}
-        plain, pieces = self._assembly(values)
+        plain, pieces = chunks.assembly(values, self._target)
         with torch.no_grad():
             for key, value in plain.items():
                 live = self.tensor(key)
@@ -424,47 +424,6 @@ class StateCatalog:
                         dst.copy_(src)
         for key, obj in objects.items():
             self._apply_object(key, obj)
-
-    def _assembly(self, values: Mapping[str, torch.Tensor]):
-        """Sort restored tensors into plain copies (key -> value) and, per live tensor
-        restored from chunks (or a whole value into a local shard), the overlapping
-        regions to copy. Checks, before anything is written, that the saved chunks are of
-        a tensor of the model's global shape and cover every element this rank holds;
-        raises StructureMismatchError naming the mismatch."""
-        plain: dict[str, torch.Tensor] = {}
-        by_base: dict[str, list[tuple[str, tuple[int, ...] | None]]] = {}
-        for key in values:
-            if key.startswith(OBJECT_PREFIX):
-                continue
-            base, chunk = split_chunk(key)
-            by_base.setdefault(base, []).append((key, chunk))
-        pieces = []
-        for base, saved in by_base.items():
-            live, block, glob = self._target(base)
-            if len(saved) == 1 and saved[0][1] is None and block[1] == glob:
-                plain[saved[0][0]] = values[saved[0][0]]
-                continue
-            parts, covered = [], 0
-            for key, chunk in saved:
-                value = values[key]
-                offsets, sglob = (chunk[0], chunk[2]) if chunk else (
-                    (0,) * value.dim(), tuple(value.shape))
-                if sglob != glob:
-                    raise StructureMismatchError(
-                        f"checkpoint item {key} is part of a {list(sglob)} tensor, the model's "
-                        f"is {list(glob)}; restore into the model the checkpoint was saved "
-                        f"from")
-                region = chunks.overlap(block, (offsets, tuple(value.shape)))
-                if region is not None:
-                    parts.append((region, value, offsets))
-                    covered += math.prod(region[1])
-            if covered != math.prod(block[1]):
-                raise StructureMismatchError(
-                    f"the checkpoint's chunks of {base} cover {covered} of the "
-                    f"{math.prod(block[1])} elements this rank holds (block {list(block[0])} "
-                    f"+ {list(block[1])}); it cannot fill this layout")
-            pieces.append((live, block, parts))
-        return plain, pieces
 
     # -- helpers ---------------------------------------------------------------
     def _decode(self, key: str, value: torch.Tensor) -> Any:

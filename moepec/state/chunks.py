@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from moepec.errors import ConfigError
+from moepec.errors import ConfigError, StructureMismatchError
+from moepec.keys import OBJECT_PREFIX, split_chunk
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]
 """(global offsets, shape) of one chunk."""
+Target = tuple[torch.Tensor, Block, tuple[int, ...]]
+"""(live local tensor, its block, the global shape) of a tensor this rank holds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,3 +116,48 @@ def narrow(t: torch.Tensor, origin: Sequence[int], block: Block) -> torch.Tensor
     for d, (o, n) in enumerate(zip(block[0], block[1])):
         t = t.narrow(d, o - origin[d], n)
     return t
+
+
+def assembly(values: Mapping[str, torch.Tensor], target: Callable[[str], Target]
+             ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, Block, list]]]:
+    """Sort restored tensors into plain copies (key -> value) and, per live tensor
+    restored from chunks (or a whole value into a local shard), the overlapping
+    regions to copy: (live, its block, [(region, value, value's offsets)]). ``target``
+    gives a whole-tensor key's (live local tensor, its block, global shape). Checks,
+    before anything is written, that the saved chunks are of a tensor of the model's
+    global shape and cover every element this rank holds; raises StructureMismatchError
+    naming the mismatch."""
+    plain: dict[str, torch.Tensor] = {}
+    by_base: dict[str, list[tuple[str, tuple[int, ...] | None]]] = {}
+    for key in values:
+        if key.startswith(OBJECT_PREFIX):
+            continue
+        base, chunk = split_chunk(key)
+        by_base.setdefault(base, []).append((key, chunk))
+    pieces = []
+    for base, saved in by_base.items():
+        live, block, glob = target(base)
+        if len(saved) == 1 and saved[0][1] is None and block[1] == glob:
+            plain[saved[0][0]] = values[saved[0][0]]
+            continue
+        parts, covered = [], 0
+        for key, chunk in saved:
+            value = values[key]
+            offsets, sglob = (chunk[0], chunk[2]) if chunk else (
+                (0,) * value.dim(), tuple(value.shape))
+            if sglob != glob:
+                raise StructureMismatchError(
+                    f"checkpoint item {key} is part of a {list(sglob)} tensor, the model's "
+                    f"is {list(glob)}; restore into the model the checkpoint was saved "
+                    f"from")
+            region = overlap(block, (offsets, tuple(value.shape)))
+            if region is not None:
+                parts.append((region, value, offsets))
+                covered += math.prod(region[1])
+        if covered != math.prod(block[1]):
+            raise StructureMismatchError(
+                f"the checkpoint's chunks of {base} cover {covered} of the "
+                f"{math.prod(block[1])} elements this rank holds (block {list(block[0])} "
+                f"+ {list(block[1])}); it cannot fill this layout")
+        pieces.append((live, block, parts))
+    return plain, pieces
