@@ -104,10 +104,6 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
             _killed_save(rank, world, ckpt, counter)
             result["ok"] = True
             return
-        if job == "ep2d":
-            result["sources"] = _fsdp_x_ep(rank, ckpt, out, counter)
-            result["ok"] = True
-            return
         if job == "save":
             model, opt = build(0, world, expert_dim)
             mgr = manager(model, opt, ckpt, counter)
@@ -150,6 +146,8 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
             mgr.close()
             if rank == 0:
                 torch.save(state, Path(out) / "plain-into-fsdp.pt")
+        if job == "save" and world == 4:  # the same ranks as a 2-D mesh, FSDP 2 x EP 2
+            result["ep2d"] = _fsdp_x_ep(rank, ckpt + "-ep2d", out, toy.Counter())
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         import traceback
@@ -193,7 +191,7 @@ def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
         mgr.step(step)
         state = full(model, opt)
         if rank == 0:
-            torch.save(state, Path(out) / f"hist-s{step}.pt")
+            torch.save(state, Path(out) / f"ep2d-s{step}.pt")
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -363,7 +361,8 @@ def restore_plain(ckpt: Path, n_experts: int = 4):
 
 
 # -- tests -------------------------------------------------------------------------------------
-def _save_and_restore(tmp_path: Path, world: int, expert_dim: int) -> Path:
+def _save_and_restore(tmp_path: Path, world: int, expert_dim: int
+                      ) -> tuple[Path, list[dict]]:
     """Train at FSDP ``world`` with experts sharded on ``expert_dim``; restore from the RAM
     tier (same processes), from storage with experts sharded on the other dim (same
     processes), and in one process with plain tensors; restore a checkpoint of plain
@@ -401,7 +400,7 @@ def _save_and_restore(tmp_path: Path, world: int, expert_dim: int) -> Path:
     # A checkpoint of plain tensors (one process) restored into FSDP shards.
     want = expected(tmp_path, 1, merged(r["plain"] for r in saved), "plain")
     assert_same(torch.load(tmp_path / "plain-into-fsdp.pt"), want)
-    return ckpt
+    return ckpt, saved
 
 
 def test_fsdp2_partial_experts_restore_bit_exact_on_other_layouts(tmp_path: Path) -> None:
@@ -426,29 +425,26 @@ def test_rank_killed_during_sharded_save_leaves_no_commit(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_fsdp_x_ep_2d_mesh_restores_bit_exact(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    res = spawn("ep2d", 4, tmp_path, ckpt)
+def test_fsdp4_and_fsdp_x_ep_restore_on_other_layouts(tmp_path: Path) -> None:
+    """Experts sharded on dim 0 over 4 ranks (each holds one of 4 experts), restored at
+    FSDP 2 (each holds two) after the restores of _save_and_restore; and torchtitan's
+    FSDP 2 x EP 2 mesh on the same 4 ranks, restored from RAM and in one process."""
+    ckpt, saved = _save_and_restore(tmp_path, 4, 0)
+    res = spawn("restore", 2, tmp_path, ckpt, 0)
+    assert all(r["step"] == STEPS for r in res)  # the newest: FSDP 4, experts on dim 1
+    want = expected(tmp_path, STEPS, merged(r["sources"] for r in res))
+    assert_same(torch.load(tmp_path / "restore-restored.pt"), want)
+    # FSDP 2 x EP 2 (2-D mesh).
+    ckpt = Path(f"{ckpt}-ep2d")
     check_shards(ckpt, 4, STEPS)
-    sources = merged(r["sources"] for r in res)
-    want = expected(tmp_path, STEPS - 1, sources)
+    sources = merged(r["ep2d"] for r in saved)
+    want = expected(tmp_path, STEPS - 1, sources, "ep2d")
     assert any(s["step"] < STEPS - 1 for s in sources.values())
     assert_same(torch.load(tmp_path / "ep2d-restored.pt"), want)
     report, got, _ = restore_plain(ckpt)
     assert {k: v["step"] for k, v in report.sources.items()} == {
         k: v["step"] for k, v in sources.items()}
     assert_same(got, want)
-
-
-@pytest.mark.slow
-def test_fsdp4_expert_ranges_restore_at_fsdp2(tmp_path: Path) -> None:
-    """Experts sharded on dim 0 over 4 ranks (each holds one of 4 experts), restored at
-    FSDP 2 (each holds two) after the restores of _save_and_restore."""
-    ckpt = _save_and_restore(tmp_path, 4, 0)
-    res = spawn("restore", 2, tmp_path, ckpt, 0)
-    assert all(r["step"] == STEPS for r in res)  # the newest: FSDP 4, experts on dim 1
-    want = expected(tmp_path, STEPS, merged(r["sources"] for r in res))
-    assert_same(torch.load(tmp_path / "restore-restored.pt"), want)
 
 
 # -- the reference trainer ---------------------------------------------------------------------
