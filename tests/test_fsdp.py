@@ -387,12 +387,21 @@ def _save_and_restore(tmp_path: Path, world: int, expert_dim: int
         k: v["step"] for k, v in sources.items()}
     assert_same(torch.load(tmp_path / "save-restored.pt"), want)
     _check_manifest_rules(ckpt)
+    # Export puts every shard in its place: the weights of the newest (sharded) view.
+    from safetensors.torch import load_file
+
+    from moepec.recovery.offline import export_view
+
+    export_view(str(ckpt), str(tmp_path / "export.safetensors"), "safetensors")
+    exported = load_file(str(tmp_path / "export.safetensors"))
     # One process, plain tensors, from the newest checkpoint (written in the other layout)
     # and older ones (this layout).
     report, got, counter = restore_plain(ckpt)
     assert report.step == STEPS and counter.position == STEPS + 1
     assert {s["step"] for s in report.sources.values()} >= {STEPS, STEPS - 1}
     assert_same(got, expected(tmp_path, STEPS, report.sources))
+    assert_same({f"model/{k}": v for k, v in exported.items()},
+                {k: v for k, v in got.items() if k.startswith("model/")})
     # A model that cannot hold the checkpoint: a one-line error naming the mismatch.
     with pytest.raises(StructureMismatchError) as err:
         restore_plain(ckpt, n_experts=8)
