@@ -11,6 +11,12 @@ belongs to an expert):
 - ``objects/<name>``: small Python objects (RNG states, optimizer hyper-parameters,
   every ``extra_state`` entry's ``state_dict()``), stored as uint8 tensors.
 
+A tensor key may name one *chunk* of a sharded tensor (a DTensor's local shard):
+``<key>#<offsets>+<shape>:<global shape>``, e.g. ``model/lin.weight#4,0+3,5:7,5`` is the
+[3, 5] chunk at offset (4, 0) of the [7, 5] tensor ``model/lin.weight``.
+For an expert key the global shape is one expert's slice. A key without ``#`` is the
+whole tensor; the chunks of one key saved together never overlap.
+
 Checkpoint folders are named ``ckpt-<seq>-step<step>`` (``checkpoint_name``); the
 sequence number orders them, the step is the training step they hold.
 """
@@ -18,6 +24,7 @@ sequence number orders them, the step is the training step they hold.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 EXPERT_PREFIX = "experts/"
@@ -54,6 +61,41 @@ def expert_key(layer: int, expert: int, part: str, rest: str) -> str:
     """The key of expert ``expert`` of MoE layer ``layer`` (global ids); ``part`` is
     ``model`` or ``optim``, ``rest`` the canonical parameter name (and state name)."""
     return f"{EXPERT_PREFIX}{layer}/{expert}/{part}/{rest}"
+
+
+CHUNK_MARK = "#"
+_DIMS = r"(\d{1,15}(?:,\d{1,15}){0,7})"
+_CHUNK_RE = re.compile(rf"^{_DIMS}\+{_DIMS}:{_DIMS}$")
+
+
+def chunk_key(base: str, offsets: Sequence[int], shape: Sequence[int],
+              global_shape: Sequence[int]) -> str:
+    """The key of the ``shape`` chunk at ``offsets`` of the ``global_shape`` tensor ``base``;
+    ``base`` itself when the chunk is the whole tensor."""
+    if not any(offsets) and list(shape) == list(global_shape):
+        return base
+    return (f"{base}{CHUNK_MARK}{','.join(map(str, offsets))}+{','.join(map(str, shape))}:"
+            f"{','.join(map(str, global_shape))}")
+
+
+Chunk = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""(offsets, shape, global shape) of a chunk key."""
+
+
+def split_chunk(key: str) -> tuple[str, Chunk | None]:
+    """(base key, (offsets, shape, global shape)) of a key; None for a whole-tensor key.
+    Raises ValueError for a malformed chunk suffix or a chunk outside its tensor."""
+    base, mark, suffix = key.partition(CHUNK_MARK)
+    if not mark:
+        return key, None
+    m = _CHUNK_RE.match(suffix)
+    if m is None:
+        raise ValueError(f"{key[:120]!r}: a chunk suffix is #<offsets>+<shape>:<global shape>")
+    offsets, shape, glob = (tuple(int(x) for x in m[i].split(",")) for i in (1, 2, 3))
+    if not len(offsets) == len(shape) == len(glob) or any(
+            o + n > g for o, n, g in zip(offsets, shape, glob)):
+        raise ValueError(f"{key[:120]!r}: the chunk is not a block of its global shape")
+    return base, (offsets, shape, glob)
 
 
 def checkpoint_name(seq: int, step: int) -> str:

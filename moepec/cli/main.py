@@ -129,6 +129,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep", type=int, default=d("ep"), metavar="N",
                    help="expert parallel: N ranks split each MoE layer's experts; must divide "
                         "the number of ranks and of experts (%(default)s)")
+    g.add_argument("--fsdp", action="store_true", default=d("fsdp"),
+                   help="shard the model with FSDP2 (fully_shard each block and the root over "
+                        "the ranks, as torchtitan does); each rank checkpoints its shards")
     g.add_argument("--dist-timeout", type=float, default=d("dist_timeout_s"),
                    help="seconds to wait for other ranks (%(default)s)")
     g.add_argument("--jsonl", default=d("log_jsonl"), metavar="PATH",
@@ -252,6 +255,7 @@ def train_config_from_args(args: argparse.Namespace) -> Any:
         threads=args.threads, log_jsonl=args.jsonl, out_dir=args.out_dir,
         progress=not args.no_progress, device=args.device, dist_timeout_s=args.dist_timeout,
         checkpoint=checkpoint_config_from_args(args), restarts=args.restarts, ep=args.ep,
+        fsdp=args.fsdp,
         on_persist_error=args.on_persist_error, faults=args.faults,
         fault_mtbf=args.fault_mtbf,
     )

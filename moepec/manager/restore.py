@@ -164,8 +164,7 @@ def _check_structure(ctx: RestoreContext, newest: Manifest) -> None:
 
 
 def _mine(ctx: RestoreContext, key: str) -> bool:
-    info = parse_key(key)
-    return not info.is_expert or ctx.catalog.owns(info.layer, info.expert)
+    return ctx.catalog.wants(key)
 
 
 class _Views:
@@ -327,7 +326,8 @@ def _agreed_recover(ctx: RestoreContext, views: _Views) -> Recovered:
     bases = views.bases
     while True:
         rec = recover(bases, views.lineage_of, views.required_of, verify=ctx.verify,
-                      target=ctx.catalog.read_target if ctx.read_in_place else None)
+                      target=ctx.catalog.read_target if ctx.read_in_place else None,
+                      wanted=ctx.catalog.wants)
         if ctx.world_size == 1:
             return rec
         seq = torch.tensor([rec.base.seq], dtype=torch.int64)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from moepec.errors import CheckpointError, ManifestError, NoCheckpointError
-from moepec.keys import parse_checkpoint_name, parse_key
+from moepec.keys import parse_checkpoint_name, parse_key, split_chunk
 from moepec.recovery.stitch import read_verified, storage_source
 from moepec.store import manifest as mf
 from moepec.store.manifest import DTYPE_SIZES, Manifest
@@ -226,10 +226,11 @@ def consolidate(manifest: Manifest, values: dict[str, torch.Tensor]
     layouts = {i: lay for i, (_, lay, _) in enumerate(structure["experts"])}
     out: dict[str, torch.Tensor] = {}
     for key, value in values.items():
+        key, chunk = split_chunk(key)  # a shard of a sharded tensor goes to its place
         info = parse_key(key)
         if not info.is_expert:
             part, rest = key.split("/", 1)
-            out[f"{part}.{rest.replace('/', '.')}"] = value
+            _put(out, f"{part}.{rest.replace('/', '.')}", value, chunk)
             continue
         rest = key.split("/", 4)[4]
         if info.part == "model":
@@ -240,14 +241,34 @@ def consolidate(manifest: Manifest, values: dict[str, torch.Tensor]
         if layouts[info.layer] == "stacked":
             if name not in out:
                 shape, dtype = shapes[pname]
-                if math.prod(shape) != value.numel() * shape[0] or dtype not in DTYPE_SIZES:
+                numel = math.prod(chunk[2]) if chunk else value.numel()
+                if math.prod(shape) != numel * shape[0] or dtype not in DTYPE_SIZES:
                     raise ValueError(f"{pname}: structure says {shape} {dtype}, an expert "
                                      f"item is {list(value.shape)}")
                 out[name] = torch.zeros(shape, dtype=getattr(torch, dtype))
-            out[name][info.expert] = value
+            _into(out[name][info.expert], value, chunk)
         else:
-            out[name] = value
+            _put(out, name, value, chunk)
     return out
+
+
+def _put(out: dict[str, torch.Tensor], name: str, value: torch.Tensor, chunk) -> None:
+    """``out[name] = value``, or for a chunk its block of the whole tensor."""
+    if chunk is None:
+        out[name] = value
+        return
+    if name not in out:
+        out[name] = torch.zeros(chunk[2], dtype=value.dtype)
+    _into(out[name], value, chunk)
+
+
+def _into(whole: torch.Tensor, value: torch.Tensor, chunk) -> None:
+    if chunk is None:
+        whole.copy_(value)
+        return
+    for d, (o, n) in enumerate(zip(chunk[0], chunk[1])):
+        whole = whole.narrow(d, o, n)
+    whole.copy_(value)
 
 
 def export_view(path: str, out: str, fmt: str, storage_options: dict | None = None) -> int:

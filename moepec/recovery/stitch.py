@@ -180,16 +180,20 @@ def _decodes(key: str, value: torch.Tensor) -> bool:
 
 def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]],
             required_of: Callable[[Source], set[str]], verify: bool = True,
-            target: Target | None = None) -> Recovered:
+            target: Target | None = None,
+            wanted: Callable[[str], bool] | None = None) -> Recovered:
     """Choose a base and stitch every key. Raises NoCheckpointError when impossible.
 
     ``bases`` are tried newest first; ``lineage_of(base)`` lists the sources that may
     supply copies, newest first; ``required_of(base)`` names every expert key the
-    restored state must contain. Reads only; no collective.
+    restored state must contain; ``wanted(key)`` filters the base's non-expert keys
+    (a rank of a sharded layout reads only the chunks that overlap its own). Reads only;
+    no collective.
     """
     warnings: list[str] = []
     for base in bases:
-        ne_keys = [k for k in base.keys if not parse_key(k).is_expert]
+        ne_keys = [k for k in base.keys if not parse_key(k).is_expert
+                   and (wanted is None or wanted(k))]
         values, bad = read_verified(base, ne_keys, verify, target)
         if bad:
             msg = (f"{base.name}: {len(bad)} non-expert item(s) corrupt or missing "

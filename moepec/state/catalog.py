@@ -9,11 +9,19 @@ code. A value that JSON and tensors cannot hold is refused when the manager is b
 
 The catalogue reads live tensors (views, never copies) and writes restored values
 back into the model, optimizer and extra state in place.
+
+Sharded tensors (DTensor: FSDP2, expert parallelism over a device mesh) are catalogued as
+chunks (:mod:`moepec.state.chunks`): every rank enumerates every rank's chunk keys (the
+same list everywhere), holds the live local shard of its own, and on restore assembles
+its local shard from whatever saved chunks overlap it, whatever layout saved them.
+Expert ownership of a DTensor expert comes from its placement: a rank owns an expert
+when its local shard holds any part of it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -21,7 +29,9 @@ import torch
 from torch import nn
 
 from moepec.errors import ConfigError, CorruptCheckpointError, StructureMismatchError
-from moepec.keys import EXPERT_PREFIX, OBJECT_PREFIX, expert_key, parse_key
+from moepec.keys import EXPERT_PREFIX, OBJECT_PREFIX, chunk_key, expert_key, parse_key, split_chunk
+from moepec.state import chunks
+from moepec.state.chunks import Block, Layout
 from moepec.state.experts import ExpertMap, canonical_expert_name, expert_slice
 from moepec.state.objects import decode_object, encode_object
 from moepec.state.rng import check_rng_state, rng_state, set_rng_state
@@ -78,15 +88,86 @@ class StateCatalog:
                         raise ConfigError(
                             "the optimizer holds a parameter that is not in the model; "
                             "pass the optimizer built from model.parameters()")
+        self._layouts: dict[tuple[str, int], Layout] = {}
+        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]] = {}
+        """Chunk key -> (shape, dtype, holder ranks), for chunks of every rank."""
+        self._owned: dict[int, set[int]] = {}
+        """MoE layer with DTensor experts -> the experts this rank holds a part of."""
+        self._init_sharded(ep_size)
+
+    def _init_sharded(self, ep_size: int) -> None:
+        """Layouts of DTensor parameters and the experts this rank holds of them."""
+        for name, p in self.params.items():
+            if chunks.is_sharded(p):
+                self._layout(name, p)
+        for lay in self.emap.layers:
+            names = (lay.stacked.values() if lay.layout == "stacked"
+                     else [f for m in lay.modules.values() for f in m.values()])
+            sharded = [n for n in names if chunks.is_sharded(self.params[n])]
+            if not sharded:
+                continue
+            if ep_size > 1:
+                raise ConfigError(
+                    f"the experts of {lay.prefix!r} are DTensors: their placement says which "
+                    f"rank holds which expert; drop expert_parallel (it is for plain tensors)")
+            owned = self._owned.setdefault(lay.index, set())
+            for full in sharded:
+                local = self._layout(full, self.params[full]).local
+                if not all(local[1]):
+                    continue
+                if lay.layout == "stacked":
+                    owned.update(range(local[0][0], local[0][0] + local[1][0]))
+                else:
+                    owned.add(self.emap.owner[full][1])
 
     # -- enumerating keys ------------------------------------------------------
     def non_expert_tensor_keys(self) -> list[str]:
-        keys = [f"model/{n}" for n in self.emap.non_expert]
-        keys += [f"model/{n}" for n in self.buffers]
-        for pname, sk, _ in self._optim_items():
+        """Every non-expert tensor key of every rank (chunk keys for DTensors)."""
+        keys: list[str] = []
+        for n in self.emap.non_expert:
+            keys += self._keys_of(f"model/{n}", n, self.params[n])
+        for n, b in self.buffers.items():
+            keys += self._keys_of(f"model/{n}", n, b)
+        for pname, sk, v in self._optim_items():
             if not self._is_expert_state(pname, sk):
-                keys.append(f"optim/{pname}/{sk}")
+                keys += self._keys_of(f"optim/{pname}/{sk}", f"{pname}/{sk}", v)
         return keys
+
+    def _keys_of(self, base: str, name: str, t: torch.Tensor, expert: int | None = None
+                 ) -> list[str]:
+        """``base`` for a plain tensor; for a DTensor the keys of every rank's chunk of it
+        (of expert ``expert``'s slice for a stacked expert weight), recorded in _meta."""
+        if not chunks.is_sharded(t):
+            return [base]
+        layout = self._layout(name, t)
+        glob = layout.global_shape
+        found: dict[Block, set[int]] = {}
+        for block, holders in layout.blocks:
+            if expert is not None:
+                block = chunks.expert_block(block, expert)
+                if block is None:
+                    continue
+            found.setdefault(block, set()).update(holders)
+        if expert is not None:
+            glob = glob[1:]
+        keys = []
+        for (offsets, shape), holders in found.items():
+            key = chunk_key(base, offsets, shape, glob)
+            self._meta[key] = (shape, t.dtype, tuple(sorted(holders)))
+            keys.append(key)
+        return keys
+
+    def _layout(self, name: str, t: torch.Tensor) -> Layout:
+        cached = self._layouts.get((name, id(t)))
+        if cached is None:
+            cached = self._layouts[(name, id(t))] = chunks.layout_of(t, name)
+        return cached
+
+    def holders(self, key: str) -> tuple[int, ...] | None:
+        """The ranks holding chunk ``key`` of a DTensor; None for a plain tensor's key
+        (replicated over data parallel ranks, or an expert of moepec's expert parallelism)."""
+        meta = self._meta.get(key)
+        return meta[2] if meta is not None else None
 
     def object_keys(self) -> list[str]:
         keys = ["objects/rng"]
@@ -96,7 +177,11 @@ class StateCatalog:
         return keys
 
     def owns(self, layer: int, expert: int) -> bool:
-        """Whether this rank holds global expert ``expert`` of ``layer``."""
+        """Whether this rank holds global expert ``expert`` of ``layer`` (any part of it,
+        for DTensor experts)."""
+        owned = self._owned.get(layer)
+        if owned is not None:
+            return expert in owned
         off = self.offsets[layer]
         return off <= expert < off + self.emap.layers[layer].n_experts
 
@@ -121,21 +206,31 @@ class StateCatalog:
         so the keys of another rank's expert follow from this rank's first one)."""
         parts = tuple(parts)
         lay = self.emap.layers[layer]
-        local = expert - self.offsets[layer] if self.owns(layer, expert) else 0
+        if layer in self._owned:  # DTensor experts: every rank has every expert's params
+            local = expert
+        else:
+            local = expert - self.offsets[layer] if self.owns(layer, expert) else 0
         names = lay.tensors_of(local)
+        row = expert if lay.layout == "stacked" else None
         keys = []
         for short, full in names.items():
             canon = canonical_expert_name(lay, short, expert)
             if "model" in parts:
-                keys.append(expert_key(layer, expert, "model", canon))
+                keys += self._keys_of(expert_key(layer, expert, "model", canon), full,
+                                      self.params[full], row)
             if "optim" in parts:
-                for sk, _ in self._param_state(full):
+                for sk, v in self._param_state(full):
                     if self._is_expert_state(full, sk):
-                        keys.append(expert_key(layer, expert, "optim", f"{canon}/{sk}"))
+                        keys += self._keys_of(expert_key(layer, expert, "optim", f"{canon}/{sk}"),
+                                              f"{full}/{sk}", v, row)
         return keys
 
     def nbytes(self, key: str) -> int:
-        """Bytes of a tensor key, also for experts held by other ranks (alike by layer)."""
+        """Bytes of a tensor key, also for experts held by other ranks (alike by layer)
+        and other ranks' chunks."""
+        meta = self._meta.get(key)
+        if meta is not None:
+            return math.prod(meta[0]) * meta[1].itemsize
         info = parse_key(key)
         if info.is_expert and not self.owns(info.layer, info.expert):
             g0 = self.offsets[info.layer]
@@ -158,26 +253,95 @@ class StateCatalog:
 
     # -- live access -----------------------------------------------------------
     def tensor(self, key: str) -> torch.Tensor:
-        """The live tensor (a view for expert slices) behind a tensor key."""
-        info = parse_key(key)
+        """The live tensor (a view for expert slices; the local shard for a DTensor's
+        chunk) behind a tensor key this rank holds; KeyError for any other."""
+        base, chunk = split_chunk(key)
+        live, block, glob = self._target(base)
+        if chunk is None:
+            if any(block[0]) or block[1] != glob:
+                raise KeyError(f"{key}: this rank holds only a chunk of it")
+        elif chunk[:2] != block or chunk[2] != glob:
+            raise KeyError(f"{key}: this rank does not hold that chunk")
+        return live
+
+    def _target(self, base: str) -> tuple[torch.Tensor, Block, tuple[int, ...]]:
+        """(live local tensor, its block, the global shape) of a whole-tensor key: the whole
+        tensor for a plain one, the local shard for a DTensor. KeyError when this rank
+        holds none of it (an expert of another rank, optimizer state not created yet)."""
+        info = parse_key(base)
         if info.is_expert:
             lay = self.emap.layers[info.layer]
+            rest = base.split("/", 4)[4]
+            canon, sk = (rest, None) if info.part == "model" else rest.rsplit("/", 1)
+            if info.layer in self._owned:
+                if not self.owns(info.layer, info.expert):
+                    raise KeyError(f"expert {info.expert} of layer {info.layer} is not held "
+                                   f"by this rank")
+                pname = self._expert_param(info.layer, canon)
+                t = self.params[pname] if sk is None else self._state(pname)[sk]
+                name = pname if sk is None else f"{pname}/{sk}"
+                if not chunks.is_sharded(t):
+                    return t.detach(), ((0,) * t.dim(), tuple(t.shape)), tuple(t.shape)
+                layout = self._layout(name, t)
+                local = t.to_local().detach()
+                if lay.layout == "stacked":
+                    block = chunks.expert_block(layout.local, info.expert)
+                    if block is None:
+                        raise KeyError(f"{base}: not held by this rank")
+                    return (local[info.expert - layout.local[0][0]], block,
+                            layout.global_shape[1:])
+                return local, layout.local, layout.global_shape
             local = self._local_index(info.layer, info.expert)
-            rest = key.split("/", 4)[4]
-            if info.part == "model":
-                pname = self._expert_param(info.layer, rest)
-                return expert_slice(self.params[pname].detach(), lay, local)
-            canon, sk = rest.rsplit("/", 1)
             pname = self._expert_param(info.layer, canon)
-            return expert_slice(self._state(pname)[sk], lay, local)
+            t = self.params[pname].detach() if sk is None else self._state(pname)[sk]
+            t = expert_slice(t, lay, local)
+            return t, ((0,) * t.dim(), tuple(t.shape)), tuple(t.shape)
         if info.part == "model":
-            name = key[len("model/"):]
+            name = base[len("model/"):]
             t = self.params.get(name)
-            return (t if t is not None else self.buffers[name]).detach()
-        if info.part == "optim":
-            pname, sk = key[len("optim/"):].rsplit("/", 1)
-            return self._state(pname)[sk]
-        raise KeyError(key)
+            t = t if t is not None else self.buffers[name]
+        elif info.part == "optim":
+            pname, sk = base[len("optim/"):].rsplit("/", 1)
+            name = f"{pname}/{sk}"
+            t = self._state(pname)[sk]
+        else:
+            raise KeyError(base)
+        if chunks.is_sharded(t):
+            layout = self._layout(name, t)
+            return t.to_local().detach(), layout.local, layout.global_shape
+        t = t.detach()
+        return t, ((0,) * t.dim(), tuple(t.shape)), tuple(t.shape)
+
+    def wants(self, key: str) -> bool:
+        """Whether a restore on this rank needs saved ``key``: a non-expert key or one of an
+        expert this rank holds, and of a chunk key only one that overlaps what this rank
+        holds. Judged by the parameters (optimizer state follows its parameter's
+        placement), so it works before a fresh optimizer has state."""
+        if key.startswith(OBJECT_PREFIX):
+            return True
+        base, chunk = split_chunk(key)
+        info = parse_key(base)
+        if info.is_expert and not self.owns(info.layer, info.expert):
+            return False
+        if chunk is None:
+            return True
+        try:
+            _, block, glob = self._target(self._param_key(base))
+        except KeyError:
+            return True  # not in this model: load() reports it
+        return glob != chunk[2] or chunks.overlap(block, chunk[:2]) is not None
+
+    @staticmethod
+    def _param_key(base: str) -> str:
+        """The weight key whose placement the key ``base`` (weight or optimizer state)
+        follows."""
+        info = parse_key(base)
+        if info.part != "optim":
+            return base
+        if info.is_expert:
+            head, rest = base.split("/optim/", 1)
+            return f"{head}/model/{rest.rsplit('/', 1)[0]}"
+        return "model/" + base[len("optim/"):].rsplit("/", 1)[0]
 
     def capture_objects(self) -> dict[str, torch.Tensor]:
         """Encode every object key now (training thread, at snapshot time: the objects
@@ -212,10 +376,11 @@ class StateCatalog:
         if self.optimizer is None:
             return
         for key, (shape, dtype) in shapes.items():
-            info = parse_key(key)
+            base, chunk = split_chunk(key)
+            info = parse_key(base)
             if info.part != "optim":
                 continue
-            rest = key.split("/", 4)[4] if info.is_expert else key[len("optim/"):]
+            rest = base.split("/", 4)[4] if info.is_expert else base[len("optim/"):]
             pname, sk = rest.rsplit("/", 1)
             if info.is_expert:
                 if not self.owns(info.layer, info.expert):
@@ -230,12 +395,12 @@ class StateCatalog:
             if sk in state:
                 continue
             dt = getattr(torch, dtype)
-            if info.is_expert:
-                full = p.shape  # the whole stacked (or per-expert) parameter
-                state[sk] = torch.zeros(full, dtype=dt, device=p.device)
+            # Per-element state (an expert's, a chunk's, or one of the parameter's shape)
+            # takes the parameter's shape and placement; anything else is a plain tensor.
+            if info.is_expert or chunk is not None or list(shape) == list(p.shape):
+                state[sk] = torch.zeros_like(p.detach(), dtype=dt)
             else:
-                device = p.device if list(shape) == list(p.shape) else "cpu"
-                state[sk] = torch.zeros(shape, dtype=dt, device=device)
+                state[sk] = torch.zeros(shape, dtype=dt, device="cpu")
 
     def load(self, values: Mapping[str, torch.Tensor]) -> None:
         """Copy restored values into the live state (training thread only).
@@ -245,12 +410,18 @@ class StateCatalog:
         leaves the live state untouched."""
         objects = {k: self._decode(k, v) for k, v in values.items()
                    if k.startswith(OBJECT_PREFIX)}
+        plain, pieces = chunks.assembly(values, self._target)
         with torch.no_grad():
-            for key, value in values.items():
-                if not key.startswith(OBJECT_PREFIX):
-                    live = self.tensor(key)
-                    if live.data_ptr() != value.data_ptr() or live.shape != value.shape:
-                        live.copy_(value)  # not read in place already
+            for key, value in plain.items():
+                live = self.tensor(key)
+                if live.data_ptr() != value.data_ptr() or live.shape != value.shape:
+                    live.copy_(value)  # not read in place already
+            for live, block, parts in pieces:
+                for region, value, origin in parts:
+                    dst = chunks.narrow(live, block[0], region)
+                    src = chunks.narrow(value, origin, region)
+                    if dst.data_ptr() != src.data_ptr():
+                        dst.copy_(src)
         for key, obj in objects.items():
             self._apply_object(key, obj)
 

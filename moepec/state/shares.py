@@ -19,7 +19,9 @@ def rank_share(keys: list[str], catalog: StateCatalog, *, rank: int, world_size:
                ep_size: int, mode: str) -> list[str]:
     """The write plan over ranks. An expert's weights (and, separately, its optimizer
     state) form one item: a unit restored whole must be written whole by one rank,
-    so that the RAM share of a surviving rank holds complete units."""
+    so that the RAM share of a surviving rank holds complete units. A chunk of a sharded
+    tensor (DTensor) is held by the ranks its placement says (one, or a replicate group):
+    the chunks of an expert unit held by the same ranks form one item."""
     everyone = tuple(range(world_size))
     units: dict[str, list[str]] = {}
     items = []
@@ -27,19 +29,25 @@ def rank_share(keys: list[str], catalog: StateCatalog, *, rank: int, world_size:
         if k.startswith("objects/"):
             continue  # replicated small objects: rank 0 writes them
         info = parse_key(k)
+        chunk_holders = catalog.holders(k)
         if info.is_expert:
             unit = f"{info.layer}/{info.expert}/{info.part}"
+            if chunk_holders is not None:
+                unit += "@" + ",".join(map(str, chunk_holders))
             if unit in units:
                 units[unit].append(k)
                 continue
             units[unit] = [k]
-            n_local = catalog.emap.layers[info.layer].n_experts
-            owner_ep = info.expert // n_local
-            holders = tuple(r for r in everyone if r % ep_size == owner_ep)
+            if chunk_holders is not None:
+                holders = chunk_holders
+            else:
+                n_local = catalog.emap.layers[info.layer].n_experts
+                owner_ep = info.expert // n_local
+                holders = tuple(r for r in everyone if r % ep_size == owner_ep)
             items.append(Item(key=unit, nbytes=0, holders=holders, layer=info.layer,
                               expert=info.expert))
         else:
-            items.append(Item(key=k, nbytes=catalog.nbytes(k), holders=everyone,
+            items.append(Item(key=k, nbytes=catalog.nbytes(k), holders=chunk_holders or everyone,
                               layer=_module_group(k)))
     sizes = {u: sum(catalog.nbytes(k) for k in ks) for u, ks in units.items()}
     items = [Item(key=it.key, nbytes=sizes[it.key], holders=it.holders, layer=it.layer,

@@ -24,17 +24,21 @@ from enum import StrEnum
 from typing import Any
 
 from moepec.errors import ManifestError, ManifestFormatError, MoepecError
-from moepec.keys import parse_checkpoint_name, parse_key, seq_of
+from moepec.keys import CHUNK_MARK, parse_checkpoint_name, parse_key, seq_of, split_chunk
 from moepec.policy.plt import PLTLedger
 from moepec.policy.selection import Selector
 
 FORMAT = "moepec/3"
-"""3: item locations (file, offset, length, encoding) in the manifest, objects as
+FORMAT_CHUNKS = "moepec/4"
+"""4: some keys name chunks of sharded tensors (``<key>#<offsets>+<shape>:<global>``,
+moepec.keys): written only by checkpoints of DTensor state, so that a moepec that does not
+know chunks stops with "upgrade moepec" instead of failing to place them; otherwise as 3.
+3: item locations (file, offset, length, encoding) in the manifest, objects as
 tagged JSON (no pickle). 2: items may be raw tensor bytes (moepec.store.dcp_raw; the manifest's
 ``serialization`` says which) and checksums XXH3 (``xxh3:``). 1: torch.save-framed
 items, XXH64."""
-KNOWN_FORMATS = ("moepec/1", "moepec/2", "moepec/3")
-READABLE_FORMATS = ("moepec/3",)
+KNOWN_FORMATS = ("moepec/1", "moepec/2", "moepec/3", "moepec/4")
+READABLE_FORMATS = ("moepec/3", "moepec/4")
 """Formats whose items moepec reads: older ones store objects with pickle and need
 DCP's pickled ``.metadata`` to find items, neither of which moepec loads any more."""
 MAX_ANCESTORS = 512
@@ -279,6 +283,10 @@ class Manifest:
     serialization: str
     format: str = FORMAT
 
+    def __post_init__(self) -> None:
+        if self.format == FORMAT and any(CHUNK_MARK in k for k in self.keys):
+            object.__setattr__(self, "format", FORMAT_CHUNKS)  # see FORMAT_CHUNKS
+
     @property
     def step(self) -> int:
         return self.meta.step
@@ -323,6 +331,7 @@ class Manifest:
         _check_structure(data["structure"], where)
         _check_names(data["name"], ancestors, data["view"], data.get("parent"), where)
         keys, total = _raw_items(data["keys"], where)
+        _check_chunks(keys, data["view"], fmt, where)
         if total != data["bytes"]:
             raise ManifestError(f"{where}: the items' sizes do not add up to 'bytes'")
         _check_bookkeeping(meta, where)
@@ -419,6 +428,23 @@ def _known_key(key: str) -> bool:
     return bool(_KEY_RE.match(key))
 
 
+def _check_chunks(keys: Mapping[str, Item], view: Mapping[str, str], fmt: str,
+                  where: str) -> None:
+    """Chunk keys (format 4 on) are well formed, and an item's shape is its chunk's."""
+    for key in [k for k in keys if CHUNK_MARK in k] + [k for k in view if CHUNK_MARK in k]:
+        if fmt != FORMAT_CHUNKS:
+            raise ManifestError(f"{where}: {key[:80]!r} names a chunk, which format {fmt} "
+                                f"does not have")
+        try:
+            _, chunk = split_chunk(key)
+        except ValueError as exc:
+            raise ManifestError(f"{where}: {exc}") from None
+        item = keys.get(key)
+        if item is not None and (chunk is None or list(chunk[1]) != item.shape):
+            raise ManifestError(f"{where}: {key[:80]!r} is a chunk of shape "
+                                f"{list(chunk[1]) if chunk else None}, its item {item.shape}")
+
+
 def _check_names(name: Any, ancestors: Any, view: Mapping[str, Any], parent: Any,
                  where: str) -> None:
     """The checkpoint's own name, its parent, ancestors and view sources follow the
@@ -450,9 +476,17 @@ def _need(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], whe
 
 def updated_view(parent_view: Mapping[str, str] | None, name: str,
                  saved_keys: Iterable[str]) -> dict[str, str]:
-    """The view after checkpoint ``name`` committed ``saved_keys`` on top of its parent."""
+    """The view after checkpoint ``name`` committed ``saved_keys`` on top of its parent.
+
+    A tensor saved in chunks replaces every older copy of it, also one chunked in another
+    layout (a run restored at another FSDP or EP degree): the view holds one layout of
+    each tensor, whose chunks all come from one checkpoint."""
     view = dict(parent_view or {})
-    for key in saved_keys:
+    saved = list(saved_keys)
+    if any(CHUNK_MARK in k for k in saved) or any(CHUNK_MARK in k for k in view):
+        bases = {k.partition(CHUNK_MARK)[0] for k in saved}
+        view = {k: v for k, v in view.items() if k.partition(CHUNK_MARK)[0] not in bases}
+    for key in saved:
         view[key] = name
     return view
 

@@ -102,6 +102,10 @@ class TrainConfig:
     ep: int = 1
     """Expert-parallel degree: ranks that split each MoE layer's experts between them;
     must divide the number of ranks and n_experts. 1: every rank holds every expert."""
+    fsdp: bool = False
+    """Shard the model as torchtitan does (FSDP2): ``fully_shard`` every transformer block
+    and the root over the data-parallel ranks, so parameters and optimizer state are
+    DTensor shards and each rank checkpoints its own. Not combined with ``ep`` > 1 yet."""
 
     def __post_init__(self) -> None:
         model_cfg = self.model_config()  # raises for unknown names or overrides
@@ -116,6 +120,9 @@ class TrainConfig:
         _need(model_cfg.n_experts % self.ep == 0,
               f"ep={self.ep} does not divide n_experts={model_cfg.n_experts}; use an --ep "
               "that divides the number of experts")
+        _need(not (self.fsdp and self.ep > 1),
+              f"--fsdp with --ep {self.ep} (a 2-D FSDP x EP mesh) is not supported by the "
+              f"reference trainer yet; use --fsdp alone or --ep alone")
 
     def _check_numbers(self) -> None:
         _need(self.steps >= 1, f"steps must be >= 1, got {self.steps}")

@@ -174,6 +174,12 @@ def split_expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[
     return expert, other
 
 
+def _fully_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def average_gradients_ep(model: nn.Module, ep: ExpertParallel,
                          world_group: dist.ProcessGroup | None = None) -> None:
     """Turn every rank's local ``.grad`` into the data-parallel gradient (blocking).
@@ -182,7 +188,10 @@ def average_gradients_ep(model: nn.Module, ep: ExpertParallel,
     gradients are averaged over ``world_group`` (the default group: all W ranks, as in
     :func:`average_gradients`). Expert gradients are summed over ``ep.expert_dp_group``
     and divided by W. Without expert parallelism this is :func:`average_gradients`.
+    A model sharded with FSDP2 (``fully_shard``) has averaged its gradients itself.
     """
+    if _fully_sharded(model):
+        return
     if not ep.enabled:
         average_gradients(model.parameters(), world_group)
         return
@@ -207,7 +216,9 @@ def clip_grad_norm_ep(model: nn.Module, max_norm: float, ep: ExpertParallel) -> 
     every rank clips by the same factor; otherwise plain ``clip_grad_norm_``.
     """
     if not ep.enabled:
-        return float(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        full = getattr(norm, "full_tensor", None)  # DTensor gradients (FSDP2)
+        return float(full() if full is not None else norm)
     expert, other = split_expert_parameters(model)
     other_norm = nn.utils.get_total_norm([p.grad for p in other if p.grad is not None])
     expert_norm = nn.utils.get_total_norm([p.grad for p in expert if p.grad is not None])

@@ -101,6 +101,24 @@ def _build_model(cfg: TrainConfig, model_cfg: GPTMoEConfig, ep: ExpertParallel,
     return model
 
 
+def _fully_shard(model: GPTMoE, device: torch.device, info: dist.DistInfo) -> None:
+    """FSDP2 over all ranks, as torchtitan applies it: every transformer block is its own
+    unit (all-gathered for its forward and backward, then freed), the root holds the
+    rest (embeddings, final norm, head). Parameters become DTensors sharded on dim 0;
+    FSDP averages the gradients (reduce-scatter), so the step does not."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not torch.distributed.is_initialized():
+        raise ConfigError("--fsdp shards the model over the ranks of a torchrun job; run "
+                          "`torchrun --nproc_per_node N -m moepec train --fsdp ...` (one "
+                          "process has nothing to shard over)")
+    mesh = init_device_mesh(device.type, (info.world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def setup(cfg: TrainConfig, info: dist.DistInfo) -> Run:
     """Build everything a run needs. Called by :func:`moepec.train.trainer.train` on every
     rank, once per call (restarts reuse it); collective: the EP groups, the init check and
@@ -112,14 +130,17 @@ def setup(cfg: TrainConfig, info: dist.DistInfo) -> Run:
     # Collective: every rank creates every EP group (a no-op for ep=1).
     ep = init_expert_parallel(cfg.ep, cfg.dist_timeout_s)
     model = _build_model(cfg, model_cfg, ep, device, info)
+    if cfg.fsdp:
+        _fully_shard(model, device, info)  # before the optimizer: it holds the shards
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     manager = build_manager(cfg, model, optimizer, scheduler, loader, ep)
     if info.rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        log.info("training %s (%.2fM params on rank 0) on %d rank(s), ep %d, %s, %d steps, "
+        log.info("training %s (%.2fM params) on %d rank(s), ep %d%s, %s, %d steps, "
                  "global batch %d x %d tokens", cfg.config, n_params / 1e6, info.world_size,
-                 ep.size, device, cfg.steps, cfg.batch_size, model_cfg.seq_len)
+                 ep.size, ", fsdp" if cfg.fsdp else "", device, cfg.steps, cfg.batch_size,
+                 model_cfg.seq_len)
         log_plt_outlook(cfg, model_cfg.n_experts)
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, val=val,
                device=device, manager=manager,
