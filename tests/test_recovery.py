@@ -80,7 +80,7 @@ def test_dynamic_k_keeps_plt_under_budget(tmp_path):
     common = dict(BASE, steps=200, restarts=20, faults=faults)
     ckpt = dict(CKPT, interval=4, k_snapshot=None, plt_budget=0.03)
     fixed = train(TrainConfig(**common, out_dir=str(tmp_path / "fixed"), checkpoint=(
-        CheckpointConfig(path=str(tmp_path / "fixed" / "ckpt"), **ckpt))))
+        CheckpointConfig(path=str(tmp_path / "fixed" / "ckpt"), dynamic_k=False, **ckpt))))
     dyn = train(TrainConfig(**common, out_dir=str(tmp_path / "dyn"), checkpoint=(
         CheckpointConfig(path=str(tmp_path / "dyn" / "ckpt"), dynamic_k=True, **ckpt))))
     assert fixed.recoveries[-1]["plt"] > 0.03
