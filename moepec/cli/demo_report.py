@@ -158,8 +158,8 @@ def _text(r: dict[str, Any]) -> str:
         f"checkpoints: {r['checkpoints']} snapshots, {r['commits']} committed to storage, "
         f"{r['persist_errors']} failed persist(s) (storage full; training continued)",
         f"checkpoint bytes persisted: full {r['bytes_full'] / 1e6:.2f} MB; PEC "
-        + ", ".join(f"K={k}: {b / 1e6:.2f} MB ({100 * (1 - b / max(r['bytes_full'], 1)):.1f}% "
-                    f"smaller)" for k, b in r["bytes_by_k"].items()),
+        + ", ".join(f"K={k}: {b / 1e6:.2f} MB ({_smaller(b, r['bytes_full'])})"
+                    for k, b in r["bytes_by_k"].items()),
         f"training loop blocked per checkpoint: mean {1e3 * r['blocked_mean_s']:.2f} ms, max "
         f"{1e3 * r['blocked_max_s']:.2f} ms (an iteration takes ~{1e3 * r['iter_s']:.0f} ms)",
         f"proportion of lost tokens (PLT): {100 * r['plt']:.3f}% "
@@ -254,3 +254,9 @@ def _draw_timeline(ax, faults, recoveries, ckpts, persist_errors) -> None:
     ax.set_xlabel("seconds since the first checkpoint")
     ax.set_title("Checkpoint timeline")
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+
+
+def _smaller(nbytes: int, full: int) -> str:
+    """How much smaller than a full checkpoint, or "all experts" when it is one."""
+    pct = 100 * (1 - nbytes / max(full, 1))
+    return "all experts" if abs(pct) < 0.05 else f"{pct:.1f}% smaller"
