@@ -77,3 +77,52 @@ def test_restarted_workers_restore_from_shared_memory(tmp_path):
     assert len(again) >= 20
     # a clean close removed the slots
     assert not any(p.is_file() for p in shm.rglob("*"))
+
+
+def run_two_nodes(tmp_path: Path, faults: str) -> list[subprocess.CompletedProcess]:
+    """Two "nodes" on this machine: one torchrun agent each (c10d rendezvous, so a
+    restart on one node restarts both), each with its own MOEPEC_NODE_ID and ram_dir."""
+    port = 29400 + os.getpid() % 500
+    procs = []
+    for node in range(2):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "MOEPEC_NODE_ID": f"n{node}"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{port}", "--max-restarts", "1",
+               "-m", "moepec", "train", "--config", "tiny", "--steps", "24", "--batch-size",
+               "8", "--eval-batches", "1", "--eval-interval", "0", "--no-progress",
+               "--threads", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-interval", "4",
+               "--k", "1", "--k-snapshot", "4", "--out-dir", str(tmp_path / "out"),
+               "--faults", faults, "--dist-timeout", "30", "--log-interval", "1",
+               "--ram-dir", str(tmp_path / f"shm-n{node}")]
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, "")
+            for p, out in zip(procs, outs)]
+
+
+@pytest.mark.slow
+def test_a_lost_node_restores_from_its_replica_under_two_torchrun_agents(tmp_path):
+    # ram_lost@10:r1 wipes node n1's ram_dir, then SIGKILLs rank 1: both agents restart
+    # their workers; rank 1's shares of step 7 come from the replica rank 0 holds on n0.
+    procs = run_two_nodes(tmp_path, "ram_lost@10:r1")
+    for p in procs:
+        assert p.returncode == 0, p.stdout[-4000:]
+    out = tmp_path / "out"
+    assert json.loads((out / "summary.json").read_text())["final_step"] == 23
+    recs = records(out)
+    recoveries = [r for r in recs if r.get("event") == "recovery"]
+    assert [(r["step"], r["tier"]) for r in recoveries] == [(7, "ram")]
+    assert set(recoveries[0]["keys_from"]) == {"ram"} and recoveries[0]["plt"] == 0.0
+    # rank 0 alone served every key: its own shares and rank 1's replica
+    assert "keys survive on 1 rank(s)" in "".join(p.stdout for p in procs)
+    # bit-exact: the steps trained again after the restore repeat their losses exactly
+    seen: dict[int, list[float]] = {}
+    for r in recs:
+        if "loss" in r and "event" not in r:
+            seen.setdefault(r["step"], []).append(r["loss"])
+    again = [s for s, v in seen.items() if len(v) > 1]
+    assert again and all(len(set(seen[s])) == 1 for s in again), seen
+    assert not any(p.is_file() for p in tmp_path.glob("shm-n*/**/*"))
