@@ -52,7 +52,10 @@ class Holder:
         return f"run {self.run_id} (host {self.host}, pid {self.pid}, heartbeat {age:.0f}s ago)"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: object) -> bool:
+    """A process with this id runs on this host (an id that is not a positive int: no)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -106,7 +109,7 @@ class Lease:
             return "takeover requested"
         if time.time() - holder.heartbeat > self.timeout_s:
             return "its heartbeat expired"
-        if holder.host == self.me.host and not _alive(holder.pid):
+        if holder.host == self.me.host and not pid_alive(holder.pid):
             return "its process is gone"
         if holder.host == self.me.host and holder.pid == self.me.pid:
             return "an earlier manager of this process"

@@ -39,6 +39,7 @@ import torch
 
 from moepec.errors import ConfigError, ManifestError
 from moepec.store.checksum import checksum_matches, tensor_checksum
+from moepec.store.lease import pid_alive
 from moepec.store.manifest import CheckpointMeta, meta_from_json
 
 log = logging.getLogger(__name__)
@@ -207,16 +208,7 @@ class SlotStore:
             entries[key] = {"offset": offset, "shape": list(shape),
                             "dtype": str(dtype).removeprefix("torch."), "nbytes": n}
             offset = _align(offset + n)
-        with self._lock:
-            free = [s for s in self.slots if not s.in_use]
-            slot = (min(free, key=lambda s: (s.seq, s.index)) if free
-                    else self._slot(max((s.index for s in self.slots), default=-1) + 1))
-            if not free:
-                self.slots.append(slot)
-            slot.in_use = True
-        slot.header_path.unlink(missing_ok=True)  # torn from here until commit
-        slot.seq = -1
-        self._map(slot, max(offset, 1))
+        slot = self._take(max(offset, 1))  # torn from here until commit
         slot.entries = entries
         views = {k: self._view(slot, e) for k, e in entries.items()}
         return slot, views
@@ -226,16 +218,23 @@ class SlotStore:
         for e in slot.entries.values():
             e["checksum"] = tensor_checksum(self._view(slot, e))
         header.entries = slot.entries
-        tmp = slot.header_path.with_name(f".{slot.header_path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(header.to_json(), f)
-        os.replace(tmp, slot.header_path)
+        self._write_header(slot, json.dumps(header.to_json()).encode())
         slot.seq = header.seq
 
     def write_raw(self, header: bytes, data: torch.Tensor) -> None:
         """Store a slot another rank committed (a replica): its data bytes as they are,
         then its header, last. The header's checksums are verified when it is loaded."""
+        slot = self._take(max(data.numel(), 1))
+        try:
+            slot.base[:data.numel()].copy_(data)
+            self._write_header(slot, header)
+            slot.seq = json.loads(header).get("seq", -1)
+        finally:
+            self.release(slot)
+
+    def _take(self, nbytes: int) -> Slot:
+        """A free slot (the one with the oldest copy, or a new one), marked in use, its
+        header removed (torn until a header is written again) and mapped for ``nbytes``."""
         with self._lock:
             free = [s for s in self.slots if not s.in_use]
             slot = (min(free, key=lambda s: (s.seq, s.index)) if free
@@ -243,19 +242,19 @@ class SlotStore:
             if not free:
                 self.slots.append(slot)
             slot.in_use = True
-        try:
-            slot.header_path.unlink(missing_ok=True)
-            slot.seq = -1
-            self._map(slot, max(data.numel(), 1))
-            slot.base[:data.numel()].copy_(data)
-            tmp = slot.header_path.with_name(f".{slot.header_path.name}.{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(header)
-            os.replace(tmp, slot.header_path)
-            slot.seq = json.loads(header).get("seq", -1)
-        finally:
-            self.release(slot)
+        slot.header_path.unlink(missing_ok=True)
+        slot.seq = -1
+        self._map(slot, nbytes)
+        return slot
+
+    @staticmethod
+    def _write_header(slot: Slot, header: bytes) -> None:
+        """The slot's header, written last: temporary name (mode 0600), then rename."""
+        tmp = slot.header_path.with_name(f".{slot.header_path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(header)
+        os.replace(tmp, slot.header_path)
 
     def raw(self, slot: Slot) -> tuple[bytes, torch.Tensor]:
         """A committed slot's header bytes and used data bytes (to send as a replica)."""
@@ -393,18 +392,6 @@ def admissible(meta: CheckpointMeta, head: CheckpointMeta | None) -> bool:
     return head.run_id in slot_runs or meta.run_id in head_runs
 
 
-def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def list_jobs(ram_dir: str) -> list[dict[str, Any]]:
     """What is under ``ram_dir``: one row per job folder (``moepec ram ls``). ``live``:
     a process that wrote one of its slots still runs on this host."""
@@ -429,7 +416,7 @@ def list_jobs(ram_dir: str) -> list[dict[str, Any]]:
                      "runs": sorted({h[1] for h in headers if isinstance(h[1], str)}),
                      "newest_step": max((h[2] for h in headers if isinstance(h[2], int)),
                                         default=None),
-                     "live": any(_alive(h[3]) for h in headers),
+                     "live": any(pid_alive(h[3]) for h in headers),
                      "age_h": (time.time() - mtime) / 3600})
     return rows
 

@@ -201,7 +201,6 @@ class Snapshotter:
         snap.copy_seconds = time.perf_counter() - t0
         snap.done.set()
 
-
     def _seal(self, snap: Snapshot) -> None:
         """Commit ``snap``'s slot: checksums and the header, written last."""
         slots = self.slots
