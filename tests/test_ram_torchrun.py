@@ -115,8 +115,10 @@ def test_a_lost_node_restores_from_its_replica_under_two_torchrun_agents(tmp_pat
     assert json.loads((out / "summary.json").read_text())["final_step"] == 23
     recs = records(out)
     recoveries = [r for r in recs if r.get("event") == "recovery"]
-    assert [r["tier"] for r in recoveries] == ["ram", "storage"]
-    assert recoveries[0]["step"] == 7 and recoveries[1]["step"] in (11, 15)
+    # (c10d rendezvous may add a restart round after the second fault: its restore
+    # comes after these two and is not checked)
+    assert [(r["step"], r["tier"]) for r in recoveries[:2]] in (
+        [(7, "ram"), (11, "storage")], [(7, "ram"), (15, "storage")]), recoveries
     assert set(recoveries[0]["keys_from"]) == {"ram"} and recoveries[0]["plt"] == 0.0
     assert set(recoveries[1]["keys_from"]) == {"storage"}
     # rank 0 alone served every key: its own shares and rank 1's replica
