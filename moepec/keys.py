@@ -23,6 +23,7 @@ sequence number orders them, the step is the training step they hold.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,8 +50,10 @@ class KeyInfo:
         return self.expert is not None
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def parse_key(key: str) -> KeyInfo:
-    """Inverse of the key naming above."""
+    """Inverse of the key naming above (cached: a restore parses the same keys of many
+    manifests; KeyInfo is immutable)."""
     if key.startswith(EXPERT_PREFIX):
         _, layer, expert, part, _ = key.split("/", 4)
         return KeyInfo(key=key, layer=int(layer), expert=int(expert), part=part)

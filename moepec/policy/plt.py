@@ -30,7 +30,7 @@ def _check_counts(name: str, rows: Sequence[Sequence[int]], n_experts: tuple[int
             f"{name} must have one row per MoE layer with one entry per expert "
             f"(shape {list(n_experts)}), got row lengths {[len(r) for r in rows]}"
         )
-    if any(c < 0 for r in rows for c in r):
+    if rows and min(map(min, rows)) < 0:  # every row has >= 1 entry (checked above)
         raise ConfigError(f"{name} holds a negative token count; counts must be >= 0")
 
 

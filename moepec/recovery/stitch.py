@@ -64,6 +64,9 @@ class Source:
     stored_bytes: Callable[[], int] | None = None
     """The bytes its data files hold (storage): no item may claim more, so a damaged
     manifest never makes a read allocate more than the checkpoint's own size."""
+    map: Callable[[Sequence[str]], dict[str, torch.Tensor]] | None = None
+    """Returns keys -> tensors over (copy-on-write) mappings of the data files, instead of
+    reading into new tensors (a local root); raises on failure, as ``read``."""
 
     @property
     def step(self) -> int:
@@ -114,7 +117,9 @@ def storage_source(storage, manifest: Manifest) -> Source:
 
     return Source(name=name, tier=Tier.STORAGE, meta=manifest.meta, keys=manifest.keys,
                   read=lambda targets: storage.read(name, targets, manifest.keys),
-                  manifest=manifest, stored_bytes=stored_bytes)
+                  manifest=manifest, stored_bytes=stored_bytes,
+                  map=((lambda keys: storage.map(name, keys, manifest.keys))
+                       if storage.local else None))
 
 
 def read_verified(src: Source, keys: Sequence[str], verify: bool = True,
@@ -131,9 +136,8 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True,
             good, bad = read_verified(src, [k for k in keys if k not in too_big], verify,
                                       target)
             return good, bad + too_big
-    targets = {k: _alloc(k, src.keys[k], target) for k in keys}
     try:
-        src.read(targets)
+        targets = _fetch(src, keys, target)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - isolate the bad key below
         if len(keys) == 1:
             log.debug("reading %s from %s failed: %s", keys[0], src.name, exc)
@@ -150,6 +154,17 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True,
         bad = [k for k, t in targets.items() if not checksum_matches(t, src.keys[k].checksum)]
     bad += [k for k, t in targets.items() if k not in bad and not _decodes(k, t)]
     return {k: v for k, v in targets.items() if k not in bad}, bad
+
+
+def _fetch(src: Source, keys: Sequence[str], target: Target | None
+           ) -> dict[str, torch.Tensor]:
+    """``keys`` of ``src``: mapped where the source can map (read-only use, no copy),
+    else read into the live tensors that fit (``target``) or into new ones."""
+    if src.map is not None and target is None:
+        return src.map(keys)
+    targets = {k: _alloc(k, src.keys[k], target) for k in keys}
+    src.read(targets)
+    return targets
 
 
 def _listed(src: Source, key: str) -> bool:
@@ -225,8 +240,7 @@ def _stitch(units: Mapping[Unit, set[str]], lineage: Sequence[Source],
     """Read every unit whole from its newest intact copy in ``lineage`` into ``values``;
     a bad copy falls back to the next older one. Returns each unit's source."""
     unit_source: dict[Unit, Source] = {}
-    pending: dict[Unit, list[Source]] = {
-        u: [s for s in lineage if keys <= s.keys.keys()] for u, keys in units.items()}
+    pending = _candidates(units, lineage)
     while pending:
         by_src: dict[int, list[Unit]] = defaultdict(list)
         for u, cands in pending.items():
@@ -255,6 +269,23 @@ def _stitch(units: Mapping[Unit, set[str]], lineage: Sequence[Source],
                     del pending[u]
             values.update(good)
     return unit_source
+
+
+def _candidates(units: Mapping[Unit, set[str]], lineage: Sequence[Source]
+                ) -> dict[Unit, list[Source]]:
+    """Per unit, the sources of ``lineage`` holding all its keys, newest first (set
+    operations per source, not per unit and source: a K=1 view of E experts has E+1
+    sources and E units per layer)."""
+    required = set().union(*units.values())
+    holders: dict[str, list[int]] = defaultdict(list)
+    for i, src in enumerate(lineage):
+        for key in required & src.keys.keys():
+            holders[key].append(i)
+    out: dict[Unit, list[Source]] = {}
+    for u, keys in units.items():
+        held = set.intersection(*(set(holders.get(k, ())) for k in keys)) if keys else set()
+        out[u] = [lineage[i] for i in sorted(held)]
+    return out
 
 
 def lost_tokens(rec: Recovered) -> tuple[list[list[int]], list[list[int]]]:

@@ -412,8 +412,7 @@ class StateCatalog:
                    if k.startswith(OBJECT_PREFIX)}
         plain, pieces = chunks.assembly(values, self._target)
         with torch.no_grad():
-            for key, value in plain.items():
-                live = self.tensor(key)
+            for live, value in plain:
                 if live.data_ptr() != value.data_ptr() or live.shape != value.shape:
                     live.copy_(value)  # not read in place already
             for live, block, parts in pieces:

@@ -119,15 +119,16 @@ def narrow(t: torch.Tensor, origin: Sequence[int], block: Block) -> torch.Tensor
 
 
 def assembly(values: Mapping[str, torch.Tensor], target: Callable[[str], Target]
-             ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, Block, list]]]:
-    """Sort restored tensors into plain copies (key -> value) and, per live tensor
+             ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                        list[tuple[torch.Tensor, Block, list]]]:
+    """Sort restored tensors into plain copies ((live, value) pairs) and, per live tensor
     restored from chunks (or a whole value into a local shard), the overlapping
     regions to copy: (live, its block, [(region, value, value's offsets)]). ``target``
     gives a whole-tensor key's (live local tensor, its block, global shape). Checks,
     before anything is written, that the saved chunks are of a tensor of the model's
     global shape and cover every element this rank holds; raises StructureMismatchError
     naming the mismatch."""
-    plain: dict[str, torch.Tensor] = {}
+    plain: list[tuple[torch.Tensor, torch.Tensor]] = []
     by_base: dict[str, list[tuple[str, tuple[int, ...] | None]]] = {}
     for key in values:
         if key.startswith(OBJECT_PREFIX):
@@ -138,7 +139,7 @@ def assembly(values: Mapping[str, torch.Tensor], target: Callable[[str], Target]
     for base, saved in by_base.items():
         live, block, glob = target(base)
         if len(saved) == 1 and saved[0][1] is None and block[1] == glob:
-            plain[saved[0][0]] = values[saved[0][0]]
+            plain.append((live, values[saved[0][0]]))
             continue
         parts, covered = [], 0
         for key, chunk in saved:

@@ -15,7 +15,9 @@ that checks the format, so every reader gets the check.
 
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -170,13 +172,12 @@ def _raw_items(raw: dict[str, Any], where: str) -> tuple[Items, int]:
     """The items of a manifest with their keys and entry types checked, and their total
     bytes (each entry in full on first use: :class:`Items`)."""
     _check_keys(raw, where)
-    total = 0
-    for entry in raw.values():
-        nbytes = entry.get("nbytes", 0) if type(entry) is dict else None
-        if type(nbytes) is not int or nbytes < 0:
-            raise ManifestError(f"{where}: an item entry is not an object with a byte count")
-        total += nbytes
-    return Items(raw, where), total
+    entries = raw.values()
+    sizes = ([e.get("nbytes", 0) for e in entries] if set(map(type, entries)) <= {dict}
+             else [None])
+    if not set(map(type, sizes)) <= {int} or (sizes and min(sizes) < 0):
+        raise ManifestError(f"{where}: an item entry is not an object with a byte count")
+    return Items(raw, where), sum(sizes)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -284,7 +285,7 @@ class Manifest:
     format: str = FORMAT
 
     def __post_init__(self) -> None:
-        if self.format == FORMAT and any(CHUNK_MARK in k for k in self.keys):
+        if self.format == FORMAT and CHUNK_MARK in "".join(self.keys):
             object.__setattr__(self, "format", FORMAT_CHUNKS)  # see FORMAT_CHUNKS
 
     @property
@@ -367,7 +368,10 @@ MAX_EXPERTS = 1 << 16
 
 def _check_structure(structure: Mapping[str, Any], where: str) -> None:
     """The model structure: ``experts`` [prefix, layout, count] per MoE layer, ``params``
-    [name, shape, dtype], a ``fingerprint`` string."""
+    [name, shape, dtype], a ``fingerprint`` string. The manifests of one root repeat one
+    structure: one equal to the last that passed is not checked again."""
+    if structure == _last_structure[0]:
+        return
     experts, params = structure.get("experts"), structure.get("params")
     ok = isinstance(experts, list) and isinstance(params, list) and isinstance(
         structure.get("fingerprint"), str)
@@ -381,6 +385,20 @@ def _check_structure(structure: Mapping[str, Any], where: str) -> None:
                     for p in params)
     if not ok:
         raise ManifestError(f"{where}: manifest field 'structure' is malformed")
+    _last_structure[0] = copy.deepcopy(structure)
+
+
+_last_structure: list[Any] = [None]
+"""The last structure that passed _check_structure (a private copy: callers may mutate
+theirs)."""
+
+
+def _counts(rows: Any) -> bool:
+    """A list of lists of non-negative ints (not bools), checked at C speed."""
+    if type(rows) is not list or not set(map(type, rows)) <= {list}:
+        return False
+    values = list(itertools.chain.from_iterable(rows))
+    return set(map(type, values)) <= {int} and (not values or min(values) >= 0)
 
 
 def _check_bookkeeping(meta: Mapping[str, Any], where: str) -> None:
@@ -389,13 +407,10 @@ def _check_bookkeeping(meta: Mapping[str, Any], where: str) -> None:
     n_experts = [e[2] for e in meta["structure"]["experts"]]
     try:
         counts = meta["counts"]
-        if len(counts) != len(n_experts) or any(
-                len(row) != n or not all(_is_count(c) for c in row)
-                for row, n in zip(counts, n_experts)):
+        if not _counts(counts) or list(map(len, counts)) != n_experts:
             raise ValueError("counts do not match the experts per layer")
         for name in ("experts_saved", "experts_snapshot"):
-            rows = meta[name]
-            if not all(isinstance(r, list) and all(_is_count(e) for e in r) for r in rows):
+            if not _counts(meta[name]):
                 raise ValueError(name)
         if not all(isinstance(h, list) and len(h) == 2 and all(isinstance(x, int) for x in h)
                    for h in meta["k_history"]):
@@ -431,6 +446,8 @@ def _known_key(key: str) -> bool:
 def _check_chunks(keys: Mapping[str, Item], view: Mapping[str, str], fmt: str,
                   where: str) -> None:
     """Chunk keys (format 4 on) are well formed, and an item's shape is its chunk's."""
+    if CHUNK_MARK not in "".join(keys) and CHUNK_MARK not in "".join(view):
+        return  # the common case, at C speed
     for key in [k for k in keys if CHUNK_MARK in k] + [k for k in view if CHUNK_MARK in k]:
         if fmt != FORMAT_CHUNKS:
             raise ManifestError(f"{where}: {key[:80]!r} names a chunk, which format {fmt} "

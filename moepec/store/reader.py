@@ -8,6 +8,12 @@ tensors; ``torch_save`` items (stock DCP framing) are decoded with
 one open file, so a restore that stitches a view from many checkpoints makes one
 sequential pass per data file and no planning round trips.
 
+On a local disk, :func:`map_items` maps the data files instead (a private, copy-on-write
+``mmap``): raw items become tensors over the page cache with no allocation and no read
+copy, so verifying them and copying them into the live state once all are verified costs
+what a read straight into the live tensors costs, yet a failed restore leaves the live
+state untouched. A mapping is never written through to the file.
+
 Every path is confined to the checkpoint root: a data file is a plain name inside its
 checkpoint folder (the manifest's validation), and on a local disk the resolved path
 must lie inside the resolved root, so a symlink cannot lead out of it.
@@ -16,9 +22,10 @@ must lie inside the resolved root, so a symlink cannot lead out of it.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -44,15 +51,42 @@ def confined(root: str, *parts: str, local: bool) -> str:
     return path
 
 
-def read_items(fs, folder_parts: tuple[str, str], targets: Mapping[str, torch.Tensor],
-               items: Mapping[str, Item], *, local: bool) -> None:
-    """Fill ``targets`` (key -> preallocated tensor of the item's shape and dtype) from
-    the checkpoint folder ``root/name`` (``folder_parts``). Reads only; no collective;
-    any thread. Raises CheckpointError (or OSError) for anything missing, short or
-    inconsistent: the caller isolates the bad key."""
+def map_items(folder_parts: tuple[str, str], keys: Sequence[str],
+              items: Mapping[str, Item]) -> dict[str, torch.Tensor]:
+    """``keys`` of the local checkpoint folder ``root/name`` as tensors over private
+    mappings of their data files: raw items aligned to their dtype are mapped, any other
+    item is read into a new tensor. Reads only; any thread. Raises CheckpointError (or
+    OSError) for anything missing, short or inconsistent, as :func:`read_items`."""
     root, name = folder_parts
+    out: dict[str, torch.Tensor] = {}
+    for file, file_keys in _by_file(name, keys, items).items():
+        path = confined(root, name, file, local=True)
+        with open(path, "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            mapped = (mmap.mmap(stream.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None)
+            for key in file_keys:
+                item = items[key]
+                dtype = getattr(torch, item.dtype)
+                if item.offset + item.length > size:
+                    raise CheckpointError(f"{key}: {path} ends at byte {size}, the item at "
+                                          f"{item.offset}+{item.length} (truncated)")
+                if (mapped is not None and item.encoding == Encoding.RAW and item.length
+                        and item.offset % dtype.itemsize == 0):
+                    out[key] = torch.frombuffer(mapped, dtype=dtype,
+                                                count=item.length // dtype.itemsize,
+                                                offset=item.offset).view(item.shape)
+                else:
+                    out[key] = torch.empty(item.shape, dtype=dtype)
+                    _read_one(stream, key, item, out[key])
+    return out
+
+
+def _by_file(name: str, keys: Iterable[str], items: Mapping[str, Item]
+             ) -> dict[str, list[str]]:
+    """``keys`` grouped by data file, each group in offset order."""
     by_file: dict[str, list[str]] = defaultdict(list)
-    for key in targets:
+    for key in keys:
         item = items[key]
         if item.file is None:
             raise CheckpointError(
@@ -60,8 +94,19 @@ def read_items(fs, folder_parts: tuple[str, str], targets: Mapping[str, torch.Te
                 f"items are; this moepec does not read it (it would have to unpickle DCP's "
                 f".metadata). Restore it with the moepec that wrote it, or start a new run")
         by_file[item.file].append(key)
-    for file, keys in by_file.items():
-        keys.sort(key=lambda k: items[k].offset)
+    for file_keys in by_file.values():
+        file_keys.sort(key=lambda k: items[k].offset)
+    return by_file
+
+
+def read_items(fs, folder_parts: tuple[str, str], targets: Mapping[str, torch.Tensor],
+               items: Mapping[str, Item], *, local: bool) -> None:
+    """Fill ``targets`` (key -> preallocated tensor of the item's shape and dtype) from
+    the checkpoint folder ``root/name`` (``folder_parts``). Reads only; no collective;
+    any thread. Raises CheckpointError (or OSError) for anything missing, short or
+    inconsistent: the caller isolates the bad key."""
+    root, name = folder_parts
+    for file, keys in _by_file(name, targets, items).items():
         path = confined(root, name, file, local=local)
         with (open(path, "rb") if local else fs.open(path, "rb")) as stream:
             for key in keys:

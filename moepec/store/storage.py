@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,7 @@ from moepec.store.dcp_raw import (
     RawFsspecWriter,
 )
 from moepec.store.manifest import Encoding, Item, Manifest, Serialization, newest
-from moepec.store.reader import read_items
+from moepec.store.reader import map_items, read_items
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,14 @@ class Storage:
         locations its manifest's ``items`` record (moepec.store.reader: no unpickling,
         paths confined to the root). Reads only; no collective; any thread."""
         read_items(self.fs, (self.root, name), targets, items, local=self.local)
+
+    def map(self, name: str, keys: Sequence[str], items: Mapping[str, Item]
+            ) -> dict[str, torch.Tensor]:
+        """``keys`` of checkpoint ``name`` as tensors over private mappings of its data
+        files (local roots only: moepec.store.reader.map_items). Any thread."""
+        if not self.local:
+            raise CheckpointError(f"{self.url}: only a local root can be mapped")
+        return map_items((self.root, name), keys, items)
 
     # -- manifests -------------------------------------------------------------
     def write_manifest(self, manifest: Manifest) -> None:
@@ -245,6 +253,10 @@ class Storage:
         total = 0
         if self.local and os.path.islink(self._dir(name)):
             return 0  # not ours to measure: it points outside the root
+        if self.local:  # one scandir, not fsspec's per-file info calls
+            with os.scandir(self._dir(name)) as entries:
+                return sum(e.stat().st_size for e in entries
+                           if e.name != MANIFEST_NAME and e.is_file())
         for path, info in self.fs.find(self._dir(name), detail=True).items():
             if not path.endswith(MANIFEST_NAME):
                 total += int(info.get("size") or 0)
