@@ -10,7 +10,8 @@ Local paths use DCP's FileSystemWriter (fsync'd files); any other fsspec URL
 (``s3://``, ``memory://``, ...) uses DCP's FsspecWriter. By default items are stored as
 raw tensor bytes (``moepec.store.dcp_raw``: the same DCP metadata, no torch.save framing per
 item); ``serialization="torch_save"`` writes stock DCP that any DCP reader loads. Reads
-handle both. The manifest is written
+handle both. The chunks of a sharded tensor (chunk keys, moepec.keys) are DCP shards of
+that tensor, so a DCP reader reshards them onto any layout. The manifest is written
 atomically: on a local disk as a temporary file, fsync, rename (and the directory
 fsync'd); on object stores as one PUT of the final object, which appears whole
 or not at all.
@@ -130,7 +131,8 @@ class Storage:
         where every item of every rank landed (key -> Location).
 
         Collective over ``process_group`` when torch.distributed is initialised
-        (every rank of the group calls it, each with its own disjoint keys);
+        (every rank of the group calls it, each with its own disjoint keys; the chunk
+        keys of one tensor, from all ranks together, tile it exactly);
         otherwise single-process. Raises what the storage raised.
         """
         url = self.url_of(name)
@@ -361,20 +363,20 @@ class _SavePlanner(DefaultSavePlanner):
         for key, tensor in self.state_dict.items():
             base, chunk = split_chunk(key) if CHUNK_MARK in key else (key, None)
             if chunk is None:
-                offsets, size, kind = torch.Size([0] * tensor.dim()), tensor.size(), \
-                    WriteItemType.TENSOR
+                kind, offsets, size = WriteItemType.TENSOR, [0] * tensor.dim(), tensor.size()
             else:
-                offsets, size, kind = torch.Size(chunk[0]), torch.Size(chunk[2]), \
-                    WriteItemType.SHARD
+                kind, offsets, size = WriteItemType.SHARD, chunk[0], chunk[2]
                 if tuple(tensor.shape) != chunk[1]:
                     raise CheckpointError(f"{key}: the tensor is {list(tensor.shape)}, its "
                                           f"key names a {list(chunk[1])} chunk")
                 self._chunk_keys[(base, chunk[0])] = key
+            offsets = torch.Size(offsets)
             items.append(WriteItem(
                 index=MetadataIndex(base, offsets), type=kind,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=offsets, sizes=tensor.size()),
-                    properties=TensorProperties.create_from_tensor(tensor), size=size)))
+                    properties=TensorProperties.create_from_tensor(tensor),
+                    size=torch.Size(size))))
         self.plan = SavePlan(items)
         return self.plan
 
@@ -384,13 +386,15 @@ class _SavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
         plans, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)
-        errors = [e for e in _validate_global_plan(plans, metadata)
-                  if "invalid fill" not in e]  # checked below, in one process too
+        # DCP's check finds chunks out of bounds and overlapping ones (a sweep, not all
+        # pairs); its volume check runs only across several plans, so it is done here.
+        errors = [e for e in _validate_global_plan(plans, metadata) if "invalid fill" not in e]
         for key, md in metadata.state_dict_metadata.items():
             chunks = getattr(md, "chunks", None)
-            if chunks is not None and sum(math.prod(c.sizes) for c in chunks) != md.size.numel():
-                errors.append(f"the chunks of {key} hold {sum(math.prod(c.sizes) for c in chunks)}"
-                              f" of its {md.size.numel()} elements")
+            held = sum(math.prod(c.sizes) for c in chunks) if chunks is not None else 0
+            if chunks is not None and held != md.size.numel():
+                errors.append(f"the chunks of {key} hold {held} of its {md.size.numel()} "
+                              f"elements")
         if errors:
             raise CheckpointError(f"the items written do not tile their tensors: {errors[0]}"
                                   f" ({len(errors)} problems); moepec writes each block of a "
@@ -403,21 +407,18 @@ def _keys_of(metadata: Metadata) -> dict[MetadataIndex, str]:
     """The moepec key of every written item: its fqn, or the chunk key of a shard (a
     tensor written in several chunks, told apart by their offsets)."""
     out = {}
+    sizes: dict[str, dict[tuple[int, ...], torch.Size]] = {}
     for index in metadata.storage_data:
-        md = metadata.state_dict_metadata.get(index.fqn)
+        md = metadata.state_dict_metadata[index.fqn]
         chunks = getattr(md, "chunks", None)
         if not chunks or len(chunks) == 1:
             out[index] = index.fqn
-    by_fqn: dict[str, list[MetadataIndex]] = {}
-    for index in metadata.storage_data:
-        if index not in out:
-            by_fqn.setdefault(index.fqn, []).append(index)
-    for fqn, indices in by_fqn.items():
-        md = metadata.state_dict_metadata[fqn]
-        sizes = {tuple(c.offsets): c.sizes for c in md.chunks}
-        for index in indices:
-            offsets = tuple(index.offset)
-            out[index] = chunk_key(fqn, offsets, sizes[offsets], md.size)
+            continue
+        of = sizes.get(index.fqn)
+        if of is None:
+            of = sizes[index.fqn] = {tuple(c.offsets): c.sizes for c in chunks}
+        offsets = tuple(index.offset)
+        out[index] = chunk_key(index.fqn, offsets, of[offsets], md.size)
     return out
 
 
