@@ -177,26 +177,44 @@ def test_checksums_new_and_old_algorithm():
     assert tensor_checksum(t.view(10, 10)) != new
 
 
-def test_raw_writer_refuses_shards_with_the_fix(tmp_path):
-    from torch.distributed.checkpoint.filesystem import _StoragePrefix
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        MetadataIndex,
-        TensorProperties,
-    )
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    full = torch.zeros(4, 4)
-    shard = WriteItem(index=MetadataIndex("w", torch.Size([2, 0])), type=WriteItemType.SHARD,
-                      tensor_data=TensorWriteData(
-                          chunk=ChunkStorageMetadata(offsets=torch.Size([2, 0]),
-                                                     sizes=torch.Size([2, 4])),
-                          properties=TensorProperties.create_from_tensor(full),
-                          size=full.size()))
-    writer = RawFileSystemWriter(str(tmp_path / "c"))
-    (tmp_path / "c").mkdir()
-    with pytest.raises(ValueError, match="FileSystemWriter"):
-        writer.write_data(SavePlan([shard], storage_data=_StoragePrefix("__0_")), planner=None)
+@pytest.mark.parametrize("serialization", ["raw", "torch_save"])
+def test_chunk_keys_are_written_as_dcp_shards(tmp_path, serialization):
+    """Chunk keys become SHARD items of their base tensor: .metadata lists the tensor once
+    with all its chunks; moepec reads each chunk key at the location the write reported;
+    a DCP reader loads the whole tensor. Chunks that do not tile their tensor fail."""
+    g = torch.Generator().manual_seed(1)
+    w, e = torch.randn(5, 4, generator=g), torch.randn(3, 6, generator=g)
+    state = {"model/w#0,0+3,4:5,4": w[:3].clone(), "model/w#3,0+2,4:5,4": w[3:].clone(),
+             "experts/0/2/model/e#0,0+3,4:3,6": e[:, :4].clone(),
+             "experts/0/2/model/e#0,4+3,2:3,6": e[:, 4:].clone(),
+             "optim/w/step": torch.tensor(3.0)}
+    st = Storage(str(tmp_path), serialization=serialization)
+    name = "ckpt-000000-step00000000"
+    where = st.write(name, state)
+    assert set(where) == set(state)
+    md = FileSystemReader(str(tmp_path / name)).read_metadata()
+    assert set(md.state_dict_metadata) == {"model/w", "experts/0/2/model/e", "optim/w/step"}
+    chunks = md.state_dict_metadata["model/w"].chunks
+    assert md.state_dict_metadata["model/w"].size == w.shape
+    assert sorted((list(c.offsets), list(c.sizes)) for c in chunks) == [
+        ([0, 0], [3, 4]), ([3, 0], [2, 4])]
+    items = {k: Item(shape=list(v.shape), dtype="float32", nbytes=v.numel() * 4,
+                     file=where[k].file, offset=where[k].offset, length=where[k].length,
+                     encoding=where[k].encoding) for k, v in state.items()}
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    st.read(name, got, items)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    reader = (RawFileSystemReader if serialization == "raw" else FileSystemReader)(
+        str(tmp_path / name))
+    whole = {"model/w": torch.zeros(5, 4), "experts/0/2/model/e": torch.zeros(3, 6)}
+    dcp.load(whole, storage_reader=reader, no_dist=True)
+    assert torch.equal(whole["model/w"], w) and torch.equal(whole["experts/0/2/model/e"], e)
+    for bad in ({"model/w#0,0+3,4:5,4": w[:3]},  # a gap
+                {"model/w#0,0+3,4:5,4": w[:3], "model/w#2,0+3,4:5,4": w[2:]}):  # overlap
+        with pytest.raises(CheckpointException) as err:
+            Storage(str(tmp_path / "bad"), serialization=serialization).write(name, bad)
+        cause = root_cause(err.value)
+        assert isinstance(cause, CheckpointError) and "do not tile" in str(cause)
 
 
 def test_conjugate_views_and_fsspec_default_sync(tmp_path):

@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import moepec
 from moepec.errors import StructureMismatchError
-from moepec.keys import split_chunk
+from moepec.keys import parse_key, split_chunk
 from moepec.store.storage import Storage
 from tests import toy
 
@@ -55,10 +56,11 @@ def build(seed: int, world: int, expert_dim: int | None, n_experts: int = 4):
     return model, opt
 
 
-def manager(model, opt, path: str, counter) -> moepec.CheckpointManager:
+def manager(model, opt, path: str, counter, serialization: str = "raw"
+            ) -> moepec.CheckpointManager:
     cfg = moepec.CheckpointConfig(path=path, interval=1, k_persist=1, k_snapshot=1,
                                   async_snapshot=False, async_persist=False, keep_last=8,
-                                  timeout_s=60)
+                                  timeout_s=60, serialization=serialization)
     return moepec.CheckpointManager(model, opt, cfg, extra_state={"data": counter})
 
 
@@ -127,7 +129,8 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
                 torch.save(state, Path(out) / "ram-restored.pt")
             expert_dim = 1 - expert_dim  # and from storage, experts sharded the other way
         model, opt = build(7, world, expert_dim)
-        mgr = manager(model, opt, ckpt, counter)
+        # Its checkpoint (job "save") is stock DCP (torch_save), the ones before it raw.
+        mgr = manager(model, opt, ckpt, counter, "torch_save")
         report = mgr.restore()
         result.update(step=report.step, sources=report.sources, position=counter.position)
         state = full(model, opt)
@@ -138,6 +141,8 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
         mgr.close()
         if rank == 0:
             torch.save(state, Path(out) / f"{job}-restored.pt")
+        if job == "save":
+            _stock_load_resharded(rank, world, ckpt, out)
         if plain_ckpt:  # a checkpoint of plain tensors, into these shards
             model, opt = build(7, world, expert_dim)
             mgr = manager(model, opt, plain_ckpt, counter)
@@ -202,6 +207,37 @@ def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
     if rank == 0:
         torch.save(state, Path(out) / "ep2d-restored.pt")
     return report.sources
+
+
+def _stock_load_resharded(rank: int, world: int, ckpt: str, out: str) -> None:
+    """DCP's own ``dcp.load`` of the newest checkpoint (torch_save, FileSystemReader) and
+    of the one before it (raw, RawFileSystemReader) into DTensors of another layout: every
+    tensor of 2+ dims sharded on its last dim, the others replicated. Rank 0 keeps the
+    gathered tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from moepec.store.dcp_raw import RawFileSystemReader
+
+    mesh = init_device_mesh("cpu", (world,))
+    names = Storage(ckpt).committed()
+    for name, reader in ((names[-1], FileSystemReader), (names[-2], RawFileSystemReader)):
+        path = f"{ckpt}/{name}"
+        md = reader(path).read_metadata().state_dict_metadata
+        target = {}
+        for fqn, tmd in md.items():
+            assert isinstance(tmd, TensorStorageMetadata), fqn
+            t = torch.zeros(tmd.size, dtype=tmd.properties.dtype)
+            target[fqn] = t if t.dim() == 0 else distribute_tensor(
+                t, mesh, [Shard(t.dim() - 1) if t.dim() >= 2 else Replicate()],
+                src_data_rank=None)
+        dcp.load(target, storage_reader=reader(path))
+        whole = {k: v.full_tensor() if v.dim() else v for k, v in sorted(target.items())}
+        if rank == 0:
+            torch.save(whole, Path(out) / f"stock-{name}.pt")
 
 
 def _killed_save(rank: int, world: int, ckpt: str, counter) -> None:
@@ -344,6 +380,61 @@ def test_chunk_keys_and_views() -> None:
     assert new == {"model/w": "ckpt-000002-step00000002", "model/b": "ckpt-000001-step00000001"}
 
 
+def check_stock_loads(ckpt: Path, tmp: Path) -> None:
+    """The newest checkpoint (torch_save, stock FileSystemReader) and the one before it
+    (raw, RawFileSystemReader; another layout): .metadata describes each tensor once, its chunks those of the
+    manifest, tiling it, each where the manifest says; DCP's dcp.load reads it, in one
+    process into whole tensors and on the ranks into DTensors of another layout (rank 0
+    kept them in stock-<name>.pt), bit-exact: the non-expert state whole, each expert key
+    the expert's slice of its stacked tensor."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from moepec.store.dcp_raw import RawFileSystemReader
+
+    st = Storage(str(ckpt))
+    names = st.committed()
+    for name, reader, encoding in ((names[-1], FileSystemReader, "torch_save"),
+                                   (names[-2], RawFileSystemReader, "raw")):
+        m = st.read_manifest(name)
+        path = str(ckpt / name)
+        meta = reader(path).read_metadata()
+        md = meta.state_dict_metadata
+        assert not any("#" in fqn for fqn in md)
+        chunks: dict[str, set] = {}
+        for key, item in m.keys.items():
+            assert item.encoding == encoding, key
+            base, chunk = split_chunk(key)
+            offsets, sizes = chunk[:2] if chunk else ((0,) * len(item.shape), tuple(item.shape))
+            chunks.setdefault(base, set()).add((offsets, sizes))
+            info = meta.storage_data[MetadataIndex(base, offsets)]
+            assert (info.relative_path, info.offset, info.length) == (
+                item.file, item.offset, item.length), key
+        assert set(md) == set(chunks)
+        assert any(len(c) > 1 for c in chunks.values())
+        for base, saved in chunks.items():
+            assert {(tuple(c.offsets), tuple(c.sizes)) for c in md[base].chunks} == saved
+            assert sum(math.prod(s) for _, s in saved) == math.prod(md[base].size), base
+        plain = {k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in md.items()}
+        dcp.load(plain, storage_reader=reader(path), no_dist=True)
+        hist = torch.load(tmp / f"hist-s{m.step}.pt")
+        experts = 0
+        for key, value in plain.items():
+            if key.startswith("objects/"):
+                continue
+            info = parse_key(key)
+            if info.is_expert:
+                _, _, _, part, rest = key.split("/", 4)
+                want = hist[f"{part}/{rest}"][info.expert]
+                experts += 1
+            else:
+                want = hist[key]
+            assert value.dtype == want.dtype and torch.equal(value, want), key
+        assert experts and {k for k in hist if k.startswith("model/")
+                            and not EXPERT.match(k.split("/")[1])} <= set(plain)
+        assert_same(torch.load(tmp / f"stock-{name}.pt"), plain)
+
+
 def _indices(shape):
     import itertools
     return itertools.product(*(range(n) for n in shape))
@@ -387,6 +478,7 @@ def _save_and_restore(tmp_path: Path, world: int, expert_dim: int
         k: v["step"] for k, v in sources.items()}
     assert_same(torch.load(tmp_path / "save-restored.pt"), want)
     _check_manifest_rules(ckpt)
+    check_stock_loads(ckpt, tmp_path)
     # Export puts every shard in its place: the weights of the newest (sharded) view.
     from safetensors.torch import load_file
 

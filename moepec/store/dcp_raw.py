@@ -8,8 +8,8 @@ bytes: on this project's reference checkpoint (618 items, 94 MB) ``dcp.save`` wi
 
 These classes keep everything else of DCP: its planners, its collective save and
 load, its ``.metadata`` file and its per-item ``_StorageInfo`` (file, offset, length).
-Only the item bytes differ: each tensor is its contiguous storage bytes (native byte
-order), and its ``_StorageInfo.transform_descriptors`` is ``["moepec.raw/1"]``. A
+Only the item bytes differ: each tensor (or shard of a sharded tensor, at the offsets
+``.metadata`` records) is its contiguous storage bytes (native byte order), and its ``_StorageInfo.transform_descriptors`` is ``["moepec.raw/1"]``. A
 stock ``FileSystemReader`` meets that descriptor and stops with
 ``Unknown extension name='moepec.raw'`` instead of misreading the bytes; read such a
 checkpoint with :class:`RawFileSystemReader` (or ``moepec export --format dcp`` to
@@ -52,10 +52,11 @@ items need to be told apart from torch.save-framed ones."""
 
 class _RawWrite:
     """``write_data`` for FileSystemWriter and FsspecWriter: one file per rank, the
-    items back to back, fsync'd when the writer syncs files. Every tensor item must be
-    a whole tensor (one chunk): sharded tensors (DTensor, ShardedTensor) need the stock
-    writers. The stock writers' ``thread_count``, ``serialization_format`` and
-    ``_extensions`` options do not apply here."""
+    items back to back, fsync'd when the writer syncs files. A shard item (one chunk of a
+    sharded tensor: a DTensor's local shard, a moepec chunk key) is stored as the bytes of
+    that chunk; ``.metadata`` records its offsets and sizes, as for stock items. The stock
+    writers' ``thread_count``, ``serialization_format`` and ``_extensions`` options do not
+    apply here."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
@@ -64,13 +65,12 @@ class _RawWrite:
         offset = 0
         bufs = []
         for item in plan.items:
-            td = item.tensor_data
-            if td is not None and (any(td.chunk.offsets) or td.chunk.sizes != td.size):
-                raise ValueError(
-                    f"{item.index.fqn}: the raw DCP writer stores whole tensors only, got "
-                    f"a shard {list(td.chunk.sizes)} at {list(td.chunk.offsets)} of "
-                    f"{list(td.size)}; save sharded tensors with DCP's FileSystemWriter")
             data = planner.resolve_data(item)
+            td = item.tensor_data
+            if td is not None and tuple(data.shape) != tuple(td.chunk.sizes):
+                raise ValueError(f"{item.index.fqn}: the data of the chunk at "
+                                 f"{list(td.chunk.offsets)} is {list(data.shape)}, its "
+                                 f"metadata says {list(td.chunk.sizes)}")
             buf = data.getbuffer() if item.type == WriteItemType.BYTE_IO else tensor_bytes(data)
             info = _StorageInfo(name, offset, len(buf), transform_descriptors=[RAW_DESCRIPTOR])
             results.append(WriteResult(index=item.index, size_in_bytes=len(buf),
@@ -116,6 +116,19 @@ class _RawRead:
                               *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._tensor_md = metadata.state_dict_metadata
+        self._chunk_sizes: dict[str, dict[tuple[int, ...], torch.Size]] = {}
+
+    def _stored_size(self, fqn: str, offsets: tuple[int, ...], what: str) -> torch.Size:
+        """The sizes of the stored chunk of ``fqn`` at ``offsets`` (whole tensor: one)."""
+        md = self._tensor_md.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(f"{what}: .metadata does not describe it as a tensor")
+        sizes = self._chunk_sizes.get(fqn)
+        if sizes is None:
+            sizes = self._chunk_sizes[fqn] = {tuple(c.offsets): c.sizes for c in md.chunks}
+        if offsets not in sizes:
+            raise ValueError(f"{what}: .metadata has no chunk at {list(offsets)}")
+        return sizes[offsets]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         raw, other = [], []
@@ -145,10 +158,11 @@ class _RawRead:
             read_exact(stream, memoryview(buf), what)
             planner.load_bytes(req, io.BytesIO(bytes(buf)))
             return
-        md = self._tensor_md[req.storage_index.fqn]
-        if not isinstance(md, TensorStorageMetadata) or len(md.chunks) != 1:
-            raise ValueError(f"{what}: raw items are whole tensors (one chunk)")
-        size, dtype = md.chunks[0].sizes, md.properties.dtype
+        # A raw item holds one stored chunk (the whole tensor, or a shard at its offsets);
+        # the request reads ``lengths`` of it from ``storage_offsets`` (relative to it).
+        size = self._stored_size(req.storage_index.fqn,
+                                 tuple(req.storage_index.offset or ()), what)
+        dtype = self._tensor_md[req.storage_index.fqn].properties.dtype
         target = planner.resolve_tensor(req).detach()
         whole = list(req.lengths) == list(size) and not any(req.storage_offsets)
         if (whole and target.is_cpu and target.is_contiguous() and target.dtype == dtype
