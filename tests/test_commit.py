@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from moepec import CheckpointConfig, CheckpointManager
 from moepec.errors import (
@@ -341,10 +342,19 @@ def test_manifest_records_what_design_promises(tmp_path):
     manager, _ = _train(tmp_path / "c", steps=4)
     name = manager.storage.committed()[-1]
     m = json.loads((tmp_path / "c" / name / "moepec.json").read_text())  # as stored
-    for field in ("step", "keys", "view", "k_persist", "selection", "counts", "plt",
+    for field in ("step", "keys", "view_file", "k_persist", "selection", "counts", "plt",
                   "structure", "experts_saved", "bytes_per_rank"):
         assert field in m
     assert all(v["checksum"].startswith("xxh3:") for v in m["keys"].values())
-    assert manager.storage.read_manifest(name).to_json() == m  # the typed form round-trips
+    # The view is a file of its own, named by its checksum, which the manifest commits.
+    ref = m["view_file"]
+    blob = (tmp_path / "c" / name / ref["file"]).read_bytes()
+    assert len(blob) == ref["length"] and ref["checksum"] == "xxh3:" + xxhash.xxh3_64_hexdigest(
+        blob) and ref["file"] == f"view-{ref['checksum'][5:]}.json"
+    view = json.loads(blob)
+    assert view and set(view.values()) <= set(manager.storage.committed())
+    typed = manager.storage.read_manifest(name)
+    assert dict(typed.view) == view
+    assert typed.to_json() == m  # the typed form round-trips
     assert json.loads(json.dumps(m)) == m
     assert not os.path.exists(tmp_path / "c" / m["name"] / "moepec.json.tmp")

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 import moepec
 from moepec.errors import StructureMismatchError
 from moepec.keys import parse_key, split_chunk
+from moepec.store.manifest import FORMAT
 from moepec.store.storage import Storage
 from tests import toy
 
@@ -323,7 +324,7 @@ def check_shards(ckpt: Path, world: int, n: int = STEPS + 1) -> None:
     assert len(names) == n
     for name in names:
         m = st.read_manifest(name)
-        assert m.format == "moepec/4"
+        assert m.format == FORMAT
         assert all(b > 0 for b in m.bytes_per_rank) and len(m.bytes_per_rank) == world
         tiles: dict[str, list] = {}
         for key, item in m.keys.items():
@@ -345,19 +346,26 @@ def check_shards(ckpt: Path, world: int, n: int = STEPS + 1) -> None:
 
 def _check_manifest_rules(ckpt: Path) -> None:
     """A chunk key needs format 4 and a well-formed suffix (in items and in the view)."""
+    import xxhash
+
     from moepec.errors import ManifestError
-    from moepec.store.manifest import Manifest
+    from moepec.store.manifest import Manifest, ViewRef
 
     st = Storage(str(ckpt))
     name = st.committed()[-1]
     data = json.loads((ckpt / name / "moepec.json").read_text())
-    assert Manifest.from_json(data, name).format == "moepec/4"
-    chunk = next(k for k in data["view"] if "#" in k)
-    bad = [dict(data, format="moepec/3"),
-           dict(data, view={**data["view"], chunk.split("#")[0] + "#1,2": name})]
-    for d in bad:
-        with pytest.raises(ManifestError):
-            Manifest.from_json(d, name)
+    assert data["format"] == FORMAT
+    view = dict(st.read_manifest(name).view)
+    chunk = next(k for k in view if "#" in k)
+    inline = {k: v for k, v in data.items() if k != "view_file"}
+    with pytest.raises(ManifestError):  # chunk keys in a format that has none
+        Manifest.from_json(dict(inline, format="moepec/3", view=view), name)
+    blob = json.dumps({**view, chunk.split("#")[0] + "#1,2": name}).encode()
+    ref = ViewRef(file="v.json", length=len(blob),
+                  checksum="xxh3:" + xxhash.xxh3_64_hexdigest(blob))
+    bad = Manifest.from_json(dict(data, view_file=ref.to_json()), name, lambda r: blob)
+    with pytest.raises(ManifestError):  # a malformed chunk suffix in the view file
+        dict(bad.view)
 
 
 def test_chunk_keys_and_views() -> None:
@@ -584,7 +592,7 @@ def test_train_fsdp_checkpoints_and_resumes_in_one_process(tmp_path: Path) -> No
     assert len(names) == 2
     for name in names:
         m = st.read_manifest(name)
-        assert m.format == "moepec/4" and all(b > 0 for b in m.bytes_per_rank)
+        assert m.format == FORMAT and all(b > 0 for b in m.bytes_per_rank)
     run = subprocess.run([sys.executable, "-m", "moepec", "train", "--steps", "6", *common],
                          capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from moepec import CheckpointConfig, CheckpointManager
 from moepec.errors import MoepecError
@@ -104,6 +105,37 @@ def _mutate_manifest_bytes(rng, root, marker):
     return f"manifest bytes {what}"
 
 
+def _mutate_view(rng, root, marker):
+    """A view file's bytes flipped or cut, or its JSON changed with the length and checksum
+    the manifest records forged to match."""
+    path = rng.choice(_manifests(root))
+    doc = json.loads(path.read_text())
+    ref = doc["view_file"]
+    view_path = path.parent / ref["file"]
+    data = bytearray(view_path.read_bytes())
+    if rng.random() < 0.3:
+        if rng.random() < 0.5:
+            del data[rng.randrange(len(data)):]
+        else:
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        view_path.write_bytes(bytes(data))
+        return "view bytes damaged"
+    view = json.loads(data)
+    key = rng.choice(sorted(view))
+    r = rng.random()
+    if r < 0.3:
+        del view[key]
+    elif r < 0.6:
+        view[key] = rng.choice(sorted(set(view.values())))  # another real checkpoint
+    else:
+        view[rng.choice([key, "../../escape", "experts/0/9/model/x"])] = rng.choice(_ODD)
+    blob = json.dumps(view).encode()
+    view_path.write_bytes(blob)
+    ref.update(length=len(blob), checksum="xxh3:" + xxhash.xxh3_64_hexdigest(blob))
+    path.write_text(json.dumps(doc))
+    return "view changed (checksum forged)"
+
+
 def _mutate_metadata(rng, root, marker):
     folder = rng.choice(sorted(root.glob("ckpt-*")))
     payload = (pickle.dumps(_Payload(marker)) if rng.random() < 0.5
@@ -163,7 +195,7 @@ def _mutate_layout(rng, root, marker):
     return "lease garbage"
 
 
-MUTATIONS = [_mutate_json, _mutate_json, _mutate_json, _mutate_manifest_bytes,
+MUTATIONS = [_mutate_json, _mutate_json, _mutate_json, _mutate_manifest_bytes, _mutate_view,
              _mutate_metadata, _mutate_data, _mutate_data, _mutate_object, _mutate_layout]
 
 

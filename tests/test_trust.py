@@ -160,6 +160,31 @@ def test_a_bad_item_entry_is_never_used_and_restore_falls_back(tmp_path, caplog)
     assert all(torch.equal(now[k], saved[5][k]) for k in now if ".experts." not in k)
 
 
+def test_a_damaged_view_file_sends_restore_to_an_older_base_and_verify_says_so(tmp_path,
+                                                                              caplog):
+    # A manifest's view is a file of its own, read on first use (store.manifest.StoredView):
+    # one that fails its checksum is never used, restore falls back, verify reports it.
+    root = tmp_path / "c"
+    _, saved = _train(root)
+    newest = Storage(str(root)).committed()[-1]
+    ref = json.loads((root / newest / "moepec.json").read_text())["view_file"]
+    view_path = root / newest / ref["file"]
+    view = json.loads(view_path.read_bytes())
+    view[next(iter(view))] = newest  # plausible JSON, but not what the manifest commits
+    view_path.write_text(json.dumps(view))
+    mgr, model, opt = _fresh(root)
+    report = mgr.restore()
+    mgr.close()
+    assert report.step == 5 and report.checkpoint != newest
+    assert any("does not match the length and checksum" in r.message for r in caplog.records)
+    now = full_state(model, opt)
+    assert all(torch.equal(now[k], saved[5][k]) for k in now if ".experts." not in k)
+    res = verify_path(str(root))
+    assert not res.ok and any(newest in d and "view" in d for d in res.damaged_manifests)
+    view_path.unlink()  # a missing view file: the same
+    assert any(newest in d for d in verify_path(str(root)).damaged_manifests)
+
+
 def test_retention_deletes_a_symlinked_checkpoint_link_not_its_target(tmp_path):
     outside = tmp_path / "outside"
     root = tmp_path / "c"

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from moepec.errors import (
     CorruptCheckpointError,
     DistributedError,
+    ManifestError,
     ManifestFormatError,
     NoCheckpointError,
     StructureMismatchError,
@@ -188,11 +189,16 @@ class _Views:
         if not self.bases:
             raise NoCheckpointError(f"no committed checkpoint under {ctx.storage.url} and "
                                     f"no complete RAM snapshot")
-        if not ctx.catalog.covers_owned_experts(self.required_of(self.bases[0]),
-                                                ctx.weights_in_view):
-            raise NoCheckpointError(
-                f"{self.bases[0].name} does not hold every expert of the model (saved with "
-                f"a different ExpertSpec?); restore with the spec it was saved with")
+        for base in self.bases:  # the newest whose view can be read (recover skips others)
+            try:
+                required = self.required_of(base)
+            except ManifestError:
+                continue
+            if not ctx.catalog.covers_owned_experts(required, ctx.weights_in_view):
+                raise NoCheckpointError(
+                    f"{base.name} does not hold every expert of the model (saved with a "
+                    f"different ExpertSpec?); restore with the spec it was saved with")
+            break
 
     def head_for(self, base: Source) -> Manifest | None:
         name = self.ram_head if base.tier == Tier.RAM else base.name

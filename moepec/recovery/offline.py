@@ -42,7 +42,7 @@ class CheckpointRow:
 def inspect_path(path: str, storage_options: dict | None = None) -> dict[str, Any]:
     """Table of checkpoints and the view of the newest one."""
     st = Storage(path, storage_options)
-    found = committed_manifests(st)
+    found = committed_manifests(st, views=True)
     rows: list[CheckpointRow] = []
     for name, _ in found.listing:
         m = found.manifests.get(name)
@@ -107,7 +107,7 @@ def verify_path(path: str, storage_options: dict | None = None,
                 progress: Callable[[int, int], None] | None = None) -> VerifyResult:
     """Read every item of every committed checkpoint and compare checksums."""
     st = Storage(path, storage_options)
-    found = committed_manifests(st)
+    found = committed_manifests(st, views=True)
     res = VerifyResult(uncommitted=list(found.uncommitted),
                        damaged_manifests=[f"{n}: {e}" for n, e in found.damaged.items()])
     manifests = dict(found.manifests)
@@ -179,7 +179,7 @@ def read_view(path: str, storage_options: dict | None = None
               ) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """The newest committed view, every key read and verified: (manifest, key -> tensor)."""
     st = Storage(path, storage_options)
-    found = committed_manifests(st)
+    found = committed_manifests(st, views=True)
     if found.newer_format() is not None:
         raise found.newer_format()
     for name, exc in found.damaged.items():

@@ -207,6 +207,13 @@ def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]
     """
     warnings: list[str] = []
     for base in bases:
+        try:
+            units = _expert_units(required_of(base))
+        except ManifestError as exc:  # its view (read on first use) is damaged
+            msg = f"{base.name}: {exc}; trying an older checkpoint"
+            log.warning(msg)
+            warnings.append(msg)
+            continue
         ne_keys = [k for k in base.keys if not parse_key(k).is_expert
                    and (wanted is None or wanted(k))]
         values, bad = read_verified(base, ne_keys, verify, target)
@@ -216,7 +223,6 @@ def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]
             log.warning(msg)
             warnings.append(msg)
             continue
-        units = _expert_units(required_of(base))
         unit_source = _stitch(units, lineage_of(base), values, warnings, verify, target)
         return Recovered(values=values, base=base, unit_source=unit_source, warnings=warnings)
     raise CorruptCheckpointError(

@@ -18,31 +18,42 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import json
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
+
+import xxhash
 
 from moepec.errors import ManifestError, ManifestFormatError, MoepecError
 from moepec.keys import CHUNK_MARK, parse_checkpoint_name, parse_key, seq_of, split_chunk
 from moepec.policy.plt import PLTLedger
 from moepec.policy.selection import Selector
 
-FORMAT = "moepec/3"
+FORMAT = "moepec/5"
 FORMAT_CHUNKS = "moepec/4"
-"""4: some keys name chunks of sharded tensors (``<key>#<offsets>+<shape>:<global>``,
+"""5: the view is stored in its own file (:class:`ViewRef`, :class:`StoredView`), read only
+when it is used: a restore of a K=1 view of E experts parses E+1 manifests but only the
+base's view, and a view grows with the experts, so keeping it inline made that parse grow
+as E squared. Chunk keys as in 4.
+4: some keys name chunks of sharded tensors (``<key>#<offsets>+<shape>:<global>``,
 moepec.keys): written only by checkpoints of DTensor state, so that a moepec that does not
 know chunks stops with "upgrade moepec" instead of failing to place them; otherwise as 3.
 3: item locations (file, offset, length, encoding) in the manifest, objects as
 tagged JSON (no pickle). 2: items may be raw tensor bytes (moepec.store.dcp_raw; the manifest's
 ``serialization`` says which) and checksums XXH3 (``xxh3:``). 1: torch.save-framed
 items, XXH64."""
-KNOWN_FORMATS = ("moepec/1", "moepec/2", "moepec/3", "moepec/4")
-READABLE_FORMATS = ("moepec/3", "moepec/4")
+KNOWN_FORMATS = ("moepec/1", "moepec/2", "moepec/3", "moepec/4", "moepec/5")
+READABLE_FORMATS = ("moepec/3", "moepec/4", "moepec/5")
+CHUNK_FORMATS = ("moepec/4", "moepec/5")
+"""Formats whose keys may name chunks of sharded tensors."""
 """Formats whose items moepec reads: older ones store objects with pickle and need
 DCP's pickled ``.metadata`` to find items, neither of which moepec loads any more."""
+MAX_VIEW_BYTES = 1 << 30
+"""A view file may claim at most this many bytes (more is taken as damage)."""
 MAX_ANCESTORS = 512
 """Ancestors a manifest lists (its lineage); older ones are forgotten."""
 
@@ -276,17 +287,15 @@ class Manifest:
     """Its lineage, oldest first, at most MAX_ANCESTORS (the parent last)."""
     keys: Mapping[str, Item]
     """Every item this checkpoint wrote (all ranks); :class:`Items` when parsed."""
-    view: dict[str, str]
-    """Every key of the full state -> the checkpoint holding its newest copy."""
+    view: Mapping[str, str]
+    """Every key of the full state -> the checkpoint holding its newest copy (a
+    :class:`StoredView` when read from format 5 on: loaded on first use, ManifestError
+    when its file is missing or damaged)."""
     bytes_per_rank: list[int]
     bytes: int
     committed_at: float
     serialization: str
     format: str = FORMAT
-
-    def __post_init__(self) -> None:
-        if self.format == FORMAT and CHUNK_MARK in "".join(self.keys):
-            object.__setattr__(self, "format", FORMAT_CHUNKS)  # see FORMAT_CHUNKS
 
     @property
     def step(self) -> int:
@@ -296,20 +305,31 @@ class Manifest:
     def seq(self) -> int:
         return self.meta.seq
 
-    def to_json(self) -> dict[str, Any]:
-        """The flat JSON object stored as ``moepec.json``."""
+    def to_json(self, view_ref: ViewRef | None = None) -> dict[str, Any]:
+        """The flat JSON object stored as ``moepec.json``: with the reference to the view's
+        file (``view_ref``, or the one it was read with) from format 5 on, else the view
+        inline."""
         out = {name: getattr(self.meta, name) for name in _META_FIELDS}
         out.update(format=self.format, serialization=self.serialization, name=self.name,
                    parent=self.parent, ancestors=self.ancestors,
-                   keys={k: v.to_json() for k, v in self.keys.items()}, view=self.view,
+                   keys={k: v.to_json() for k, v in self.keys.items()},
                    bytes_per_rank=self.bytes_per_rank, bytes=self.bytes,
                    committed_at=self.committed_at)
+        if view_ref is None and isinstance(self.view, StoredView):
+            view_ref = self.view.ref
+        if view_ref is not None:
+            out["view_file"] = view_ref.to_json()
+        else:
+            out["view"] = dict(self.view)
         return out
 
     @classmethod
-    def from_json(cls, data: Any, where: str) -> Manifest:
-        """Parse a manifest; ``where`` names it in errors. Raises ManifestFormatError for a
-        format this moepec cannot read, ManifestError for anything else wrong."""
+    def from_json(cls, data: Any, where: str,
+                  read_view: Callable[[ViewRef], bytes] | None = None) -> Manifest:
+        """Parse a manifest; ``where`` names it in errors. ``read_view`` reads the bytes of
+        its view file (format 5 on; checked when the view is first used). Raises
+        ManifestFormatError for a format this moepec cannot read, ManifestError for
+        anything else wrong."""
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: the manifest is not a JSON object")
         fmt = data.get("format")
@@ -320,8 +340,10 @@ class Manifest:
                 f"upgrade moepec")
         for name, kind in _META_TYPES.items():
             _need(data, name, kind, where)
+        stored = fmt not in INLINE_VIEW_FORMATS
         for name, kind in (("name", str), ("keys", dict),
-                           ("view", dict), ("bytes_per_rank", list), ("bytes", int)):
+                           ("view_file" if stored else "view", dict),
+                           ("bytes_per_rank", list), ("bytes", int)):
             _need(data, name, kind, where)
         meta = {n: data[n] for n in _META_TYPES}
         for name, (kind, default) in _META_OPTIONAL.items():
@@ -330,9 +352,18 @@ class Manifest:
                 raise ManifestError(f"{where}: manifest field {name!r} is not a {kind.__name__}")
         ancestors = data.get("ancestors", [])
         _check_structure(data["structure"], where)
-        _check_names(data["name"], ancestors, data["view"], data.get("parent"), where)
+        if stored:
+            if read_view is None:
+                raise ManifestError(f"{where}: its view is in a file of its own, and no "
+                                    f"reader was given for it")
+            view: Mapping[str, str] = StoredView(ViewRef.from_json(data["view_file"], where),
+                                                 read_view, data["name"], fmt, where)
+        else:
+            view = data["view"]
+        _check_names(data["name"], ancestors, {} if stored else view, data.get("parent"),
+                     where)
         keys, total = _raw_items(data["keys"], where)
-        _check_chunks(keys, data["view"], fmt, where)
+        _check_chunks(keys, {} if stored else view, fmt, where)
         if total != data["bytes"]:
             raise ManifestError(f"{where}: the items' sizes do not add up to 'bytes'")
         _check_bookkeeping(meta, where)
@@ -340,9 +371,109 @@ class Manifest:
                    name=data["name"], parent=data.get("parent"),
                    ancestors=ancestors,
                    keys=keys,
-                   view=data["view"], bytes_per_rank=data["bytes_per_rank"],
+                   view=view, bytes_per_rank=data["bytes_per_rank"],
                    bytes=data["bytes"], committed_at=data.get("committed_at", 0.0),
                    serialization=data.get("serialization", "torch_save"), format=fmt)
+
+
+INLINE_VIEW_FORMATS = ("moepec/1", "moepec/2", "moepec/3", "moepec/4")
+
+
+@dataclass(frozen=True, slots=True)
+class ViewRef:
+    """Where a manifest's view is stored: a file of the checkpoint folder, its length and
+    XXH3 checksum (the manifest commits them: the file is written first)."""
+
+    file: str
+    length: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "length": self.length, "checksum": self.checksum}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], where: str) -> ViewRef:
+        file, length, checksum = d.get("file"), d.get("length"), d.get("checksum")
+        if not (type(file) is str and _plain_file(file) and type(length) is int
+                and 0 <= length <= MAX_VIEW_BYTES and type(checksum) is str
+                and checksum.startswith("xxh3:")):
+            raise ManifestError(f"{where}: manifest field 'view_file' is malformed")
+        return cls(file=file, length=length, checksum=checksum)
+
+
+def encode_view(view: Mapping[str, str]) -> tuple[bytes, str]:
+    """A view as stored in its file (compact JSON) and that file's name, which holds its
+    checksum: writing it again never changes a file another manifest names."""
+    data = json.dumps(dict(view), sort_keys=True, separators=(",", ":")).encode()
+    return data, f"view-{xxhash.xxh3_64_hexdigest(data)}.json"
+
+
+class StoredView(Mapping[str, str]):
+    """A format-5 manifest's view: read, checked against its length and checksum, parsed
+    and validated on first use (ManifestError when the file is missing or damaged; the
+    error is kept, so every later use raises it too)."""
+
+    __slots__ = ("ref", "_read", "_owner", "_fmt", "_where", "_view", "_error")
+
+    def __init__(self, ref: ViewRef, read: Callable[[ViewRef], bytes], owner: str,
+                 fmt: str, where: str) -> None:
+        self.ref, self._read, self._owner, self._fmt, self._where = ref, read, owner, fmt, where
+        self._view: dict[str, str] | None = None
+        self._error: ManifestError | None = None
+
+    def load(self) -> dict[str, str]:
+        """The view (read once). Raises ManifestError."""
+        if self._view is None:
+            if self._error is None:
+                try:
+                    self._view = self._parse()
+                except ManifestError as exc:
+                    self._error = exc
+            if self._error is not None:
+                raise self._error
+        return self._view
+
+    def _parse(self) -> dict[str, str]:
+        where = f"{self._where} view {self.ref.file}"
+        try:
+            data = self._read(self.ref)
+        except (OSError, MoepecError) as exc:
+            raise ManifestError(f"{where} cannot be read ({type(exc).__name__}: {exc}); the "
+                                f"checkpoint is damaged") from None
+        if len(data) != self.ref.length or \
+                f"xxh3:{xxhash.xxh3_64_hexdigest(data)}" != self.ref.checksum:
+            raise ManifestError(f"{where} does not match the length and checksum the manifest "
+                                f"records; the checkpoint is damaged")
+        try:
+            view = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            raise ManifestError(f"{where} is not valid JSON") from None
+        if type(view) is not dict:
+            raise ManifestError(f"{where} is not a JSON object")
+        _check_names(self._owner, [], view, None, where)
+        _check_chunks({}, view, self._fmt, where)
+        return view
+
+    def __getitem__(self, key: str) -> str:
+        return self.load()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.load()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.load())
+
+    def __len__(self) -> int:
+        return len(self.load())
+
+    def keys(self):  # noqa: ANN201 - the dict's own views: set operations at C speed
+        return self.load().keys()
+
+    def items(self):  # noqa: ANN201
+        return self.load().items()
+
+    def values(self):  # noqa: ANN201
+        return self.load().values()
 
 
 def meta_from_json(data: Any, where: str) -> CheckpointMeta:
@@ -449,7 +580,7 @@ def _check_chunks(keys: Mapping[str, Item], view: Mapping[str, str], fmt: str,
     if CHUNK_MARK not in "".join(keys) and CHUNK_MARK not in "".join(view):
         return  # the common case, at C speed
     for key in [k for k in keys if CHUNK_MARK in k] + [k for k in view if CHUNK_MARK in k]:
-        if fmt != FORMAT_CHUNKS:
+        if fmt not in CHUNK_FORMATS:
             raise ManifestError(f"{where}: {key[:80]!r} names a chunk, which format {fmt} "
                                 f"does not have")
         try:
@@ -531,7 +662,10 @@ def retained(manifests: Mapping[str, Manifest], keep_last: int) -> set[str]:
     heads = lineage(manifests, head)[:keep_last]
     keep = set(heads)
     for h in heads:
-        keep.update(manifests[h].view.values())
+        try:
+            keep.update(manifests[h].view.values())
+        except ManifestError:  # which checkpoints it needs is unknown: delete nothing older
+            return set(manifests)
     return keep
 
 

@@ -55,13 +55,14 @@ from torch.distributed.checkpoint.planner import (
 from moepec.errors import CheckpointError, ManifestError, ManifestFormatError, check_choice
 from moepec.keys import CHUNK_MARK, MANIFEST_NAME, chunk_key, parse_checkpoint_name, split_chunk
 from moepec.store import dcp_raw
+from moepec.store import manifest as mf
 from moepec.store.dcp_raw import (
     RAW_DESCRIPTOR,
     RawFileSystemWriter,
     RawFsspecWriter,
 )
 from moepec.store.manifest import Encoding, Item, Manifest, Serialization, newest
-from moepec.store.reader import map_items, read_items
+from moepec.store.reader import confined, map_items, read_items
 
 log = logging.getLogger(__name__)
 
@@ -177,11 +178,23 @@ class Storage:
 
         Called by the coordinator (rank 0) only, after every rank's data is written.
         """
-        # Compact: json's C encoder runs only without indent (5x faster for the ~1 MB
-        # manifest of a large model). `moepec inspect` is the human-readable view.
-        data = json.dumps(manifest.to_json(), sort_keys=True, separators=(",", ":")).encode()
         name = manifest.name
         final = f"{self._dir(name)}/{MANIFEST_NAME}"
+        ref = None
+        if manifest.format not in mf.INLINE_VIEW_FORMATS and not isinstance(
+                manifest.view, mf.StoredView):
+            # The view first, in a file named by its checksum (so it never replaces another
+            # manifest's view); the manifest that names it is the commit.
+            if self.fs.exists(final):
+                raise CheckpointError(f"{self.url}/{name} is committed already; a commit "
+                                      f"never overwrites a manifest")
+            blob, file = mf.encode_view(manifest.view)
+            self._write_file(f"{self._dir(name)}/{file}", blob)
+            ref = mf.ViewRef(file=file, length=len(blob), checksum="xxh3:" + file[5:-5])
+        # Compact: json's C encoder runs only without indent (5x faster for the ~1 MB
+        # manifest of a large model). `moepec inspect` is the human-readable view.
+        data = json.dumps(manifest.to_json(ref), sort_keys=True,
+                          separators=(",", ":")).encode()
         if self.local:
             tmp = final + ".tmp"
             with open(tmp, "wb") as f:
@@ -224,7 +237,24 @@ class Storage:
             raise ManifestError(
                 f"manifest of {where} is not valid JSON ({exc}); the checkpoint "
                 f"is damaged: delete that folder or run `moepec verify {self.url}`") from exc
-        return Manifest.from_json(data, where)
+        return Manifest.from_json(data, where, lambda ref: self._read_view(name, ref))
+
+    def _read_view(self, name: str, ref: mf.ViewRef) -> bytes:
+        """The bytes of a manifest's view file (at most one more than it claims: a longer
+        file fails the length check without being read whole). Any thread."""
+        path = confined(self.root, name, ref.file, local=self.local)
+        with (open(path, "rb") if self.local else self.fs.open(path, "rb")) as f:
+            return f.read(ref.length + 1)
+
+    def _write_file(self, path: str, data: bytes) -> None:
+        """Write a small file whole (fsync'd on a local disk)."""
+        if self.local:
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            self.fs.pipe_file(path, data)
 
     def list_checkpoints(self) -> list[tuple[str, bool]]:
         """(name, committed) for every checkpoint folder, oldest first by sequence."""
@@ -303,13 +333,15 @@ class Committed:
                     None)
 
 
-def committed_manifests(storage: Storage, known: Mapping[str, Manifest] | None = None
-                        ) -> Committed:
+def committed_manifests(storage: Storage, known: Mapping[str, Manifest] | None = None,
+                        views: bool = False) -> Committed:
     """Read and validate every committed manifest under ``storage``'s root: the one reader
     that restore, retention, inspect, verify and export use.
 
     ``known`` holds manifests read before (a committed manifest never changes), which are
-    not read again. Never raises for a damaged manifest: it is listed in ``damaged``.
+    not read again. ``views``: read every view now (offline tools), so a damaged view file
+    makes its manifest damaged; otherwise a view is read on first use (a restore reads
+    one). Never raises for a damaged manifest: it is listed in ``damaged``.
     Reads only; any rank may call it, on any thread.
     """
     listing = storage.list_checkpoints()
@@ -328,6 +360,12 @@ def committed_manifests(storage: Storage, known: Mapping[str, Manifest] | None =
             if manifest.name != name:  # a copied or renamed folder: its data is elsewhere
                 out.damaged[name] = ManifestError(
                     f"{storage.url}/{name}: the manifest names checkpoint {manifest.name!r}")
+                continue
+            try:
+                if views and isinstance(manifest.view, mf.StoredView):
+                    manifest.view.load()
+            except ManifestError as exc:
+                out.damaged[name] = exc
             else:
                 out.manifests[name] = manifest
     return out
