@@ -32,14 +32,16 @@ from tests import toy
 pytestmark = [pytest.mark.timeout(240)]
 STEPS = 4
 EXPERT = re.compile(r"^moe\.(\d+)\.experts\.(w1|w2)$")
+MODULE = re.compile(r"^moe\.(\d+)\.experts\.(\d+)\.(w1|w2)$")  # per-expert modules
 
 
 # -- building and running (in the spawned ranks and in the test process) ---------------
-def build(seed: int, world: int, expert_dim: int | None, n_experts: int = 4):
+def build(seed: int, world: int, expert_dim: int | None, n_experts: int = 4,
+          layout: str = "stacked"):
     """The toy MoE with AdamW: plain (``expert_dim`` None) or fully_shard over ``world``
     ranks with stacked experts sharded on ``expert_dim``."""
     torch.manual_seed(seed)
-    model = toy.ToyMoE(n_experts=n_experts)
+    model = toy.ToyMoE(n_experts=n_experts, layout=layout)
     if expert_dim is not None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -55,10 +57,10 @@ def build(seed: int, world: int, expert_dim: int | None, n_experts: int = 4):
     return model, opt
 
 
-def manager(model, opt, path: str, counter) -> moepec.CheckpointManager:
-    cfg = moepec.CheckpointConfig(path=path, interval=1, k_persist=1, k_snapshot=1,
-                                  async_snapshot=False, async_persist=False, keep_last=8,
-                                  timeout_s=60)
+def manager(model, opt, path: str, counter, **kw) -> moepec.CheckpointManager:
+    kw = {"k_snapshot": 1, **kw}
+    cfg = moepec.CheckpointConfig(path=path, interval=1, k_persist=1, async_snapshot=False,
+                                  async_persist=False, keep_last=8, timeout_s=60, **kw)
     return moepec.CheckpointManager(model, opt, cfg, extra_state={"data": counter})
 
 
@@ -125,9 +127,11 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
             mgr.close()
             if rank == 0:
                 torch.save(state, Path(out) / "ram-restored.pt")
+            result["lost_ram"] = _lost_ram(rank, world, expert_dim, ckpt + "-lost-ram", out)
             expert_dim = 1 - expert_dim  # and from storage, experts sharded the other way
         model, opt = build(7, world, expert_dim)
-        mgr = manager(model, opt, ckpt, counter)
+        # The save job reads straight into the DTensor shards (restore_in_place).
+        mgr = manager(model, opt, ckpt, counter, restore_in_place=job == "save")
         report = mgr.restore()
         result.update(step=report.step, sources=report.sources, position=counter.position)
         state = full(model, opt)
@@ -147,7 +151,22 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
             if rank == 0:
                 torch.save(state, Path(out) / "plain-into-fsdp.pt")
         if job == "save" and world == 4:  # the same ranks as a 2-D mesh, FSDP 2 x EP 2
+            model, opt = build_2d(7)  # FSDP 4's checkpoint, restored into it
+            mgr = manager(model, opt, ckpt, toy.Counter())
+            result["into_2d"] = mgr.restore().sources
+            state = full(model, opt)
+            mgr.close()
+            if rank == 0:
+                torch.save(state, Path(out) / "fsdp4-into-2d.pt")
             result["ep2d"] = _fsdp_x_ep(rank, ckpt + "-ep2d", out, toy.Counter())
+        if job == "restore":
+            # Plain data parallelism: every rank holds every tensor whole.
+            model, opt = build(7, 1, None)
+            mgr = manager(model, opt, ckpt, toy.Counter())
+            result["plain_dp"] = mgr.restore().sources
+            torch.save(full(model, opt), Path(out) / f"plain-dp-r{rank}.pt")
+            mgr.close()
+            result["modules"] = _modules(rank, world, ckpt + "-modules", out)
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         import traceback
@@ -157,18 +176,17 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
         dist.destroy_process_group()
 
 
-def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
-    """torchtitan's MoE layout on a 2-D mesh (dp 2 x ep 2): experts sharded over EP on dim
-    0 (Shard(0) on "ep") and over FSDP on dim 1, the rest fully_shard over all 4 ranks.
-    Steps with set gradients (the toy's forward is not expert parallel); a checkpoint per
-    step; then a restore from the RAM tier in the same processes."""
+def build_2d(seed: int):
+    """torchtitan's MoE layout on a 2-D mesh of 4 ranks (dp 2 x ep 2): experts sharded
+    over EP on dim 0 (Shard(0) on "ep") and over FSDP on dim 1, the rest fully_shard over
+    all 4 ranks (collective)."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = toy.ToyMoE(n_experts=4)
     for moe in model.moe:
         for name in ("w1", "w2"):
@@ -181,8 +199,12 @@ def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
         fully_shard(block, mesh=flat)
     fully_shard(model, mesh=flat)
     assert model.moe[0].experts.w1.placements == (Shard(1), Shard(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mgr = manager(model, opt, ckpt, counter)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _steps_with_set_gradients(model, opt, mgr, rank: int, out: str, tag: str) -> None:
+    """STEPS optimizer steps on set gradients (for layouts the toy's forward does not
+    drive), a checkpoint per step; rank 0 records the full state as ``{tag}-s{step}``."""
     for step in range(STEPS):
         for i, p in enumerate(model.parameters()):
             p.grad = torch.full_like(p, 0.01 * (step + 1) * (i + 1))
@@ -191,7 +213,15 @@ def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
         mgr.step(step)
         state = full(model, opt)
         if rank == 0:
-            torch.save(state, Path(out) / f"ep2d-s{step}.pt")
+            torch.save(state, Path(out) / f"{tag}-s{step}.pt")
+
+
+def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
+    """Training in :func:`build_2d`'s layout with set gradients (the toy's forward is not
+    expert parallel); then a restore from the RAM tier in the same processes."""
+    model, opt = build_2d(0)
+    mgr = manager(model, opt, ckpt, counter)
+    _steps_with_set_gradients(model, opt, mgr, rank, out, "ep2d")
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -202,6 +232,67 @@ def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
     if rank == 0:
         torch.save(state, Path(out) / "ep2d-restored.pt")
     return report.sources
+
+
+def _modules(rank: int, world: int, ckpt: str, out: str) -> dict:
+    """Experts as one module each (Hugging Face's layout), every expert module its own
+    fully_shard unit (each rank holds a dim-0 part of every expert): set-gradient steps
+    with a checkpoint each, then a storage restore into a fresh sharded model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build_modules(seed: int):
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(seed)
+        model = toy.ToyMoE(n_experts=4, layout="modules")
+        for moe in model.moe:
+            for expert in moe.experts:
+                fully_shard(expert, mesh=mesh)
+            fully_shard(moe, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert type(model.moe[0].experts[0].w1).__name__ == "DTensor"
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build_modules(0)
+    mgr = manager(model, opt, ckpt, toy.Counter())
+    _steps_with_set_gradients(model, opt, mgr, rank, out, "mod")
+    mgr.close()
+    model, opt = build_modules(7)
+    mgr = manager(model, opt, ckpt, toy.Counter())
+    report = mgr.restore()
+    state = full(model, opt)
+    mgr.close()
+    if rank == 0:
+        torch.save(state, Path(out) / "mod-restored.pt")
+    return report.sources
+
+
+def _lost_ram(rank: int, world: int, expert_dim: int, ckpt: str, out: str) -> dict:
+    """Every expert in RAM (K_snapshot 4), one in storage per checkpoint (K_persist 1);
+    after 2 steps rank 1 "restarts": its RAM snapshot is gone. Rank 0 serves what it holds
+    from RAM where no other holder of that expert lost it; the rest comes from storage."""
+    model, opt = build(0, world, expert_dim)
+    counter = toy.Counter()
+    mgr = manager(model, opt, ckpt, counter, k_snapshot=4)
+
+    def record(step: int) -> None:
+        state = full(model, opt)
+        if rank == 0:
+            torch.save(state, Path(out) / f"lost-s{step}.pt")
+
+    train(model, opt, mgr, counter, 0, 2, record)
+    if rank == 1:
+        mgr.ram_tier.drop()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    report = mgr.restore()
+    state = full(model, opt)
+    mgr.close()
+    if rank == 0:
+        torch.save(state, Path(out) / "lost-ram-restored.pt")
+    return {"tier": report.tier, "step": report.step, "sources": report.sources,
+            "keys_from": report.keys_from}
 
 
 def _killed_save(rank: int, world: int, ckpt: str, counter) -> None:
@@ -254,6 +345,10 @@ def expected(tmp: Path, base_step: int, sources: dict, hist: str = "hist"
     want = {k: v.clone() for k, v in hist[base_step].items()}
     for key, value in want.items():
         base = key.split("/")[1]
+        mod = MODULE.match(base)
+        if mod is not None:  # a whole tensor (and its own step counter) per expert
+            want[key] = hist[sources[f"{mod[1]}/{mod[2]}"]["step"]][key].clone()
+            continue
         m = EXPERT.match(base)
         if m is None or key.endswith("/step"):
             continue
@@ -349,8 +444,8 @@ def _indices(shape):
     return itertools.product(*(range(n) for n in shape))
 
 
-def restore_plain(ckpt: Path, n_experts: int = 4):
-    model, opt = build(7, 1, None, n_experts)
+def restore_plain(ckpt: Path, n_experts: int = 4, layout: str = "stacked"):
+    model, opt = build(7, 1, None, n_experts, layout)
     counter = toy.Counter()
     mgr = manager(model, opt, str(ckpt), counter)
     try:
@@ -380,6 +475,19 @@ def _save_and_restore(tmp_path: Path, world: int, expert_dim: int
     sources = merged(r["ram"]["sources"] for r in saved)
     want = expected(tmp_path, STEPS - 1, sources)
     assert_same(torch.load(tmp_path / "ram-restored.pt"), want)
+    # Rank 1 lost its RAM snapshot. Every expert ends at one step on all its holders
+    # (merged() checks the ranks agree) and the state is bit-exact. With whole experts
+    # per rank (dim 0), rank 0 serves its own from RAM at the newest step.
+    lost = [r["lost_ram"] for r in saved]
+    assert all(r["step"] == 1 for r in lost)
+    assert lost[1]["keys_from"].get("ram", 0) == 0 and lost[1]["keys_from"]["storage"] > 0
+    lost_sources = merged(r["sources"] for r in lost)
+    if expert_dim == 0:
+        assert lost[0]["keys_from"].get("ram", 0) > 0
+        mine = [k for k, v in lost[0]["sources"].items()]
+        assert mine and all(lost_sources[k]["tier"] == "ram" for k in mine)
+    assert_same(torch.load(tmp_path / "lost-ram-restored.pt"),
+                expected(tmp_path, 1, lost_sources, "lost"))
     # Partial checkpoints: some expert is stale, restored exactly at its saved step.
     assert any(s["step"] < STEPS - 1 for s in sources.values())
     from_storage = merged(r["sources"] for r in saved)
@@ -441,8 +549,27 @@ def test_fsdp4_and_fsdp_x_ep_restore_on_other_layouts(tmp_path: Path) -> None:
     ckpt, saved = _save_and_restore(tmp_path, 4, 0)
     res = spawn("restore", 2, tmp_path, ckpt, 0)
     assert all(r["step"] == STEPS for r in res)  # the newest: FSDP 4, experts on dim 1
-    want = expected(tmp_path, STEPS, merged(r["sources"] for r in res))
+    sources = merged(r["sources"] for r in res)
+    want = expected(tmp_path, STEPS, sources)
     assert_same(torch.load(tmp_path / "restore-restored.pt"), want)
+    # The same checkpoint at plain DP (2 ranks, whole tensors: both equal) and at
+    # FSDP 2 x EP 2 (the 4 ranks of the save job as a 2-D mesh).
+    steps = {k: v["step"] for k, v in sources.items()}
+    for r in (0, 1):
+        assert {k: v["step"] for k, v in res[r]["plain_dp"].items()} == steps
+        assert_same(torch.load(tmp_path / f"plain-dp-r{r}.pt"), want)
+    assert {k: v["step"] for k, v in merged(r["into_2d"] for r in saved).items()} == steps
+    assert_same(torch.load(tmp_path / "fsdp4-into-2d.pt"), want)
+    # Per-expert modules, each its own fully_shard unit: restored in those shards and in
+    # one process of plain tensors, stale experts (own step counters) at their steps.
+    mod_sources = merged(r["modules"] for r in res)
+    assert any(s["step"] < STEPS - 1 for s in mod_sources.values())
+    mod_want = expected(tmp_path, STEPS - 1, mod_sources, "mod")
+    assert_same(torch.load(tmp_path / "mod-restored.pt"), mod_want)
+    report, got, _ = restore_plain(Path(f"{ckpt}-modules"), layout="modules")
+    assert {k: v["step"] for k, v in report.sources.items()} == {
+        k: v["step"] for k, v in mod_sources.items()}
+    assert_same(got, mod_want)
     # FSDP 2 x EP 2 (2-D mesh).
     ckpt = Path(f"{ckpt}-ep2d")
     check_shards(ckpt, 4, STEPS)
