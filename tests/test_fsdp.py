@@ -631,7 +631,8 @@ def test_train_fsdp_checkpoints_and_resumes_in_one_process(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_train_fsdp_x_ep_survives_a_sigkill_and_resumes_in_one_process(tmp_path: Path) -> None:
+def test_train_fsdp_x_ep_survives_a_sigkill_and_resumes_in_one_process(
+        tmp_path: Path, text_files: Path) -> None:
     """`moepec train --fsdp --ep 2` on 4 ranks (dp 2 x ep 2): rank 1 is SIGKILLed at step
     5, torchrun restarts the workers, they restore from storage and finish. Every
     checkpoint's shards were each written once by their holder. Then one process of plain
@@ -649,7 +650,8 @@ def test_train_fsdp_x_ep_survives_a_sigkill_and_resumes_in_one_process(tmp_path:
     ckpt, repo = tmp_path / "ckpt", Path(__file__).resolve().parents[1]
     common = ["--config", "tiny", "--batch-size", "8", "--ckpt-dir", str(ckpt),
               "--ckpt-interval", "2", "--k", "1", "--device", "cpu", "--threads", "1",
-              "--no-progress", "--eval-batches", "0", "--steps", "6"]
+              "--no-progress", "--eval-batches", "0", "--steps", "6",
+              "--data", str(text_files / "**/*.txt")]  # a small corpus: quick to load
     # torch issue 135712: restarted workers need a rendezvous store of their own.
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
