@@ -34,14 +34,16 @@ from tests import toy
 pytestmark = [pytest.mark.timeout(240)]
 STEPS = 4
 EXPERT = re.compile(r"^moe\.(\d+)\.experts\.(w1|w2)$")
+MODULE = re.compile(r"^moe\.(\d+)\.experts\.(\d+)\.(w1|w2)$")  # per-expert modules
 
 
 # -- building and running (in the spawned ranks and in the test process) ---------------
-def build(seed: int, world: int, expert_dim: int | None, n_experts: int = 4):
+def build(seed: int, world: int, expert_dim: int | None, n_experts: int = 4,
+          layout: str = "stacked"):
     """The toy MoE with AdamW: plain (``expert_dim`` None) or fully_shard over ``world``
     ranks with stacked experts sharded on ``expert_dim``."""
     torch.manual_seed(seed)
-    model = toy.ToyMoE(n_experts=n_experts)
+    model = toy.ToyMoE(n_experts=n_experts, layout=layout)
     if expert_dim is not None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -57,11 +59,10 @@ def build(seed: int, world: int, expert_dim: int | None, n_experts: int = 4):
     return model, opt
 
 
-def manager(model, opt, path: str, counter, serialization: str = "raw"
-            ) -> moepec.CheckpointManager:
-    cfg = moepec.CheckpointConfig(path=path, interval=1, k_persist=1, k_snapshot=1,
-                                  async_snapshot=False, async_persist=False, keep_last=8,
-                                  timeout_s=60, serialization=serialization)
+def manager(model, opt, path: str, counter, **kw) -> moepec.CheckpointManager:
+    kw = {"k_snapshot": 1, **kw}
+    cfg = moepec.CheckpointConfig(path=path, interval=1, k_persist=1, async_snapshot=False,
+                                  async_persist=False, keep_last=8, timeout_s=60, **kw)
     return moepec.CheckpointManager(model, opt, cfg, extra_state={"data": counter})
 
 
@@ -128,10 +129,13 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
             mgr.close()
             if rank == 0:
                 torch.save(state, Path(out) / "ram-restored.pt")
+            result["lost_ram"] = _lost_ram(rank, world, expert_dim, ckpt + "-lost-ram", out)
             expert_dim = 1 - expert_dim  # and from storage, experts sharded the other way
         model, opt = build(7, world, expert_dim)
-        # Its checkpoint (job "save") is stock DCP (torch_save), the ones before it raw.
-        mgr = manager(model, opt, ckpt, counter, "torch_save")
+        # Its checkpoint (job "save") is stock DCP (torch_save), the ones before it raw;
+        # the save job reads straight into the DTensor shards (restore_in_place).
+        mgr = manager(model, opt, ckpt, counter, serialization="torch_save",
+                      restore_in_place=job == "save")
         report = mgr.restore()
         result.update(step=report.step, sources=report.sources, position=counter.position)
         state = full(model, opt)
@@ -153,7 +157,22 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
             if rank == 0:
                 torch.save(state, Path(out) / "plain-into-fsdp.pt")
         if job == "save" and world == 4:  # the same ranks as a 2-D mesh, FSDP 2 x EP 2
+            model, opt = build_2d(7)  # FSDP 4's checkpoint, restored into it
+            mgr = manager(model, opt, ckpt, toy.Counter())
+            result["into_2d"] = mgr.restore().sources
+            state = full(model, opt)
+            mgr.close()
+            if rank == 0:
+                torch.save(state, Path(out) / "fsdp4-into-2d.pt")
             result["ep2d"] = _fsdp_x_ep(rank, ckpt + "-ep2d", out, toy.Counter())
+        if job == "restore":
+            # Plain data parallelism: every rank holds every tensor whole.
+            model, opt = build(7, 1, None)
+            mgr = manager(model, opt, ckpt, toy.Counter())
+            result["plain_dp"] = mgr.restore().sources
+            torch.save(full(model, opt), Path(out) / f"plain-dp-r{rank}.pt")
+            mgr.close()
+            result["modules"] = _modules(rank, world, ckpt + "-modules", out)
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         import traceback
@@ -163,18 +182,17 @@ def _worker(rank: int, world: int, store: str, out: str, job: str, ckpt: str,
         dist.destroy_process_group()
 
 
-def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
-    """torchtitan's MoE layout on a 2-D mesh (dp 2 x ep 2): experts sharded over EP on dim
-    0 (Shard(0) on "ep") and over FSDP on dim 1, the rest fully_shard over all 4 ranks.
-    Steps with set gradients (the toy's forward is not expert parallel); a checkpoint per
-    step; then a restore from the RAM tier in the same processes."""
+def build_2d(seed: int):
+    """torchtitan's MoE layout on a 2-D mesh of 4 ranks (dp 2 x ep 2): experts sharded
+    over EP on dim 0 (Shard(0) on "ep") and over FSDP on dim 1, the rest fully_shard over
+    all 4 ranks (collective)."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = toy.ToyMoE(n_experts=4)
     for moe in model.moe:
         for name in ("w1", "w2"):
@@ -187,8 +205,12 @@ def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
         fully_shard(block, mesh=flat)
     fully_shard(model, mesh=flat)
     assert model.moe[0].experts.w1.placements == (Shard(1), Shard(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mgr = manager(model, opt, ckpt, counter)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _steps_with_set_gradients(model, opt, mgr, rank: int, out: str, tag: str) -> None:
+    """STEPS optimizer steps on set gradients (for layouts the toy's forward does not
+    drive), a checkpoint per step; rank 0 records the full state as ``{tag}-s{step}``."""
     for step in range(STEPS):
         for i, p in enumerate(model.parameters()):
             p.grad = torch.full_like(p, 0.01 * (step + 1) * (i + 1))
@@ -197,7 +219,15 @@ def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
         mgr.step(step)
         state = full(model, opt)
         if rank == 0:
-            torch.save(state, Path(out) / f"ep2d-s{step}.pt")
+            torch.save(state, Path(out) / f"{tag}-s{step}.pt")
+
+
+def _fsdp_x_ep(rank: int, ckpt: str, out: str, counter) -> dict:
+    """Training in :func:`build_2d`'s layout with set gradients (the toy's forward is not
+    expert parallel); then a restore from the RAM tier in the same processes."""
+    model, opt = build_2d(0)
+    mgr = manager(model, opt, ckpt, counter)
+    _steps_with_set_gradients(model, opt, mgr, rank, out, "ep2d")
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -239,6 +269,67 @@ def _stock_load_resharded(rank: int, world: int, ckpt: str, out: str) -> None:
         whole = {k: v.full_tensor() if v.dim() else v for k, v in sorted(target.items())}
         if rank == 0:
             torch.save(whole, Path(out) / f"stock-{name}.pt")
+
+
+def _modules(rank: int, world: int, ckpt: str, out: str) -> dict:
+    """Experts as one module each (Hugging Face's layout), every expert module its own
+    fully_shard unit (each rank holds a dim-0 part of every expert): set-gradient steps
+    with a checkpoint each, then a storage restore into a fresh sharded model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build_modules(seed: int):
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(seed)
+        model = toy.ToyMoE(n_experts=4, layout="modules")
+        for moe in model.moe:
+            for expert in moe.experts:
+                fully_shard(expert, mesh=mesh)
+            fully_shard(moe, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert type(model.moe[0].experts[0].w1).__name__ == "DTensor"
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build_modules(0)
+    mgr = manager(model, opt, ckpt, toy.Counter())
+    _steps_with_set_gradients(model, opt, mgr, rank, out, "mod")
+    mgr.close()
+    model, opt = build_modules(7)
+    mgr = manager(model, opt, ckpt, toy.Counter())
+    report = mgr.restore()
+    state = full(model, opt)
+    mgr.close()
+    if rank == 0:
+        torch.save(state, Path(out) / "mod-restored.pt")
+    return report.sources
+
+
+def _lost_ram(rank: int, world: int, expert_dim: int, ckpt: str, out: str) -> dict:
+    """Every expert in RAM (K_snapshot 4), one in storage per checkpoint (K_persist 1);
+    after 2 steps rank 1 "restarts": its RAM snapshot is gone. Rank 0 serves what it holds
+    from RAM where no other holder of that expert lost it; the rest comes from storage."""
+    model, opt = build(0, world, expert_dim)
+    counter = toy.Counter()
+    mgr = manager(model, opt, ckpt, counter, k_snapshot=4)
+
+    def record(step: int) -> None:
+        state = full(model, opt)
+        if rank == 0:
+            torch.save(state, Path(out) / f"lost-s{step}.pt")
+
+    train(model, opt, mgr, counter, 0, 2, record)
+    if rank == 1:
+        mgr.ram_tier.drop()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    report = mgr.restore()
+    state = full(model, opt)
+    mgr.close()
+    if rank == 0:
+        torch.save(state, Path(out) / "lost-ram-restored.pt")
+    return {"tier": report.tier, "step": report.step, "sources": report.sources,
+            "keys_from": report.keys_from}
 
 
 def _killed_save(rank: int, world: int, ckpt: str, counter) -> None:
@@ -291,8 +382,14 @@ def expected(tmp: Path, base_step: int, sources: dict, hist: str = "hist"
     want = {k: v.clone() for k, v in hist[base_step].items()}
     for key, value in want.items():
         base = key.split("/")[1]
+        if key.endswith("/step"):
+            continue  # Adam's step counter is a scalar: non-expert state, from the base
+        mod = MODULE.match(base)
+        if mod is not None:  # a whole tensor per expert
+            want[key] = hist[sources[f"{mod[1]}/{mod[2]}"]["step"]][key].clone()
+            continue
         m = EXPERT.match(base)
-        if m is None or key.endswith("/step"):
+        if m is None:
             continue
         for e in range(value.shape[0]):
             src = sources[f"{m[1]}/{e}"]["step"]
@@ -448,8 +545,8 @@ def _indices(shape):
     return itertools.product(*(range(n) for n in shape))
 
 
-def restore_plain(ckpt: Path, n_experts: int = 4):
-    model, opt = build(7, 1, None, n_experts)
+def restore_plain(ckpt: Path, n_experts: int = 4, layout: str = "stacked"):
+    model, opt = build(7, 1, None, n_experts, layout)
     counter = toy.Counter()
     mgr = manager(model, opt, str(ckpt), counter)
     try:
@@ -479,6 +576,20 @@ def _save_and_restore(tmp_path: Path, world: int, expert_dim: int
     sources = merged(r["ram"]["sources"] for r in saved)
     want = expected(tmp_path, STEPS - 1, sources)
     assert_same(torch.load(tmp_path / "ram-restored.pt"), want)
+    # Rank 1 lost its RAM snapshot. Every expert ends at one step on all its holders
+    # (merged() checks the ranks agree) and the state is bit-exact. With whole experts
+    # per rank (dim 0), rank 0's are at the newest step, served from its RAM.
+    lost = [r["lost_ram"] for r in saved]
+    assert all(r["step"] == 1 for r in lost)
+    assert lost[1]["keys_from"].get("ram", 0) == 0 and lost[1]["keys_from"]["storage"] > 0
+    lost_sources = merged(r["sources"] for r in lost)
+    if expert_dim == 0:
+        assert lost[0]["keys_from"].get("ram", 0) > 0
+        mine = list(lost[0]["sources"])  # at step 1: from RAM, or storage's copy of it
+        assert mine and all(lost_sources[k]["step"] == 1 for k in mine)
+        assert any(lost_sources[k]["tier"] == "ram" for k in mine)
+    assert_same(torch.load(tmp_path / "lost-ram-restored.pt"),
+                expected(tmp_path, 1, lost_sources, "lost"))
     # Partial checkpoints: some expert is stale, restored exactly at its saved step.
     assert any(s["step"] < STEPS - 1 for s in sources.values())
     from_storage = merged(r["sources"] for r in saved)
@@ -541,8 +652,27 @@ def test_fsdp4_and_fsdp_x_ep_restore_on_other_layouts(tmp_path: Path) -> None:
     ckpt, saved = _save_and_restore(tmp_path, 4, 0)
     res = spawn("restore", 2, tmp_path, ckpt, 0)
     assert all(r["step"] == STEPS for r in res)  # the newest: FSDP 4, experts on dim 1
-    want = expected(tmp_path, STEPS, merged(r["sources"] for r in res))
+    sources = merged(r["sources"] for r in res)
+    want = expected(tmp_path, STEPS, sources)
     assert_same(torch.load(tmp_path / "restore-restored.pt"), want)
+    # The same checkpoint at plain DP (2 ranks, whole tensors: both equal) and at
+    # FSDP 2 x EP 2 (the 4 ranks of the save job as a 2-D mesh).
+    steps = {k: v["step"] for k, v in sources.items()}
+    for r in (0, 1):
+        assert {k: v["step"] for k, v in res[r]["plain_dp"].items()} == steps
+        assert_same(torch.load(tmp_path / f"plain-dp-r{r}.pt"), want)
+    assert {k: v["step"] for k, v in merged(r["into_2d"] for r in saved).items()} == steps
+    assert_same(torch.load(tmp_path / "fsdp4-into-2d.pt"), want)
+    # Per-expert modules, each its own fully_shard unit: restored in those shards and in
+    # one process of plain tensors, stale experts at their steps.
+    mod_sources = merged(r["modules"] for r in res)
+    assert any(s["step"] < STEPS - 1 for s in mod_sources.values())
+    mod_want = expected(tmp_path, STEPS - 1, mod_sources, "mod")
+    assert_same(torch.load(tmp_path / "mod-restored.pt"), mod_want)
+    report, got, _ = restore_plain(Path(f"{ckpt}-modules"), layout="modules")
+    assert {k: v["step"] for k, v in report.sources.items()} == {
+        k: v["step"] for k, v in mod_sources.items()}
+    assert_same(got, mod_want)
     # FSDP 2 x EP 2 (2-D mesh).
     ckpt = Path(f"{ckpt}-ep2d")
     check_shards(ckpt, 4, STEPS)
@@ -558,7 +688,7 @@ def test_fsdp4_and_fsdp_x_ep_restore_on_other_layouts(tmp_path: Path) -> None:
 
 # -- the reference trainer ---------------------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
-    (["--fsdp", "--ep", "2"], "--fsdp with --ep 2"),
+    (["--fsdp", "--ep", "2", "-O", "expert_layout=modules"], "'modules' expert layout"),
     (["--fsdp"], "torchrun --nproc_per_node N -m moepec train --fsdp"),
 ])
 def test_train_fsdp_bad_layout_is_a_one_line_error(argv, message, capsys) -> None:
@@ -598,3 +728,71 @@ def test_train_fsdp_checkpoints_and_resumes_in_one_process(tmp_path: Path) -> No
     assert run.returncode == 0, run.stderr[-3000:]
     assert "restored step 3 from ckpt-000001-step00000003" in run.stderr
     assert len(st.committed()) == 3
+
+
+@pytest.mark.slow
+def test_train_fsdp_x_ep_survives_a_sigkill_and_resumes_in_one_process(
+        tmp_path: Path, text_files: Path) -> None:
+    """`moepec train --fsdp --ep 2` on 4 ranks (dp 2 x ep 2): rank 1 is SIGKILLed at step
+    5, torchrun restarts the workers, they restore from storage and finish. Every
+    checkpoint's shards were each written once by their holder. Then one process of plain
+    tensors (no --fsdp, no --ep) restores the newest view: weights, Adam moments and step
+    counters equal the saved items bit for bit, stale experts included."""
+    import os
+    import subprocess
+    import sys
+
+    from moepec.cli.main import build_parser, train_config_from_args
+    from moepec.recovery.offline import consolidate, read_view
+    from moepec.train.dist import DistInfo
+    from moepec.train.setup import setup
+
+    ckpt, repo = tmp_path / "ckpt", Path(__file__).resolve().parents[1]
+    common = ["--config", "tiny", "--batch-size", "8", "--ckpt-dir", str(ckpt),
+              "--ckpt-interval", "2", "--k", "1", "--device", "cpu", "--threads", "1",
+              "--no-progress", "--eval-batches", "0", "--steps", "6",
+              "--data", str(text_files / "**/*.txt")]  # a small corpus: quick to load
+    # torch issue 135712: restarted workers need a rendezvous store of their own.
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "4", "--max-restarts", "1", "-m", "moepec",
+                          "train", "--fsdp", "--ep", "2", "--faults", "sigkill@5:r1",
+                          "--dist-timeout", "30", "--log-interval", "1", "--out-dir",
+                          str(tmp_path), *common], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    faults = [json.loads(x) for x in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert [(f["kind"], f["rank"], f["step"]) for f in faults] == [("sigkill", 1, 5)]
+    recovery = [r for r in recs if r.get("event") == "recovery"]
+    assert len(recovery) == 1 and recovery[0]["tier"] == "storage"
+    assert recovery[0]["step"] in (1, 3)
+    assert json.loads((tmp_path / "summary.json").read_text())["final_step"] == 5
+    st = Storage(str(ckpt))
+    names = st.committed()
+    check_shards(ckpt, 4, len(names))
+    assert names[-1].endswith("step00000005")
+
+    # One process, plain tensors: the trainer's own set-up, then the library's restore.
+    args = build_parser().parse_args(["train", *common])
+    run1 = setup(train_config_from_args(args), DistInfo(0, 1, 0, False))
+    try:
+        report = run1.manager.restore()
+        assert report.step == 5
+        assert any(s["step"] < 5 for s in report.sources.values())  # stale experts
+        manifest, values = read_view(str(ckpt))
+        saved = consolidate(manifest, values)
+        n = 0
+        for name, p in run1.model.named_parameters():
+            assert torch.equal(p.detach(), saved[f"model.{name}"]), name
+            state = run1.optimizer.state[p]
+            assert set(state) == {"step", "exp_avg", "exp_avg_sq"}, name
+            for k, v in state.items():
+                assert torch.equal(v, saved[f"optim.{name}.{k}"]), (name, k)
+                n += 1
+        assert n == 3 * len(list(run1.model.parameters()))
+        assert float(run1.optimizer.state[p]["step"]) == 6  # 6 optimizer steps: 0..5
+        assert run1.loader.state_dict() is not None
+    finally:
+        run1.manager.close()

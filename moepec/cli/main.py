@@ -131,7 +131,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                         "the number of ranks and of experts (%(default)s)")
     g.add_argument("--fsdp", action="store_true", default=d("fsdp"),
                    help="shard the model with FSDP2 (fully_shard each block and the root over "
-                        "the ranks, as torchtitan does); each rank checkpoints its shards")
+                        "the ranks, as torchtitan does); each rank checkpoints its shards; "
+                        "with --ep N a 2-D (dp, ep) mesh, experts sharded over both")
     g.add_argument("--dist-timeout", type=float, default=d("dist_timeout_s"),
                    help="seconds to wait for other ranks (%(default)s)")
     g.add_argument("--jsonl", default=d("log_jsonl"), metavar="PATH",

@@ -286,10 +286,35 @@ def _gather_ram(ctx: RestoreContext, snaps: Snapshot | Sequence[Snapshot] | None
         choices.append((complete, seq, holders, owner, shapes, all_keys))
     complete, seq, holders, owner, shapes, all_keys = next(
         (c for c in choices if c[0]), choices[0])
+    owner = _whole_units(owner, all_keys)
     values = _broadcast_shares(ctx, by_seq.get(seq), owner, shapes)
     log.info("RAM snapshot %d: %d of %d keys survive on %d rank(s)%s", seq, len(owner),
              len(all_keys), len(holders), "" if complete else " (not a complete base)")
     return _ram_source(f"ram:{seq}", holders[0][1]["meta"], values, complete)
+
+
+def _whole_units(owner: Mapping[str, int], all_keys: Sequence[str]) -> dict[str, int]:
+    """``owner`` without the expert units (layer, expert, part) of which some key is lost.
+
+    A unit sharded over ranks (DTensor chunks) whose chunks were snapshotted by several
+    ranks must come from one copy on all of them: were the survivors' chunks served from
+    RAM and a restarted rank's from storage (an older step), the expert would be stitched
+    from two steps. Dropped from the RAM source on every rank alike (``owner`` and
+    ``all_keys`` are the same everywhere), the whole unit comes from storage.
+    """
+    lost = set()
+    for k in all_keys:
+        info = parse_key(k)
+        if info.is_expert and k not in owner:
+            lost.add((info.layer, info.expert, info.part))
+    if not lost:
+        return dict(owner)
+    kept = {}
+    for k, r in owner.items():
+        info = parse_key(k)
+        if not info.is_expert or (info.layer, info.expert, info.part) not in lost:
+            kept[k] = r
+    return kept
 
 
 def _broadcast_shares(ctx: RestoreContext, held: Mapping[str, torch.Tensor] | None,

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor
 
 from moepec.models.parallel import NO_EXPERT_PARALLEL, ExpertParallel
 
@@ -115,9 +116,30 @@ class GroupedExperts(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(n_experts, d_model))  # [E, D]
 
     def expert_tensors(self, e: int) -> tuple[torch.Tensor, ...]:
+        """Local expert ``e``'s (w1, b1, w2, b2).
+
+        Under FSDP x EP (torchtitan's layout) the parameters are DTensors sharded over
+        the EP mesh dim on dim 0 (FSDP has all-gathered the dp dim for the forward): the
+        rank's own experts are the local tensor, which ``to_local()`` gives with autograd.
+        """
         # Slices along dim 0 are contiguous views, so ffn() sees the same memory layout
         # as the modules layout and computes the same bits.
-        return self.w1[e], self.b1[e], self.w2[e], self.b2[e]
+        return tuple(_local(t)[e] for t in (self.w1, self.b1, self.w2, self.b2))
+
+    def forward(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows of ``grouped`` [N, D], grouped by local expert (``counts[i]`` rows for
+        expert i, in order) -> each row through its expert, same order [N, D].
+
+        Every expert runs, even on zero rows, so each gets a (possibly zero) gradient.
+        A module call rather than a loop in the caller, so FSDP's hooks (all-gather
+        before, reduce-scatter of the gradients after) run when the experts are their
+        own FSDP unit, as under FSDP x EP.
+        """
+        ys, start = [], 0
+        for i, n in enumerate(counts):
+            ys.append(ffn(grouped[start:start + n], *self.expert_tensors(i)))
+            start += n
+        return torch.cat(ys)
 
 
 class MoEFeedForward(nn.Module):
@@ -240,19 +262,28 @@ class MoEFeedForward(nn.Module):
         order = torch.sort(row_expert, stable=True).indices
         per_expert = recv_counts.sum(dim=0).tolist()
         grouped = recv[order]
-        ys, start = [], 0
-        # Every local expert runs, even on zero tokens, as in _experts_local.
-        for i in range(L):
-            end = start + per_expert[i]
-            ys.append(ffn(grouped[start:end], *self._expert_tensors(i)))
-            start = end
+        if isinstance(self.experts, GroupedExperts):
+            y = self.experts(grouped, per_expert)
+        else:
+            ys, start = [], 0
+            # Every local expert runs, even on zero tokens, as in _experts_local.
+            for i in range(L):
+                end = start + per_expert[i]
+                ys.append(ffn(grouped[start:end], *self._expert_tensors(i)))
+                start = end
+            y = torch.cat(ys)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = torch.cat(ys)[inverse]  # back to source-rank-major order
+        y = y[inverse]  # back to source-rank-major order
 
         back = _all_to_all(y, send_splits, recv_splits, group)  # [N_kept, D], send order
         out = torch.zeros_like(tokens)
         return out.index_add_(0, kept_token, back * kept_gate[:, None].to(back.dtype))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's local part of a DTensor (differentiable); a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],

@@ -98,14 +98,15 @@ class TrainConfig:
     """After a failed step, rebuild and resume from the last checkpoint this many times."""
     return_state: bool = False
     """Put the final model state dict (on CPU) into TrainResult.model_state (under expert
-    parallelism: this rank's experts only, local indices)."""
+    parallelism: this rank's experts only, local indices; under --fsdp: full tensors)."""
     ep: int = 1
     """Expert-parallel degree: ranks that split each MoE layer's experts between them;
     must divide the number of ranks and n_experts. 1: every rank holds every expert."""
     fsdp: bool = False
     """Shard the model as torchtitan does (FSDP2): ``fully_shard`` every transformer block
     and the root over the data-parallel ranks, so parameters and optimizer state are
-    DTensor shards and each rank checkpoints its own. Not combined with ``ep`` > 1 yet."""
+    DTensor shards and each rank checkpoints its own. With ``ep`` > 1 a 2-D (dp, ep) mesh as
+    torchtitan builds it: stacked experts sharded over ep on dim 0 and over dp on dim 1."""
 
     def __post_init__(self) -> None:
         model_cfg = self.model_config()  # raises for unknown names or overrides
@@ -120,9 +121,12 @@ class TrainConfig:
         _need(model_cfg.n_experts % self.ep == 0,
               f"ep={self.ep} does not divide n_experts={model_cfg.n_experts}; use an --ep "
               "that divides the number of experts")
-        _need(not (self.fsdp and self.ep > 1),
-              f"--fsdp with --ep {self.ep} (a 2-D FSDP x EP mesh) is not supported by the "
-              f"reference trainer yet; use --fsdp alone or --ep alone")
+        # DTensor placements give a stacked [E, ...] tensor's global expert ids; one
+        # module per expert has no such tensor to shard over the EP dim.
+        _need(not (self.fsdp and self.ep > 1 and model_cfg.expert_layout != "stacked"),
+              f"--fsdp with --ep {self.ep} shards stacked experts over the EP dim; the "
+              f"{model_cfg.expert_layout!r} expert layout has none: drop "
+              "-O expert_layout=... or use --fsdp alone or --ep alone")
 
     def _check_numbers(self) -> None:
         _need(self.steps >= 1, f"steps must be >= 1, got {self.steps}")

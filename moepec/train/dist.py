@@ -188,9 +188,16 @@ def average_gradients_ep(model: nn.Module, ep: ExpertParallel,
     gradients are averaged over ``world_group`` (the default group: all W ranks, as in
     :func:`average_gradients`). Expert gradients are summed over ``ep.expert_dp_group``
     and divided by W. Without expert parallelism this is :func:`average_gradients`.
-    A model sharded with FSDP2 (``fully_shard``) has averaged its gradients itself.
+    A model sharded with FSDP2 (``fully_shard``) has averaged its gradients itself; under
+    FSDP x EP the experts' FSDP unit averaged over the dp mesh dim only, a sum over the
+    ep ranks' losses (see below) / dp, so they are divided by ep here (local).
     """
     if _fully_sharded(model):
+        if ep.enabled:
+            with torch.no_grad():
+                for p in split_expert_parameters(model)[0]:
+                    if p.grad is not None:
+                        p.grad.div_(ep.size)
         return
     if not ep.enabled:
         average_gradients(model.parameters(), world_group)
@@ -220,11 +227,37 @@ def clip_grad_norm_ep(model: nn.Module, max_norm: float, ep: ExpertParallel) -> 
         full = getattr(norm, "full_tensor", None)  # DTensor gradients (FSDP2)
         return float(full() if full is not None else norm)
     expert, other = split_expert_parameters(model)
+    if _fully_sharded(model):
+        return _clip_sharded(expert, other, max_norm)
     other_norm = nn.utils.get_total_norm([p.grad for p in other if p.grad is not None])
     expert_norm = nn.utils.get_total_norm([p.grad for p in expert if p.grad is not None])
     expert_sq = all_reduce_sum(expert_norm.double().pow(2).reshape(1), ep.group)
     total = (other_norm.double().pow(2) + expert_sq[0]).sqrt().to(other_norm.dtype)
     nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+    return float(total)
+
+
+def _clip_sharded(expert: list[nn.Parameter], other: list[nn.Parameter], max_norm: float
+                  ) -> float:
+    """clip_grad_norm_ of FSDP x EP (collective over all ranks): expert gradients are
+    DTensors on the (dp, ep) mesh, the others on the flat one. A norm is reduced per
+    mesh (``full_tensor``: every element counted once) and the two combine, as
+    torchtitan's clipping under EP does; torch's clip cannot mix the two meshes."""
+    def norm(params: list[nn.Parameter]) -> torch.Tensor:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64)
+        n = nn.utils.get_total_norm(grads)
+        full = getattr(n, "full_tensor", None)
+        return (full() if full is not None else n).double()
+
+    total = torch.sqrt(norm(expert).pow(2) + norm(other).pow(2)).float()
+    # torch's clip_grads_with_norm_ formula, in the gradients' dtype (float32).
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    with torch.no_grad():
+        for p in (*expert, *other):
+            if p.grad is not None:
+                p.grad.mul_(coef)
     return float(total)
 
 

@@ -15,7 +15,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from moepec.errors import ConfigError
 from moepec.models import GPTMoE, GPTMoEConfig
-from moepec.models.parallel import ExpertParallel, init_expert_parallel
+from moepec.models.parallel import NO_EXPERT_PARALLEL, ExpertParallel, init_expert_parallel
 from moepec.train import dist
 from moepec.train.config import Device, TrainConfig
 from moepec.train.data import TokenLoader, eval_batches, load_corpus
@@ -101,22 +101,69 @@ def _build_model(cfg: TrainConfig, model_cfg: GPTMoEConfig, ep: ExpertParallel,
     return model
 
 
-def _fully_shard(model: GPTMoE, device: torch.device, info: dist.DistInfo) -> None:
-    """FSDP2 over all ranks, as torchtitan applies it: every transformer block is its own
-    unit (all-gathered for its forward and backward, then freed), the root holds the
-    rest (embeddings, final norm, head). Parameters become DTensors sharded on dim 0;
-    FSDP averages the gradients (reduce-scatter), so the step does not."""
+def _fsdp_mesh(cfg: TrainConfig, device: torch.device, info: dist.DistInfo):
+    """The device mesh of ``--fsdp`` (collective: every rank creates its groups).
+
+    1-D over all ranks; with ``--ep N`` torchtitan's 2-D (dp, ep) mesh, row-major, so an
+    EP group is N contiguous ranks as :func:`moepec.models.parallel.init_expert_parallel`
+    lays them out.
+    """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     if not torch.distributed.is_initialized():
         raise ConfigError("--fsdp shards the model over the ranks of a torchrun job; run "
                           "`torchrun --nproc_per_node N -m moepec train --fsdp ...` (one "
                           "process has nothing to shard over)")
-    mesh = init_device_mesh(device.type, (info.world_size,))
+    if cfg.ep == 1:
+        return init_device_mesh(device.type, (info.world_size,))
+    return init_device_mesh(device.type, (info.world_size // cfg.ep, cfg.ep),
+                            mesh_dim_names=("dp", "ep"))
+
+
+def _mesh_expert_parallel(mesh) -> ExpertParallel:
+    """The model's EP view of a (dp, ep) mesh: token all-to-all over the ``ep`` dim, expert
+    replicas along ``dp`` (no new groups: the mesh's)."""
+    return ExpertParallel(rank=mesh.get_local_rank("ep"), size=mesh["ep"].size(),
+                          group=mesh["ep"].get_group(), expert_dp_group=mesh["dp"].get_group())
+
+
+def _fully_shard(model: GPTMoE, mesh, info: dist.DistInfo) -> None:
+    """FSDP2 as torchtitan applies it: every transformer block is its own unit
+    (all-gathered for its forward and backward, then freed), the root holds the rest
+    (embeddings, final norm, head). Parameters become DTensors sharded on dim 0; FSDP
+    averages the gradients (reduce-scatter), so the step does not.
+
+    On a 2-D (dp, ep) mesh the stacked experts of each MoE layer (this rank's E/ep
+    experts, built by the EP model) become DTensors sharded over ``ep`` on dim 0, then
+    their own FSDP unit over ``dp`` sharded on dim 1, so the two shardings do not
+    collide: placements (Shard(1), Shard(0)). Everything else is sharded over all ranks
+    (a flat mesh), as torchtitan's dp_shard with EP borrowing its ranks: non-expert
+    weights are replicated over the EP dim anyway, so sharding them over the whole world
+    rather than over dp alone divides their memory by ep more and costs the same
+    reduce-scatter. An expert's gradient on its holder sums the losses of its EP group's
+    ranks and FSDP averages it over dp, so it is ep times the data-parallel mean:
+    :func:`moepec.train.dist.average_gradients_ep` divides it by ep (torchtitan sets
+    ``set_gradient_divide_factor`` instead, whose PREMUL_SUM gloo lacks).
+    """
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    flat = mesh
+    if mesh.ndim == 2:
+        flat = init_device_mesh(mesh.device_type, (info.world_size,))
+        for block in model.blocks:
+            experts = getattr(block.ffn, "experts", None)
+            if experts is None:
+                continue
+            for name, p in list(experts.named_parameters(recurse=False)):
+                local = DTensor.from_local(p.detach(), mesh["ep"], [Shard(0)], run_check=False)
+                setattr(experts, name, nn.Parameter(local))
+            fully_shard(experts, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=flat)
+    fully_shard(model, mesh=flat)
 
 
 def setup(cfg: TrainConfig, info: dist.DistInfo) -> Run:
@@ -127,14 +174,20 @@ def setup(cfg: TrainConfig, info: dist.DistInfo) -> Run:
     _check_world(cfg, info)
     device = device_for(cfg, info)
     loader, val = _load_data(cfg, info, model_cfg.seq_len)
-    # Collective: every rank creates every EP group (a no-op for ep=1).
-    ep = init_expert_parallel(cfg.ep, cfg.dist_timeout_s)
+    # Collective: every rank creates every EP group (a no-op for ep=1), or the mesh.
+    mesh = _fsdp_mesh(cfg, device, info) if cfg.fsdp else None
+    if mesh is not None and mesh.ndim == 2:
+        ep = _mesh_expert_parallel(mesh)
+    else:
+        ep = init_expert_parallel(cfg.ep, cfg.dist_timeout_s)
     model = _build_model(cfg, model_cfg, ep, device, info)
-    if cfg.fsdp:
-        _fully_shard(model, device, info)  # before the optimizer: it holds the shards
+    if mesh is not None:
+        _fully_shard(model, mesh, info)  # before the optimizer: it holds the shards
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
-    manager = build_manager(cfg, model, optimizer, scheduler, loader, ep)
+    # Under FSDP the DTensor placements say which experts a rank holds.
+    manager = build_manager(cfg, model, optimizer, scheduler, loader,
+                            NO_EXPERT_PARALLEL if cfg.fsdp else ep)
     if info.rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         log.info("training %s (%.2fM params) on %d rank(s), ep %d%s, %s, %d steps, "

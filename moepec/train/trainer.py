@@ -248,7 +248,8 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult, train_time: float,
     result.tokens_per_s = result.tokens / train_time if train_time > 0 else 0.0
     result.wall_time_s = time.perf_counter() - t_start
     if cfg.return_state:
-        result.model_state = {k: v.detach().cpu().clone()
+        # DTensors (--fsdp) are all-gathered (collective: every rank runs _finish).
+        result.model_state = {k: getattr(v, "full_tensor", v.detach)().detach().cpu().clone()
                               for k, v in run.model.state_dict().items()}
 
 
