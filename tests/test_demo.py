@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from moepec.cli import demo
 from moepec.cli import main as cli
 from moepec.cli.demo import DemoSettings, _train_cmd, run_demo
 
@@ -30,7 +32,7 @@ def test_demo_runs_are_the_train_configs_its_workers_parse(tmp_path, faulty, ran
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_demo_end_to_end(tmp_path):
+def test_demo_end_to_end(tmp_path, monkeypatch):
     s = DemoSettings(config="tiny", steps=60, ckpt_interval=6, batch_size=8,
                      faults="sigkill@20:r1,kill_persist@33:r0,enospc@40,exception@52:r1")
     lines = []
@@ -46,7 +48,20 @@ def test_demo_end_to_end(tmp_path):
     text = (tmp_path / "report.md").read_text()
     assert "automatic recoveries: 3" in text and "final validation loss" in text
     assert json.loads((tmp_path / "report.json").read_text())["recoveries"] == 3
-    # the fault-free reference is cached: a second demo reuses it
+    # the fault-free reference is cached: a second demo (other faults, same reference)
+    # reuses it and goes straight to its faulty run, stopped here
+    runs = []
+
+    def train_run(settings, out, *, faulty, say):
+        runs.append(faulty)
+        raise _Stop
+
+    monkeypatch.setattr(demo, "_train_run", train_run)
     lines.clear()
-    run_demo(tmp_path, s, say=lines.append)
-    assert any("cached" in line for line in lines)
+    with pytest.raises(_Stop):
+        run_demo(tmp_path, dataclasses.replace(s, faults="sigkill@30:r0"), say=lines.append)
+    assert runs == [True] and any("cached" in line for line in lines)
+
+
+class _Stop(Exception):
+    pass

@@ -14,10 +14,13 @@ Run: moepec bench restore [--experts 32 64] [--repeats 5] [--out FILE]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -76,9 +79,18 @@ def _restore_once(root: Path, n_experts: int, in_place: bool) -> tuple[float, in
 def _load_once(root: Path, n_experts: int) -> float:
     model, opt = _model(n_experts, 1)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    t0 = time.perf_counter()
-    dcp.load(state, checkpoint_id=str(root), no_dist=True)
-    return time.perf_counter() - t0
+    with _quiet_dcp():
+        t0 = time.perf_counter()
+        dcp.load(state, checkpoint_id=str(root), no_dist=True)
+        return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP warns that it runs in one process, which is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def run(experts: list[int], repeats: int = 5) -> list[dict]:
@@ -90,8 +102,9 @@ def run(experts: list[int], repeats: int = 5) -> list[dict]:
             pec, full = Path(tmp) / f"pec{n}", Path(tmp) / f"full{n}"
             nbytes = _pec_run(pec, n)
             model, opt = _model(n, 0)
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                     checkpoint_id=str(full), no_dist=True)
+            with _quiet_dcp():
+                dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                         checkpoint_id=str(full), no_dist=True)
             stitched, in_place, loads, sources = [], [], [], 0
             for _ in range(repeats):
                 seconds, sources = _restore_once(pec, n, in_place=False)

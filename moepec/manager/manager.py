@@ -45,7 +45,7 @@ from moepec.store.persist import Persister
 from moepec.store.replica import Replicator, node_id, ring_peers
 from moepec.store.shm import SlotStore, admissible, check_budget, root_identity
 from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
-from moepec.store.storage import Storage, committed_manifests
+from moepec.store.storage import Storage, committed_manifests, no_gc
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +332,10 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         self._drain()
+        with no_gc():  # many small objects, a large heap: see store.storage.no_gc
+            return self._restore(t0)
+
+    def _restore(self, t0: float) -> RestoreReport | None:
         found = committed_manifests(self.storage)
         self.seq = max(self.seq, _next_seq(found.listing))
         head = found.manifests.get(max(found.manifests, default=None, key=_seq_of_name)

@@ -64,9 +64,11 @@ class Source:
     stored_bytes: Callable[[], int] | None = None
     """The bytes its data files hold (storage): no item may claim more, so a damaged
     manifest never makes a read allocate more than the checkpoint's own size."""
-    map: Callable[[Sequence[str]], dict[str, torch.Tensor]] | None = None
-    """Returns keys -> tensors over (copy-on-write) mappings of the data files, instead of
-    reading into new tensors (a local root); raises on failure, as ``read``."""
+    map: Callable[[Sequence[str], bool], tuple[dict[str, torch.Tensor], list[str]]] | None \
+        = None
+    """``map(keys, verify)``: keys -> tensors over (copy-on-write) mappings of the data
+    files instead of reads into new tensors (a local root), and with ``verify`` the keys
+    that fail their checksums; raises on failure, as ``read``."""
 
     @property
     def step(self) -> int:
@@ -118,8 +120,8 @@ def storage_source(storage, manifest: Manifest) -> Source:
     return Source(name=name, tier=Tier.STORAGE, meta=manifest.meta, keys=manifest.keys,
                   read=lambda targets: storage.read(name, targets, manifest.keys),
                   manifest=manifest, stored_bytes=stored_bytes,
-                  map=((lambda keys: storage.map(name, keys, manifest.keys))
-                       if storage.local else None))
+                  map=((lambda keys, verify: storage.map(name, keys, manifest.keys, verify))
+                       if storage.can_map else None))
 
 
 def read_verified(src: Source, keys: Sequence[str], verify: bool = True,
@@ -136,8 +138,9 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True,
             good, bad = read_verified(src, [k for k in keys if k not in too_big], verify,
                                       target)
             return good, bad + too_big
+    check = verify and src.tier == Tier.STORAGE
     try:
-        targets = _fetch(src, keys, target)
+        targets, bad = _fetch(src, keys, target, check)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - isolate the bad key below
         if len(keys) == 1:
             log.debug("reading %s from %s failed: %s", keys[0], src.name, exc)
@@ -149,22 +152,23 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True,
             good.update(g)
             bad += b
         return good, bad
-    bad = []
-    if verify and src.tier == Tier.STORAGE:
-        bad = [k for k, t in targets.items() if not checksum_matches(t, src.keys[k].checksum)]
     bad += [k for k, t in targets.items() if k not in bad and not _decodes(k, t)]
     return {k: v for k, v in targets.items() if k not in bad}, bad
 
 
-def _fetch(src: Source, keys: Sequence[str], target: Target | None
-           ) -> dict[str, torch.Tensor]:
-    """``keys`` of ``src``: mapped where the source can map (read-only use, no copy),
-    else read into the live tensors that fit (``target``) or into new ones."""
-    if src.map is not None and target is None:
-        return src.map(keys)
+def _fetch(src: Source, keys: Sequence[str], target: Target | None, check: bool
+           ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``keys`` of ``src`` and (``check``) those failing their checksums: mapped where the
+    source can map (no allocation, no read copy; as fast as reading in place and still
+    all or nothing), else read into the live tensors that fit (``target``:
+    restore_in_place) or into new ones."""
+    if src.map is not None:
+        return src.map(keys, check)
     targets = {k: _alloc(k, src.keys[k], target) for k in keys}
     src.read(targets)
-    return targets
+    bad = [k for k, t in targets.items()
+           if check and not checksum_matches(t, src.keys[k].checksum)]
+    return targets, bad
 
 
 def _listed(src: Source, key: str) -> bool:

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from moepec.errors import CheckpointError, CorruptCheckpointError
-from moepec.store.checksum import tensor_bytes
+from moepec.store.checksum import ALGORITHMS, checksum_matches, stored_checksum, tensor_bytes
 from moepec.store.dcp_raw import read_exact
 from moepec.store.manifest import Encoding, Item
 
@@ -51,14 +51,22 @@ def confined(root: str, *parts: str, local: bool) -> str:
     return path
 
 
+CAN_MAP = hasattr(mmap, "MAP_PRIVATE")
+"""Whether this platform maps files copy-on-write (POSIX); elsewhere items are read."""
+
+
 def map_items(folder_parts: tuple[str, str], keys: Sequence[str],
-              items: Mapping[str, Item]) -> dict[str, torch.Tensor]:
+              items: Mapping[str, Item], verify: bool = False
+              ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """``keys`` of the local checkpoint folder ``root/name`` as tensors over private
     mappings of their data files: raw items aligned to their dtype are mapped, any other
-    item is read into a new tensor. Reads only; any thread. Raises CheckpointError (or
-    OSError) for anything missing, short or inconsistent, as :func:`read_items`."""
+    item is read into a new tensor. With ``verify``, also the keys whose bytes fail the
+    manifest's checksum (hashed from the mapping, no tensor needed), else []. Reads only;
+    any thread. Raises CheckpointError (or OSError) for anything missing, short or
+    inconsistent, as :func:`read_items`."""
     root, name = folder_parts
     out: dict[str, torch.Tensor] = {}
+    bad: list[str] = []
     for file, file_keys in _by_file(name, keys, items).items():
         path = confined(root, name, file, local=True)
         with open(path, "rb") as stream:
@@ -76,10 +84,22 @@ def map_items(folder_parts: tuple[str, str], keys: Sequence[str],
                     out[key] = torch.frombuffer(mapped, dtype=dtype,
                                                 count=item.length // dtype.itemsize,
                                                 offset=item.offset).view(item.shape)
+                    data = memoryview(mapped)[item.offset:item.offset + item.length]
+                    if verify and not _matches(data, dtype, item):
+                        bad.append(key)
                 else:
                     out[key] = torch.empty(item.shape, dtype=dtype)
                     _read_one(stream, key, item, out[key])
-    return out
+                    if verify and not checksum_matches(out[key], item.checksum):
+                        bad.append(key)
+    return out, bad
+
+
+def _matches(data: memoryview, dtype: torch.dtype, item: Item) -> bool:
+    """Whether stored bytes have the item's checksum (False when it has none usable)."""
+    algorithm = (item.checksum or "").partition(":")[0]
+    return algorithm in ALGORITHMS and stored_checksum(
+        data, dtype, tuple(item.shape), algorithm) == item.checksum
 
 
 def _by_file(name: str, keys: Iterable[str], items: Mapping[str, Item]

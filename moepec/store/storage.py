@@ -19,11 +19,13 @@ or not at all.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +64,7 @@ from moepec.store.dcp_raw import (
     RawFsspecWriter,
 )
 from moepec.store.manifest import Encoding, Item, Manifest, Serialization, newest
-from moepec.store.reader import confined, map_items, read_items
+from moepec.store.reader import CAN_MAP, confined, map_items, read_items
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +165,19 @@ class Storage:
         paths confined to the root). Reads only; no collective; any thread."""
         read_items(self.fs, (self.root, name), targets, items, local=self.local)
 
-    def map(self, name: str, keys: Sequence[str], items: Mapping[str, Item]
-            ) -> dict[str, torch.Tensor]:
+    @property
+    def can_map(self) -> bool:
+        """Whether :meth:`map` works here (a local root on a POSIX system)."""
+        return self.local and CAN_MAP
+
+    def map(self, name: str, keys: Sequence[str], items: Mapping[str, Item],
+            verify: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
         """``keys`` of checkpoint ``name`` as tensors over private mappings of its data
-        files (local roots only: moepec.store.reader.map_items). Any thread."""
-        if not self.local:
-            raise CheckpointError(f"{self.url}: only a local root can be mapped")
-        return map_items((self.root, name), keys, items)
+        files, and (``verify``) the keys failing their checksums (local roots only:
+        moepec.store.reader.map_items). Any thread."""
+        if not self.can_map:
+            raise CheckpointError(f"{self.url}: only a local root can be mapped (on POSIX)")
+        return map_items((self.root, name), keys, items, verify)
 
     # -- manifests -------------------------------------------------------------
     def write_manifest(self, manifest: Manifest) -> None:
@@ -346,6 +354,29 @@ def committed_manifests(storage: Storage, known: Mapping[str, Manifest] | None =
     """
     listing = storage.list_checkpoints()
     out = Committed(manifests={}, damaged={}, uncommitted=[], listing=listing)
+    with no_gc():
+        _read_committed(storage, listing, known, views, out)
+    return out
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """No garbage collection inside: parsing manifests (and restoring from them) allocates
+    many small containers, and in a training process (a large heap) the collections they
+    trigger took 10x the parse itself (0.38 s against 0.035 s for 64 manifests,
+    measured). What runs inside makes no reference cycles worth collecting early; the
+    caller's setting is restored after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _read_committed(storage: Storage, listing: list[tuple[str, bool]],
+                    known: Mapping[str, Manifest] | None, views: bool, out: Committed) -> None:
     for name, is_committed in listing:
         if not is_committed:
             out.uncommitted.append(name)
@@ -368,7 +399,6 @@ def committed_manifests(storage: Storage, known: Mapping[str, Manifest] | None =
                 out.damaged[name] = exc
             else:
                 out.manifests[name] = manifest
-    return out
 
 
 _ROOT = "moepec"
