@@ -139,6 +139,18 @@ def test_item_paths_never_leave_the_root(tmp_path):
     assert res.bad and all(b.startswith(older) for b in res.bad) and not res.ok
 
 
+def _falls_back(root, saved, newest: str, caplog, warning: str) -> None:
+    """A restore skips the damaged newest checkpoint, says why, and restores the older
+    base (step 5) bit-exact."""
+    mgr, model, opt = _fresh(root)
+    report = mgr.restore()
+    mgr.close()
+    assert report.step == 5 and report.checkpoint != newest
+    assert any(warning in r.message for r in caplog.records)
+    now = full_state(model, opt)
+    assert all(torch.equal(now[k], saved[5][k]) for k in now if ".experts." not in k)
+
+
 def test_a_bad_item_entry_is_never_used_and_restore_falls_back(tmp_path, caplog):
     # Restore checks a manifest's entries when it first uses them (store.manifest.Items):
     # a bad entry of the newest checkpoint's non-expert state must send the restore to the
@@ -151,13 +163,7 @@ def test_a_bad_item_entry_is_never_used_and_restore_falls_back(tmp_path, caplog)
     key = next(k for k in sorted(m["keys"]) if k.startswith("model/"))
     m["keys"][key]["dtype"] = "object"
     path.write_text(json.dumps(m))
-    mgr, model, opt = _fresh(root)
-    report = mgr.restore()
-    mgr.close()
-    assert report.step == 5 and report.checkpoint != newest
-    assert any("dtype 'object'" in r.message for r in caplog.records)
-    now = full_state(model, opt)
-    assert all(torch.equal(now[k], saved[5][k]) for k in now if ".experts." not in k)
+    _falls_back(root, saved, newest, caplog, "dtype 'object'")
 
 
 def test_a_damaged_view_file_sends_restore_to_an_older_base_and_verify_says_so(tmp_path,
@@ -172,13 +178,7 @@ def test_a_damaged_view_file_sends_restore_to_an_older_base_and_verify_says_so(t
     view = json.loads(view_path.read_bytes())
     view[next(iter(view))] = newest  # plausible JSON, but not what the manifest commits
     view_path.write_text(json.dumps(view))
-    mgr, model, opt = _fresh(root)
-    report = mgr.restore()
-    mgr.close()
-    assert report.step == 5 and report.checkpoint != newest
-    assert any("does not match the length and checksum" in r.message for r in caplog.records)
-    now = full_state(model, opt)
-    assert all(torch.equal(now[k], saved[5][k]) for k in now if ".experts." not in k)
+    _falls_back(root, saved, newest, caplog, "does not match the length and checksum")
     res = verify_path(str(root))
     assert not res.ok and any(newest in d and "view" in d for d in res.damaged_manifests)
     view_path.unlink()  # a missing view file: the same
