@@ -24,7 +24,7 @@ from tests.toy import Counter, full_state, make, train_step
 
 PHASES = ("forward", "backward", "snapshot", "persist", "commit", "retention")
 TOTAL_STEPS = 14
-N_KILLS = 30
+N_KILLS = 24
 
 
 def _cfg(path: str) -> CheckpointConfig:
@@ -166,5 +166,5 @@ def test_chaos_kills_everywhere(tmp_path):
         assert verify_path(str(path)).ok
         assert check_resume_state(path, hist) == TOTAL_STEPS - 1
         assert base <= TOTAL_STEPS - 1
-    assert sum(died.values()) >= 27, died
-    assert all(died[p] >= 4 for p in PHASES), died
+    assert sum(died.values()) >= 21, died
+    assert all(died[p] >= 3 for p in PHASES), died

@@ -19,6 +19,7 @@ restarted worker (torchrun ``--max-restarts``) does not fire the same fault agai
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -168,10 +169,16 @@ class FaultPlan:
         if p is None:
             return
         p.parent.mkdir(parents=True, exist_ok=True)
-        done = self.fired() | {fault.key}
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(sorted(done)))
-        os.replace(tmp, p)
+        # Ranks (of one or several torchrun agents) sharing the folder may mark faults at
+        # the same step: a lock keeps each read-modify-write whole (no mark is lost, which
+        # would fire that fault again after the restart), and each writer renames its own
+        # temporary file.
+        with open(p.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            done = self.fired() | {fault.key}
+            tmp = p.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(sorted(done)))
+            os.replace(tmp, p)
 
     def due(self, step: int, rank: int, kinds: tuple[str, ...] | None = None) -> list[Fault]:
         fired = self.fired()
