@@ -56,7 +56,14 @@ def _header(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
 def checksum_matches(t: torch.Tensor, expected: object) -> bool:
     """Whether ``t`` has the checksum ``expected`` (False if missing, not a string or of
     an unknown algorithm: such a copy cannot be verified)."""
-    if not isinstance(expected, str):
-        return False
-    algorithm = expected.partition(":")[0]
-    return algorithm in ALGORITHMS and tensor_checksum(t, algorithm) == expected
+    if t.device.type != "cpu":
+        t = t.detach().cpu()
+    return stored_matches(tensor_bytes(t), t.dtype, tuple(t.shape), expected)
+
+
+def stored_matches(data: memoryview | bytes, dtype: torch.dtype, shape: tuple[int, ...],
+                   expected: object) -> bool:
+    """:func:`checksum_matches` for stored bytes of a tensor of ``dtype`` and ``shape``."""
+    algorithm = expected.partition(":")[0] if isinstance(expected, str) else ""
+    return algorithm in ALGORITHMS and stored_checksum(data, dtype, shape,
+                                                       algorithm) == expected

@@ -401,11 +401,12 @@ class ViewRef:
         return cls(file=file, length=length, checksum=checksum)
 
 
-def encode_view(view: Mapping[str, str]) -> tuple[bytes, str]:
-    """A view as stored in its file (compact JSON) and that file's name, which holds its
-    checksum: writing it again never changes a file another manifest names."""
+def encode_view(view: Mapping[str, str]) -> tuple[bytes, ViewRef]:
+    """A view as stored in its file (compact JSON) and its reference, whose file name
+    holds the checksum: writing it again never changes a file another manifest names."""
     data = json.dumps(dict(view), sort_keys=True, separators=(",", ":")).encode()
-    return data, f"view-{xxhash.xxh3_64_hexdigest(data)}.json"
+    digest = xxhash.xxh3_64_hexdigest(data)
+    return data, ViewRef(file=f"view-{digest}.json", length=len(data), checksum=f"xxh3:{digest}")
 
 
 class StoredView(Mapping[str, str]):

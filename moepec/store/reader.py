@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from moepec.errors import CheckpointError, CorruptCheckpointError
-from moepec.store.checksum import ALGORITHMS, checksum_matches, stored_checksum, tensor_bytes
+from moepec.store.checksum import checksum_matches, stored_matches, tensor_bytes
 from moepec.store.dcp_raw import read_exact
 from moepec.store.manifest import Encoding, Item
 
@@ -85,7 +85,8 @@ def map_items(folder_parts: tuple[str, str], keys: Sequence[str],
                                                 count=item.length // dtype.itemsize,
                                                 offset=item.offset).view(item.shape)
                     data = memoryview(mapped)[item.offset:item.offset + item.length]
-                    if verify and not _matches(data, dtype, item):
+                    if verify and not stored_matches(data, dtype, tuple(item.shape),
+                                                     item.checksum):
                         bad.append(key)
                 else:
                     out[key] = torch.empty(item.shape, dtype=dtype)
@@ -93,13 +94,6 @@ def map_items(folder_parts: tuple[str, str], keys: Sequence[str],
                     if verify and not checksum_matches(out[key], item.checksum):
                         bad.append(key)
     return out, bad
-
-
-def _matches(data: memoryview, dtype: torch.dtype, item: Item) -> bool:
-    """Whether stored bytes have the item's checksum (False when it has none usable)."""
-    algorithm = (item.checksum or "").partition(":")[0]
-    return algorithm in ALGORITHMS and stored_checksum(
-        data, dtype, tuple(item.shape), algorithm) == item.checksum
 
 
 def _by_file(name: str, keys: Iterable[str], items: Mapping[str, Item]
