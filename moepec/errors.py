@@ -54,6 +54,11 @@ class LeaseError(CheckpointError):
     """Another live run holds the checkpoint root (one writer per root)."""
 
 
+class FencedError(LeaseError):
+    """Another run took over the checkpoint root: this run never writes, renames or
+    deletes anything there again (it may train on and keep RAM snapshots)."""
+
+
 class PersistError(CheckpointError):
     """A background persist failed; raised in the training thread at its next call."""
 

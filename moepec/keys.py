@@ -17,8 +17,11 @@ A tensor key may name one *chunk* of a sharded tensor (a DTensor's local shard):
 For an expert key the global shape is one expert's slice. A key without ``#`` is the
 whole tensor; the chunks of one key saved together never overlap.
 
-Checkpoint folders are named ``ckpt-<seq>-step<step>`` (``checkpoint_name``); the
-sequence number orders them, the step is the training step they hold.
+Checkpoint folders are named ``ckpt-<seq>-step<step>-<run>`` (``checkpoint_name``): the
+sequence number orders them, the step is the training step they hold, and the run id of
+the run that wrote them makes the name unique to that run. Two runs on one root (a
+takeover while the old run still lives) may reach the same sequence number, but never
+the same folder: neither can write into, or delete, a folder the other's manifest names.
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 EXPERT_PREFIX = "experts/"
 OBJECT_PREFIX = "objects/"
 MANIFEST_NAME = "moepec.json"
 """The manifest file inside a checkpoint folder: written last, its presence is the commit."""
 
-_NAME_RE = re.compile(r"^ckpt-(\d{6,})-step(\d{8,})$")
+_NAME_RE = re.compile(r"^ckpt-(\d{6,})-step(\d{8,})-([0-9a-z]{1,32})$")
+_LEGACY_NAME_RE = re.compile(r"^ckpt-\d{6,}-step\d{8,}$")
+"""A folder name of a pre-release moepec (no run id): not readable by this version."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,19 +107,42 @@ def split_chunk(key: str) -> tuple[str, Chunk | None]:
     return base, (offsets, shape, glob)
 
 
-def checkpoint_name(seq: int, step: int) -> str:
-    """The folder name of checkpoint number ``seq``, holding training step ``step``."""
-    return f"ckpt-{seq:06d}-step{step:08d}"
+class CheckpointName(NamedTuple):
+    """What a checkpoint folder name says; ordered by (seq, step, run)."""
+
+    seq: int
+    step: int
+    run: str
 
 
-def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
-    """(seq, step) of a checkpoint folder name, or None for any other name."""
+def checkpoint_name(seq: int, step: int, run: str) -> str:
+    """The folder name of checkpoint number ``seq`` of run ``run``, holding training step
+    ``step``."""
+    assert re.fullmatch(r"[0-9a-z]{1,32}", run), run
+    return f"ckpt-{seq:06d}-step{step:08d}-{run}"
+
+
+def parse_checkpoint_name(name: str) -> CheckpointName | None:
+    """(seq, step, run) of a checkpoint folder name, or None for any other name."""
     m = _NAME_RE.match(name)
-    return (int(m[1]), int(m[2])) if m else None
+    return CheckpointName(int(m[1]), int(m[2]), m[3]) if m else None
+
+
+def is_legacy_name(name: str) -> bool:
+    """A checkpoint folder name of a pre-release moepec (``ckpt-<seq>-step<step>``)."""
+    return _LEGACY_NAME_RE.match(name) is not None
 
 
 def seq_of(name: str) -> int:
     """The sequence number of a valid checkpoint name."""
     parsed = parse_checkpoint_name(name)
     assert parsed is not None, name
-    return parsed[0]
+    return parsed.seq
+
+
+def name_order(name: str) -> CheckpointName:
+    """Sort key of a valid checkpoint name: oldest first, ties between runs broken by run
+    id so that every rank and every tool orders one root the same way."""
+    parsed = parse_checkpoint_name(name)
+    assert parsed is not None, name
+    return parsed

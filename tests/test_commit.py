@@ -199,7 +199,7 @@ def test_a_manifest_must_name_its_own_folder(tmp_path):
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=4, keep_last=4)
     names = manager.storage.committed()
-    copy = ckpt / "ckpt-000099-step00000099"
+    copy = ckpt / "ckpt-000099-step00000099-0123456789ab"
     shutil.copytree(ckpt / names[-1], copy)
     found = committed_manifests(manager.storage)
     assert copy.name in found.damaged and "names checkpoint" in str(found.damaged[copy.name])

@@ -123,7 +123,7 @@ def test_truncated_file_is_an_error_not_garbage(tmp_path):
 def test_storage_serializations(tmp_path, serialization):
     st = Storage(str(tmp_path), serialization=serialization)
     state = _state()
-    where = st.write("ckpt-000000-step00000000", {k: v.contiguous() for k, v in state.items()})
+    where = st.write("ckpt-000000-step00000000-0123456789ab", {k: v.contiguous() for k, v in state.items()})
     # moepec reads by the locations the write reported (the manifest records them)
     items = {k: Item(shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."),
                      nbytes=v.numel() * v.element_size(), file=where[k].file,
@@ -131,12 +131,12 @@ def test_storage_serializations(tmp_path, serialization):
                      encoding=where[k].encoding) for k, v in state.items()}
     assert {loc.encoding for loc in where.values()} == {serialization}
     got = _targets(state)
-    st.read("ckpt-000000-step00000000", got, items)
+    st.read("ckpt-000000-step00000000-0123456789ab", got, items)
     for k in state:
         assert _equal_bits(got[k], state[k]), k
     if serialization == "torch_save":  # stock DCP: any FileSystemReader loads it
         plain = _targets(state)
-        dcp.load(plain, storage_reader=FileSystemReader(str(tmp_path / "ckpt-000000-step00000000")),
+        dcp.load(plain, storage_reader=FileSystemReader(str(tmp_path / "ckpt-000000-step00000000-0123456789ab")),
                  no_dist=True)
         assert all(_equal_bits(plain[k], state[k]) for k in state)
 
@@ -189,7 +189,7 @@ def test_chunk_keys_are_written_as_dcp_shards(tmp_path, serialization):
              "experts/0/2/model/e#0,4+3,2:3,6": e[:, 4:].clone(),
              "optim/w/step": torch.tensor(3.0)}
     st = Storage(str(tmp_path), serialization=serialization)
-    name = "ckpt-000000-step00000000"
+    name = "ckpt-000000-step00000000-0123456789ab"
     where = st.write(name, state)
     assert set(where) == set(state)
     md = FileSystemReader(str(tmp_path / name)).read_metadata()

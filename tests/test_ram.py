@@ -86,7 +86,7 @@ def test_restarted_worker_restores_from_shared_memory_and_persists_what_was_only
     # The last checkpoint (step 7) is due for storage, but its commit fails (as if the
     # worker died before committing): it exists only in RAM.
     persist.fault_hook = lambda where, name: (_ for _ in ()).throw(OSError("died")) \
-        if where == "before_commit" and name.endswith("step00000007") else None
+        if where == "before_commit" and "-step00000007-" in name else None
     try:
         train(mgr, parts, 8, saved)
     finally:

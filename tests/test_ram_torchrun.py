@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ def test_restarted_workers_restore_from_shared_memory(tmp_path):
     assert all(r["keys_from"] == {"ram": r["keys_from"]["ram"]} for r in recoveries)
     assert [r["plt"] for r in recoveries] == [0.0, 0.0]
     # persist on failure: step 15 was only in RAM; the restarted workers committed it
-    assert recoveries[0]["persisted"] == "ckpt-000001-step00000015"
+    assert re.fullmatch(r"ckpt-000001-step00000015-[0-9a-f]{12}", recoveries[0]["persisted"])
     # ... once: not by the killed worker, but during the restore (its record just before)
     commits_15 = [i for i, r in enumerate(recs) if r.get("event") == "commit" and r["step"] == 15]
     assert commits_15 == [recs.index(recoveries[0]) - 1]

@@ -213,7 +213,7 @@ print("ready", flush=True)
 sys.stdin.readline()
 try:
     run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(2), 4, 2)
-    print("committed", flush=True)
+    print("fenced" if mgr.fenced else "committed", mgr.run_id, flush=True)
 except Exception as exc:
     print("refused", type(exc).__name__, flush=True)
 """
@@ -241,7 +241,7 @@ def test_a_second_writer_is_refused_and_the_first_run_is_intact(tmp_path):
         assert sorted(p.name for p in root.glob("ckpt-*")) == before
         holder.stdin.write("go\n")
         holder.stdin.flush()
-        assert holder.stdout.readline().strip() == "committed"  # the first run goes on
+        assert holder.stdout.readline().split()[0] == "committed"  # the first run goes on
     finally:
         holder.kill()
         holder.wait()
@@ -258,9 +258,13 @@ def test_a_takeover_stops_the_old_writer_committing(tmp_path):
         mgr.close()  # releases the lease again
         mgr2, _, _ = _fresh(root, takeover=True)
         mgr2.restore()  # holds it now
+        before = sorted(p.name for p in root.iterdir())
         holder.stdin.write("go\n")
         holder.stdin.flush()
-        assert holder.stdout.readline().split()[0] == "refused"
+        said, run_id = holder.stdout.readline().split()
+        assert said == "fenced"  # it trained on, and never touched the root again
+        assert sorted(p.name for p in root.iterdir()) == before
+        assert not list(root.glob(f"ckpt-*-{run_id}"))[2:]  # its two checkpoints of steps 1, 3
         mgr2.close()
     finally:
         holder.kill()

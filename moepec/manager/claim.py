@@ -60,7 +60,8 @@ class RootClaim:
         self.ready = state == "ok"
 
     def check(self) -> None:
-        """Rank 0, before each commit: this run still holds the root's lease."""
+        """Rank 0, before each write, commit and deletion in the root: raises FencedError
+        unless this run still holds the root's lease (any thread)."""
         if self.lease is not None:
             self.lease.check()
 

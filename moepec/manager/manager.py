@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moepec.errors import CheckpointError, ConfigError, ExpertDiscoveryError, PersistError
-from moepec.keys import checkpoint_name, parse_checkpoint_name
+from moepec.keys import parse_checkpoint_name
 from moepec.manager.claim import RootClaim
 from moepec.manager.config import BusyPolicy, CheckpointConfig, PecScope
 from moepec.manager.restore import RestoreContext, RestoreOutcome, RestoreReport, restore_state
@@ -68,7 +68,6 @@ class CheckpointManager:
         self._init_layout(expert_parallel)
         self._init_state(model, optimizer, extra_state, expert_spec)
         self._init_tiers()
-        self._init_run()
         self.k_persist = config.k_persist
         self.k_snapshot = config.k_snapshot
         self.k_history: list[list[int]] = [[-1, self.k_persist]]
@@ -130,6 +129,7 @@ class CheckpointManager:
         config = self.config
         self._config_dict = config.to_dict()  # written into every manifest
         self.storage = Storage(config.path, config.storage_options, config.serialization)
+        self._init_run()
         # A dedicated group for the persist worker: its collectives never interleave
         # with the training thread's (STYLE.md: no collectives off the main thread
         # except on a dedicated group).
@@ -162,7 +162,7 @@ class CheckpointManager:
                                          timeout_s=config.timeout_s,
                                          release=self.ram_tier.release)
             self.ram_tier.on_complete = self.replicator.submit
-        self.persister = Persister(self.storage, rank=self.rank,
+        self.persister = Persister(self.storage, run_id=self.run_id, rank=self.rank,
                                    world_size=self.world_size, group=self._group,
                                    background=config.async_persist, timeout_s=config.timeout_s,
                                    keep_last=config.keep_last, release=self.ram_tier.release,
@@ -315,6 +315,13 @@ class CheckpointManager:
         return self.ram_tier.pool
 
     @property
+    def fenced(self) -> str | None:
+        """Why this run no longer writes to its checkpoint root (another run took over its
+        lease), or None. Training and RAM snapshots go on; nothing in the root is written,
+        renamed or deleted by this run again."""
+        return self.persister.fenced
+
+    @property
     def blocked_seconds(self) -> float:
         """Total time the training loop spent blocked in step() and wait_for_snapshot()."""
         return self._blocked
@@ -338,8 +345,7 @@ class CheckpointManager:
     def _restore(self, t0: float) -> RestoreReport | None:
         found = committed_manifests(self.storage)
         self.seq = max(self.seq, _next_seq(found.listing))
-        head = found.manifests.get(max(found.manifests, default=None, key=_seq_of_name)
-                                   ) if found.manifests else None
+        head = found.manifests.get(found.newest) if found.manifests else None
         ram = self.ram_tier.recovered(
             lambda meta: admissible(meta, head.meta if head is not None else None))
         outcome = restore_state(self._restore_context(), found, ram)
@@ -427,11 +433,9 @@ class CheckpointManager:
         if not due or self.root_claim.paused:
             return None
         assert snap is not None
-        name = checkpoint_name(snap.seq, snap.step)
-        if self.rank == 0 and name in dict(found.listing):
-            self.storage.delete(name)  # the dead worker's unfinished write of it
-        if self.distributed:
-            dist.barrier()
+        # Written under this run's name: the dead worker's unfinished folder of the same
+        # snapshot (another run's name) is left to retention, never written into.
+        name = self.persister.name_of(snap)
         self.ram_tier.hold(snap)  # the persist worker's reference, released when written
         t0 = time.perf_counter()
         self.persister.submit(snap)
@@ -468,6 +472,8 @@ class CheckpointManager:
                          "in RAM only (busy_policy=skip)", step)
                 return False, None
         pending_error = self.persister.take_error()
+        if self.persister.fenced is not None:
+            return False, pending_error  # said once by the persister; RAM snapshots go on
         if self.root_claim.paused is not None:
             return False, pending_error or PersistError(
                 f"checkpoints are paused, the snapshot stays in RAM: {self.root_claim.paused}")
@@ -563,10 +569,6 @@ class CheckpointManager:
             self.k_persist = new
             self.k_snapshot = max(self.k_snapshot, new)
             self.k_history.append([step, new])
-
-
-def _seq_of_name(name: str) -> int:
-    return parse_checkpoint_name(name)[0]
 
 
 def _next_seq(listing: Sequence[tuple[str, bool]]) -> int:

@@ -1,13 +1,19 @@
 """One writer per checkpoint root: a lease file that names the run writing there.
 
-``<root>/moepec.lease`` holds the holder's run id, host, pid and a heartbeat time. It is
-created exclusively (``O_EXCL`` on a local disk; a conditional create, S3's
+``<root>/moepec.lease`` holds the holder's run id, host, pid and the time it was taken. It
+is created exclusively (``O_EXCL`` on a local disk; a conditional create, S3's
 ``If-None-Match: *``, on object stores), so of two runs started on one root the second
-fails at once with a one-line error naming the holder. A lease is free again when its
-heartbeat is older than the timeout, when its holder was a process of this host that is
-no longer alive (a crashed or restarted worker), or when the new run asks to take over.
-Rank 0 holds it; a heartbeat thread refreshes it; ``check`` before every commit makes
-sure a run that lost its lease never commits again.
+fails at once with a one-line error naming the holder. Only a run acquiring the lease
+writes that file; the holder's heartbeat goes to a file of its own,
+``<root>/moepec.lease.<run id>``, so a run that lost the lease and has not noticed yet
+can never overwrite (or, at exit, remove) the new holder's lease: there is no
+read-then-write race to lose. A lease is free again when its holder's heartbeat is older
+than the timeout, when its holder released it (a clean close), when its holder was a
+process of this host that is no longer alive (a crashed or restarted worker), or when the
+new run asks to take over.
+Rank 0 holds it; a heartbeat thread refreshes it; ``check`` before every write, commit
+and deletion makes sure a run that lost its lease never touches the root again. Losing
+is final: a lease found held by another run, or gone, is never taken back by this run.
 """
 
 from __future__ import annotations
@@ -15,16 +21,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
 
-from moepec.errors import CheckpointError, LeaseError
+from moepec.errors import FencedError, LeaseError
 
 log = logging.getLogger(__name__)
 
 LEASE_NAME = "moepec.lease"
+_RUN_ID = re.compile(r"[0-9a-z]{1,32}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,21 +43,21 @@ class Holder:
     host: str
     pid: int
     heartbeat: float
-    """time.time() of the holder's last refresh."""
+    """time.time() when the holder took the lease (its later heartbeats are in its own
+    file, ``moepec.lease.<run id>``)."""
 
     @classmethod
     def parse(cls, raw: bytes) -> Holder | None:
         """The holder recorded in a lease file, or None when it is unreadable."""
         try:
             d = json.loads(raw)
-            return cls(run_id=str(d["run_id"]), host=str(d["host"]), pid=int(d["pid"]),
-                       heartbeat=float(d["heartbeat"]))
+            holder = cls(run_id=str(d["run_id"]), host=str(d["host"]), pid=int(d["pid"]),
+                         heartbeat=float(d["heartbeat"]))
         except (ValueError, KeyError, TypeError):
             return None
+        # The run id names the holder's heartbeat file: nothing but a plain id may.
+        return holder if _RUN_ID.fullmatch(holder.run_id) else None
 
-    def describe(self) -> str:
-        age = time.time() - self.heartbeat
-        return f"run {self.run_id} (host {self.host}, pid {self.pid}, heartbeat {age:.0f}s ago)"
 
 
 def pid_alive(pid: object) -> bool:
@@ -76,15 +84,24 @@ class Lease:
         self.timeout_s = timeout_s
         self.takeover = takeover
         self.held = False
+        self.lost: str | None = None
+        """Why this run no longer holds the lease (final), or None."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _beat_path(self, run_id: str) -> str:
+        return f"{self.path}.{run_id}"
+
     def acquire(self) -> Holder | None:
         """Take the lease; returns the holder it was taken from (None if it was free).
-        Raises CheckpointError naming the holder when another live run holds it."""
+        Raises LeaseError naming the holder when another live run holds it."""
         if self.held:
             return None
+        if self.lost is not None:
+            raise FencedError(self.lost)
         self.storage.fs.makedirs(self.storage.root, exist_ok=True)
+        # The heartbeat exists before the lease names us: a lease is never seen without it.
+        self._beat()
         if self._create():
             return self._held(None)
         holder = self._read()
@@ -92,14 +109,17 @@ class Lease:
             return self._held(None)
         reason = self._free_because(holder)
         if reason is None:
+            self._remove_quietly(self._beat_path(self.me.run_id))
             raise LeaseError(
-                f"checkpoint root {self.storage.url} is in use by {holder.describe()}; stop "
-                f"that run, or take over with --ckpt-takeover (CheckpointConfig(takeover="
-                f"True)), or wait until its lease expires ({self.timeout_s:.0f}s without a "
-                f"heartbeat)")
+                f"checkpoint root {self.storage.url} is in use by {self._describe(holder)}; "
+                f"stop that run, or take over with --ckpt-takeover (CheckpointConfig("
+                f"takeover=True)), or wait until its lease expires ({self.timeout_s:.0f}s "
+                f"without a heartbeat)")
         log.warning("taking over the checkpoint root %s from %s (%s)", self.storage.url,
-                    holder.describe() if holder else "an unreadable lease", reason)
+                    self._describe(holder) if holder else "an unreadable lease", reason)
         self._write()
+        if holder is not None:  # its heartbeat file means nothing now
+            self._remove_quietly(self._beat_path(holder.run_id))
         return self._held(holder)
 
     def _free_because(self, holder: Holder | None) -> str | None:
@@ -107,7 +127,10 @@ class Lease:
             return "the lease file is unreadable"
         if self.takeover:
             return "takeover requested"
-        if time.time() - holder.heartbeat > self.timeout_s:
+        beat = self._read_beat(holder)
+        if beat == "released":
+            return "its run released it"
+        if time.time() - max(holder.heartbeat, beat or 0.0) > self.timeout_s:
             return "its heartbeat expired"
         if holder.host == self.me.host and not pid_alive(holder.pid):
             return "its process is gone"
@@ -115,35 +138,55 @@ class Lease:
             return "an earlier manager of this process"
         return None
 
+    def _describe(self, holder: Holder) -> str:
+        beat = self._read_beat(holder)
+        last = max(holder.heartbeat, beat if isinstance(beat, float) else 0.0)
+        return (f"run {holder.run_id} (host {holder.host}, pid {holder.pid}, heartbeat "
+                f"{time.time() - last:.0f}s ago)")
+
     def _held(self, previous: Holder | None) -> Holder | None:
         self.held = True
-        self._thread = threading.Thread(target=self._beat, name="moepec-lease", daemon=True)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat_loop, name="moepec-lease",
+                                        daemon=True)
         self._thread.start()
         return previous
 
     def check(self) -> None:
-        """Raise CheckpointError unless this run still holds the lease (rank 0, before a
-        commit)."""
-        holder = self._read()
-        if holder is not None and holder.run_id != self.me.run_id:
-            raise CheckpointError(
-                f"{holder.describe()} took over the checkpoint root {self.storage.url}; this "
-                f"run no longer commits checkpoints there")
+        """Raise FencedError unless this run still holds the lease (rank 0, before each
+        write, commit and deletion in the root; any thread). Reads the lease file."""
+        if self.lost is None and self.held:
+            holder = self._read()
+            if holder is None or holder.run_id != self.me.run_id:
+                self._lose(holder)
+        if self.lost is not None:
+            raise FencedError(self.lost)
+
+    def _lose(self, holder: Holder | None) -> None:
+        if self.lost is not None:
+            return
+        who = self._describe(holder) if holder is not None else \
+            "another run (the lease file is gone or unreadable)"
+        self.lost = (f"{who} took over the checkpoint root {self.storage.url}; this run no "
+                     f"longer writes, renames or deletes anything there (training and RAM "
+                     f"snapshots go on)")
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lease if it is still ours. Idempotent."""
+        """Stop the heartbeat and, if the lease is still ours, mark it released (in our
+        own heartbeat file: the lease file is left to the next run to replace). A run
+        that lost the lease touches nothing. Idempotent."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
         if self.held:
             self.held = False
+            if self.lost is not None:
+                return
             try:
-                holder = self._read()
-                if holder is not None and holder.run_id == self.me.run_id:
-                    self.storage.fs.rm(self.path)
+                self._put(self._beat_path(self.me.run_id), b'"released"')
             except Exception as exc:  # noqa: BLE001 - a stale lease expires by itself
-                log.warning("could not remove the lease %s: %s", self.path, exc)
+                log.warning("could not release the lease %s: %s", self.path, exc)
 
     # -- file I/O ---------------------------------------------------------------------
     def _data(self) -> bytes:
@@ -168,16 +211,27 @@ class Lease:
         return True
 
     def _write(self) -> None:
-        """Replace the lease file whole (a takeover or a heartbeat)."""
+        """Replace the lease file whole (a takeover)."""
+        self._put(self.path, self._data())
+
+    def _put(self, path: str, data: bytes) -> None:
+        """Write a small file whole and atomically (temporary name, fsync, rename locally;
+        one PUT on object stores)."""
         if self.storage.local:
-            tmp = f"{self.path}.{self.me.pid}.tmp"
+            tmp = f"{path}.{self.me.pid}.tmp"
             with open(tmp, "wb") as f:
-                f.write(self._data())
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
         else:
-            self.storage.fs.pipe_file(self.path, self._data())
+            self.storage.fs.pipe_file(path, data)
+
+    def _remove_quietly(self, path: str) -> None:
+        try:
+            self.storage.fs.rm(path)
+        except Exception:  # noqa: BLE001 - a leftover heartbeat file is harmless
+            pass
 
     def _read(self) -> Holder | None:
         try:
@@ -185,15 +239,30 @@ class Lease:
         except FileNotFoundError:
             return None
 
+    def _read_beat(self, holder: Holder) -> float | str | None:
+        """The holder's last heartbeat time, "released", or None (no heartbeat file)."""
+        try:
+            value = json.loads(self.storage.fs.cat_file(self._beat_path(holder.run_id)))
+        except (FileNotFoundError, ValueError):
+            return None
+        if value == "released":
+            return "released"
+        return float(value) if isinstance(value, int | float) else None
+
     def _beat(self) -> None:
+        """Refresh this run's own heartbeat file (never the lease file)."""
+        self._put(self._beat_path(self.me.run_id), json.dumps(time.time()).encode())
+
+    def _beat_loop(self) -> None:
         interval = max(1.0, self.timeout_s / 4)
         warned = False
         while not self._stop.wait(interval):
             try:
                 holder = self._read()
-                if holder is not None and holder.run_id != self.me.run_id:
-                    return  # taken over: check() stops the next commit
-                self._write()
+                if holder is None or holder.run_id != self.me.run_id:
+                    self._lose(holder)
+                    return  # taken over: check() stops every later write
+                self._beat()
             except Exception as exc:  # noqa: BLE001 - storage trouble: persists report it
                 if not warned:
                     log.warning("could not refresh the lease %s: %s", self.path, exc)

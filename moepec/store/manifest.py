@@ -29,7 +29,14 @@ from typing import Any
 import xxhash
 
 from moepec.errors import ManifestError, ManifestFormatError, MoepecError
-from moepec.keys import CHUNK_MARK, parse_checkpoint_name, parse_key, seq_of, split_chunk
+from moepec.keys import (
+    CHUNK_MARK,
+    name_order,
+    parse_checkpoint_name,
+    parse_key,
+    seq_of,
+    split_chunk,
+)
 from moepec.policy.plt import PLTLedger
 from moepec.policy.selection import Selector
 
@@ -649,9 +656,10 @@ def lineage(manifests: Mapping[str, Manifest], head: str) -> list[str]:
 
 
 def newest(names: Iterable[str]) -> str | None:
-    """The checkpoint name with the highest sequence number, or None."""
+    """The checkpoint name with the highest sequence number (ties: keys.name_order), or
+    None."""
     names = list(names)
-    return max(names, key=seq_of) if names else None
+    return max(names, key=name_order) if names else None
 
 
 def retained(manifests: Mapping[str, Manifest], keep_last: int) -> set[str]:
@@ -679,7 +687,7 @@ def to_delete(manifests: Mapping[str, Manifest], uncommitted: Iterable[str],
     out = [n for n in manifests if n not in keep]
     if head is not None:
         out += [n for n in uncommitted if seq_of(n) < seq_of(head)]
-    return sorted(out, key=seq_of)
+    return sorted(out, key=name_order)
 
 
 def view_age(manifest: Manifest) -> list[list[int]]:

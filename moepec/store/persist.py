@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from moepec.errors import CheckpointError, PersistError
+from moepec.errors import CheckpointError, FencedError, PersistError
 from moepec.keys import checkpoint_name
 from moepec.store import manifest as mf
 from moepec.store.checksum import tensor_checksum
@@ -69,13 +69,19 @@ class PersistRecord:
 class Persister:
     """Writes snapshots to storage, one in flight at most."""
 
-    def __init__(self, storage: Storage, *, rank: int, world_size: int,
+    def __init__(self, storage: Storage, *, run_id: str, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, background: bool, timeout_s: float,
                  keep_last: int, release: Callable[[Snapshot], None],
                  guard: Callable[[], None] | None = None) -> None:
         self.storage = storage
+        self.run_id = run_id
+        """This run's id: in every checkpoint name it writes (names unique per run)."""
         self.guard = guard
-        """Called by rank 0 right before each commit; raises to refuse it (the lease)."""
+        """Called by rank 0 before each write, commit and deletion in the root; raises
+        FencedError when this run lost the root's lease."""
+        self.fenced: str | None = None
+        """Why this run no longer touches the root (its lease was taken over), or None.
+        Set on every rank by the same persist (the decision is broadcast); final."""
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -162,15 +168,26 @@ class Persister:
                 return
             self._run_one(item)
 
+    def name_of(self, snap: Snapshot) -> str:
+        """The checkpoint name ``snap`` is persisted as (this run's own)."""
+        return checkpoint_name(snap.seq, snap.step, self.run_id)
+
     def _run_one(self, snap: Snapshot) -> None:
+        name = self.name_of(snap)
         try:
             self._persist(snap)
+        except FencedError as exc:
+            # Not an error of this run's storage: another run owns the root now. Nothing
+            # is cleaned up (that would be a deletion in its root); said once.
+            if self.fenced is None and self.rank == 0:
+                log.warning("%s", exc)
+            self.fenced = str(exc)
+            self.records.append(PersistRecord(name, snap.step, 0, [], 0.0, False))
         except BaseException as exc:  # noqa: BLE001 - surfaced by check()
             log.error("persist of step %s failed: %s", snap.step, root_cause(exc))
             self._error = exc
-            name = checkpoint_name(snap.seq, snap.step)
             self.records.append(PersistRecord(name, snap.step, 0, [], 0.0, False))
-            if self.rank == 0:
+            if self.rank == 0 and self.fenced is None:
                 self._discard(name)
         finally:
             self.release(snap)
@@ -183,7 +200,8 @@ class Persister:
         if snap.error is not None:
             raise snap.error
         t0 = time.perf_counter()
-        name = checkpoint_name(snap.seq, snap.step)
+        name = self.name_of(snap)
+        self._agree_on_lease()
         items = self._write_share(snap, name)
         manifest = self._manifest(snap.meta, name, self._gather(items))
         self._commit(manifest)
@@ -213,6 +231,20 @@ class Persister:
                         length=where[k].length, encoding=where[k].encoding)
                 for k, t in tensors.items()}
 
+    def _agree_on_lease(self) -> None:
+        """Rank 0 checks the lease before anything is written; every rank learns the
+        answer (the persist group). Raises FencedError on every rank when it is lost."""
+        lost = [self.fenced]
+        if self.rank == 0 and lost[0] is None and self.guard is not None:
+            try:
+                self.guard()
+            except FencedError as exc:
+                lost = [str(exc)]
+        if self.world_size > 1:
+            dist.broadcast_object_list(lost, src=0, group=self.group)
+        if lost[0] is not None:
+            raise FencedError(lost[0])
+
     def _gather(self, items: dict[str, Item]) -> dict[str, Item]:
         """Every rank's items (all ranks meet here: the data is written everywhere)."""
         if self.world_size == 1:
@@ -236,14 +268,18 @@ class Persister:
         """Delete what a failed persist left (unless it committed): a full disk stays full
         otherwise. Best effort: what remains is an uncommitted folder, never read."""
         try:
+            if self.guard is not None:
+                self.guard()  # a run that lost the root deletes nothing there
             if not self.storage.is_committed(name):
                 self.storage.delete(name)
+        except FencedError:
+            pass  # the new holder's retention removes it
         except Exception as exc:  # noqa: BLE001 - retention removes it later
             log.warning("could not remove the partial checkpoint %s: %s", name, exc)
 
     def _commit(self, manifest: Manifest) -> None:
         """Rank 0 writes the manifest (the commit); every rank learns whether it did."""
-        ok = [True]
+        outcome: list[Any] = [("ok", "")]
         if self.rank == 0:
             _hook("before_commit", manifest.name)
             try:
@@ -251,15 +287,20 @@ class Persister:
                     self.guard()
                 self.storage.write_manifest(manifest)
                 self._known[manifest.name] = manifest
+            except FencedError as exc:
+                outcome = [("fenced", str(exc))]
             except Exception:
-                ok = [False]
+                outcome = [("failed", "")]
                 if self.world_size == 1:
                     raise
                 log.exception("commit of %s failed", manifest.name)
             _hook("after_commit", manifest.name)
         if self.world_size > 1:
-            dist.broadcast_object_list(ok, src=0, group=self.group)
-        if not ok[0]:
+            dist.broadcast_object_list(outcome, src=0, group=self.group)
+        state, message = outcome[0]
+        if state == "fenced":
+            raise FencedError(message)
+        if state != "ok":
             raise CheckpointError(f"rank 0 could not commit {manifest.name}; it is not a "
                                   f"checkpoint")
 
@@ -271,8 +312,14 @@ class Persister:
                 log.exception("on_commit callback failed")
 
     def _retain(self) -> None:
-        """Delete what no retained view needs (rank 0, after a commit)."""
+        """Delete what no retained view needs (rank 0, after a commit; only while this run
+        holds the root's lease)."""
         _hook("retention", self.head or "")
+        if self.guard is not None:
+            try:
+                self.guard()
+            except FencedError:
+                return  # the next persist finds it too, and tells every rank (and the user)
         found = committed_manifests(self.storage, self._known)
         for name, exc in found.damaged.items():
             log.warning("retention skips %s: %s", name, exc)

@@ -2,9 +2,10 @@
 
 Layout under the checkpoint root ``PATH``::
 
-    PATH/ckpt-000007-step00000064/      one plain DCP checkpoint (data files + .metadata)
-    PATH/ckpt-000007-step00000064/moepec.json   the manifest: written last; its presence
-                                                 is the commit (DESIGN.md, commit rule)
+    PATH/ckpt-000007-step00000064-<run>/      one plain DCP checkpoint (data files +
+                                               .metadata), of run <run> (moepec.keys)
+    PATH/ckpt-000007-step00000064-<run>/moepec.json   the manifest: written last; its
+                                               presence is the commit (DESIGN.md)
 
 Local paths use DCP's FileSystemWriter (fsync'd files); any other fsspec URL
 (``s3://``, ``memory://``, ...) uses DCP's FsspecWriter. By default items are stored as
@@ -55,7 +56,14 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from moepec.errors import CheckpointError, ManifestError, ManifestFormatError, check_choice
-from moepec.keys import CHUNK_MARK, MANIFEST_NAME, chunk_key, parse_checkpoint_name, split_chunk
+from moepec.keys import (
+    CHUNK_MARK,
+    MANIFEST_NAME,
+    chunk_key,
+    is_legacy_name,
+    parse_checkpoint_name,
+    split_chunk,
+)
 from moepec.store import dcp_raw
 from moepec.store import manifest as mf
 from moepec.store.dcp_raw import (
@@ -100,6 +108,7 @@ class Storage:
         self.serialization = serialization
         self.fs, self.root = _filesystem(self.url, self.options)
         self.local = "file" in _protocols(self.fs)
+        self._warned_legacy = False
         if self.local and os.path.isfile(self.root):
             raise CheckpointError(f"{self.url} is a file; a checkpoint root is a folder (or an "
                                   f"fsspec URL)")
@@ -116,7 +125,8 @@ class Storage:
 
     def check_writable(self) -> None:
         """Fail early with a clear message if the root cannot be written."""
-        probe = f"{self.root}/.moepec-write-probe"
+        # Named for this process: two runs probing one root never remove each other's.
+        probe = f"{self.root}/.moepec-write-probe-{os.getpid()}-{os.urandom(4).hex()}"
         try:
             self.fs.makedirs(self.root, exist_ok=True)
             with self.fs.open(probe, "wb") as f:
@@ -269,12 +279,19 @@ class Storage:
             entries = self.fs.ls(self.root, detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        found = []
+        found, legacy = [], []
         for entry in entries:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             if parse_checkpoint_name(name):
                 found.append(name)
-        found.sort(key=lambda n: parse_checkpoint_name(n))
+            elif is_legacy_name(name):
+                legacy.append(name)
+        if legacy and not self._warned_legacy:
+            self._warned_legacy = True
+            log.warning("%s holds %d checkpoint(s) written by a pre-release moepec (e.g. %s); "
+                        "not readable by this version: they are ignored, never deleted",
+                        self.url, len(legacy), sorted(legacy)[-1])
+        found.sort(key=parse_checkpoint_name)
         return [(n, self.fs.exists(f"{self._dir(n)}/{MANIFEST_NAME}")) for n in found]
 
     def is_committed(self, name: str) -> bool:
