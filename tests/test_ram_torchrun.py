@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from moepec.recovery.offline import verify_path
+from moepec.store.shm import DEFAULT_DIR, job_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,10 +51,11 @@ def records(out: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_restarted_workers_restore_from_shared_memory(tmp_path):
-    shm = tmp_path / "shm"
-    proc = run_torchrun(tmp_path, "kill_commit@15:r0,kill_copy@31:r1", 2,
-                        "--ram-dir", str(shm))
+    """No --ram-dir: the default (ram_dir="auto") keeps the slots in /dev/shm/moepec."""
+    shm = Path(DEFAULT_DIR) / job_name(str(tmp_path / "ckpt"))
+    proc = run_torchrun(tmp_path, "kill_commit@15:r0,kill_copy@31:r1", 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stderr.count(f"RAM tier: shared memory in {DEFAULT_DIR}") == 3  # per start
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_step"] == 39
     recs = records(tmp_path)
@@ -77,7 +79,7 @@ def test_restarted_workers_restore_from_shared_memory(tmp_path):
     assert len(losses) == 40 and all(len(v) == 1 for v in losses.values()), losses
     assert len(again) >= 20
     # a clean close removed the slots
-    assert not any(p.is_file() for p in shm.rglob("*"))
+    assert not shm.exists() or not any(p.is_file() for p in shm.rglob("*"))
 
 
 def run_two_nodes(tmp_path: Path, faults: str) -> list[subprocess.CompletedProcess]:

@@ -172,8 +172,9 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    help="take the checkpoint root from the run holding its lease (one writer "
                         "per root; a dead process's lease is taken without it)")
     g.add_argument("--ram-dir", default=d("ram_dir"), metavar="DIR",
-                   help="RAM snapshots in shared memory under DIR (e.g. /dev/shm/moepec), "
-                        "kept across worker restarts; unset: in the process")
+                   help="RAM snapshots in shared memory under DIR, kept across worker "
+                        "restarts; 'auto' (default): /dev/shm/moepec when it exists and "
+                        "fits, else in the process; 'none': in the process")
     g.add_argument("--ckpt-serialization", default=d("serialization"),
                    help="raw (tensor bytes, fast) or torch_save (stock DCP) (%(default)s)")
     g.add_argument("--busy-policy", default=d("busy_policy"),
@@ -236,7 +237,8 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
         async_persist=not args.ckpt_sync, serialization=args.ckpt_serialization,
         busy_policy=args.busy_policy, write_mode=args.write_mode, dynamic_k=args.dynamic_k,
         dynamic_k_down=args.dynamic_k_down, plt_budget=args.plt_budget,
-        timeout_s=args.dist_timeout, ram_dir=args.ram_dir)
+        timeout_s=args.dist_timeout,
+        ram_dir=None if str(args.ram_dir).lower() == "none" else args.ram_dir)
     # Built, and so validated, even without --ckpt-dir: a mistyped checkpoint flag fails
     # now, as it always has, rather than in the run that turns checkpointing on.
     return None if args.ckpt_dir is None else ckpt

@@ -12,6 +12,9 @@ from moepec.policy.plan import WriteMode
 from moepec.policy.selection import Selection
 from moepec.store.manifest import Serialization
 
+AUTO = "auto"
+"""``CheckpointConfig.ram_dir="auto"``: shared memory when it exists and fits."""
+
 
 class PecScope(StrEnum):
     """What PEC skips for the experts a checkpoint does not select."""
@@ -90,13 +93,15 @@ class CheckpointConfig:
     """Take the checkpoint root's lease from the run holding it (one writer per root)."""
     lease_timeout_s: float = 300.0
     """A lease whose holder has not refreshed it for this long is free to take."""
-    ram_dir: str | None = None
-    """Where RAM snapshots live. None: in the training process (lost with it; an
-    in-process restart still recovers from them). A folder on a node-local shared-memory
-    filesystem (``/dev/shm/moepec``): snapshot slots that outlive the worker, so a worker
-    restarted by ``torchrun --max-restarts`` recovers from RAM. Off by default: the
-    files outlive a crash (``moepec ram clean``) and count against the container's
-    shared memory, which is often small (64 MiB under Docker's default)."""
+    ram_dir: str | None = "auto"
+    """Where RAM snapshots live. ``"auto"`` (default): in node-local shared memory,
+    ``/dev/shm/moepec``, when that exists and the tier fits its budget (one info line
+    says so), else in the training process (one info line says why). A folder on a
+    shared-memory filesystem: snapshot slots there, which outlive the worker, so a worker
+    restarted by ``torchrun --max-restarts`` recovers from RAM (refused with a
+    ConfigError when it cannot be used). None: in the training process (lost with it; an
+    in-process restart still recovers from them). A clean close removes the slots; after
+    a crash they stay for the restarted worker (``moepec ram clean`` removes them)."""
     ram_replicas: int | None = None
     """Copies of each rank's committed RAM slot kept on another node (ring over node ids:
     ``MOEPEC_NODE_ID``, default the hostname), so a lost node's shares restore from RAM.
@@ -145,8 +150,8 @@ class CheckpointConfig:
         if not 0 < self.plt_budget < 1:
             raise ConfigError(f"plt_budget is a fraction in (0, 1) (got {self.plt_budget})")
         if self.ram_dir is not None and (not isinstance(self.ram_dir, str) or not self.ram_dir):
-            raise ConfigError(f"ram_dir must be a folder path (e.g. /dev/shm/moepec) or None "
-                              f"for in-process snapshots (got {self.ram_dir!r})")
+            raise ConfigError(f"ram_dir must be 'auto', a folder path (e.g. /dev/shm/moepec) "
+                              f"or None for in-process snapshots (got {self.ram_dir!r})")
         if self.ram_budget_bytes is not None and (
                 not isinstance(self.ram_budget_bytes, int) or isinstance(self.ram_budget_bytes, bool)
                 or self.ram_budget_bytes <= 0):
@@ -158,7 +163,7 @@ class CheckpointConfig:
                               f"got {self.ram_replicas!r}")
         if self.ram_replicas and self.ram_dir is None:
             raise ConfigError("ram_replicas needs the shared-memory RAM tier: set ram_dir "
-                              "(e.g. /dev/shm/moepec)")
+                              "(e.g. /dev/shm/moepec, or 'auto')")
         for name in ("timeout_s", "lease_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

@@ -30,7 +30,7 @@ from torch import nn
 from moepec.errors import CheckpointError, ConfigError, ExpertDiscoveryError, PersistError
 from moepec.keys import parse_checkpoint_name
 from moepec.manager.claim import RootClaim
-from moepec.manager.config import BusyPolicy, CheckpointConfig, PecScope
+from moepec.manager.config import AUTO, BusyPolicy, CheckpointConfig, PecScope
 from moepec.manager.restore import RestoreContext, RestoreOutcome, RestoreReport, restore_state
 from moepec.manager.routing import RoutingCounter
 from moepec.policy.plt import PLTLedger, dynamic_k
@@ -43,7 +43,7 @@ from moepec.state.shares import CheckpointKeys
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.persist import Persister
 from moepec.store.replica import Replicator, node_id, ring_peers
-from moepec.store.shm import SlotStore, admissible, check_budget, root_identity
+from moepec.store.shm import DEFAULT_DIR, SlotStore, admissible, check_budget, root_identity
 from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
 from moepec.store.storage import Storage, committed_manifests, no_gc
 
@@ -136,24 +136,26 @@ class CheckpointManager:
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
                        if self.distributed else None)
         slots = held = peers = None
-        if config.ram_dir is not None:
+        ram_dir = self._ram_dir()
+        if ram_dir is not None:
             peers = self._replica_peers()
             root = root_identity(self.storage.url, self.storage.local)
-            # The budget is the node's: every local rank keeps its slots (and replicas).
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            check_budget(self._ram_need_bytes() * (2 if peers else 1) * local,
-                         config.ram_budget_bytes, config.ram_dir, root)
+            if config.ram_dir != AUTO:  # checked by _ram_dir when chosen automatically
+                check_budget(self._ram_need_bytes(peers), config.ram_budget_bytes, ram_dir,
+                             root)
             try:
-                slots = SlotStore(config.ram_dir, root=root, rank=self.rank,
+                slots = SlotStore(ram_dir, root=root, rank=self.rank,
                                   world_size=self.world_size)
                 if peers:
-                    held = SlotStore(config.ram_dir, root=root, rank=peers[1],
+                    held = SlotStore(ram_dir, root=root, rank=peers[1],
                                      world_size=self.world_size, replica=True)
             except OSError as exc:
-                raise ConfigError(f"cannot keep RAM snapshots in ram_dir={config.ram_dir!r} "
+                raise ConfigError(f"cannot keep RAM snapshots in ram_dir={ram_dir!r} "
                                   f"({exc}); use a writable folder on a shared-memory "
                                   f"filesystem such as /dev/shm/moepec, or ram_dir=None") \
                     from exc
+        self.ram_dir = ram_dir
+        """Where this manager's RAM snapshots live (None: in the process)."""
         self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s,
                                 slots=slots, replicas=held)
         self.replicator = None
@@ -168,6 +170,35 @@ class CheckpointManager:
                                    keep_last=config.keep_last, release=self.ram_tier.release,
                                    guard=lambda: self.root_claim.check())
 
+    def _ram_dir(self) -> str | None:
+        """The folder of the shared-memory RAM tier, or None for in-process buffers.
+        ``ram_dir="auto"``: DEFAULT_DIR when shared memory exists and the tier fits its
+        budget, else None; one info line (local rank 0) says which and why."""
+        chosen = self.config.ram_dir
+        if chosen != AUTO:
+            return chosen
+        shm = os.path.dirname(DEFAULT_DIR)
+        why = None
+        if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
+            why = f"no writable shared memory at {shm}; a restarted worker recovers from storage"
+        else:
+            try:
+                check_budget(self._ram_need_bytes(None), self.config.ram_budget_bytes, shm,
+                             root_identity(self.storage.url, self.storage.local))
+            except ConfigError as exc:
+                why = f"shared memory is too small: {str(exc).split(';')[0]}"
+        if self.distributed:  # one tier for all ranks: the restore protocol meets over it
+            whys: list[Any] = [None] * self.world_size
+            dist.all_gather_object(whys, why)
+            why = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), None)
+        if self.rank == 0:
+            if why is None:
+                log.info("RAM tier: shared memory in %s (survives worker restarts; "
+                         "ram_dir=None keeps it in the process)", DEFAULT_DIR)
+            else:
+                log.info("RAM tier: in-process buffers (%s)", why)
+        return DEFAULT_DIR if why is None else None
+
     def _replica_peers(self) -> tuple[int, int] | None:
         """(successor, predecessor) on the ring over nodes when RAM slots are replicated,
         else None. Collective when distributed (the node ids are gathered)."""
@@ -181,14 +212,15 @@ class CheckpointManager:
             return None
         return ring_peers(nodes, self.rank)
 
-    def _ram_need_bytes(self) -> int:
-        """Shared memory three slots may take on this rank: a full snapshot's share is
-        about 1/world of the model with Adam's two moments (optimizer state may not exist
-        yet), whole for one rank."""
+    def _ram_need_bytes(self, peers: tuple[int, int] | None) -> int:
+        """Shared memory the tier may take on this node: three slots per local rank (twice
+        that with replicas), a full snapshot's share being about 1/world of the model with
+        Adam's two moments (optimizer state may not exist yet), whole for one rank."""
         model = sum(t.numel() * t.element_size()
                     for t in self.catalog.model.state_dict().values())
         per_copy = model * (3 if self.catalog.optimizer is not None else 1)
-        return 3 * -(-per_copy // self.world_size)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return 3 * -(-per_copy // self.world_size) * (2 if peers else 1) * local
 
     def _init_run(self) -> None:
         """This run's id and its claim on the root (the lease: taken at the first save or
