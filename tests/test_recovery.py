@@ -51,15 +51,15 @@ def test_torchrun_sigkill_one_rank_recovers_to_the_same_end(tmp_path, uninterrup
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_step"] == 39
     assert summary["data_state"] == uninterrupted.data_state
-    # a committed checkpoint before the kill (persists are asynchronous: which one
-    # had committed depends on timing)
-    assert summary["resumed_from"] in (7, 15, 23, 31)
+    # the default RAM tier (shared memory) outlived the killed worker: the restarted
+    # workers resume from the newest snapshot, step 31, whatever storage had committed
+    assert summary["resumed_from"] == 31
     ev = events(tmp_path)
     faults = [json.loads(x) for x in (tmp_path / "faults.jsonl").read_text().splitlines()]
     assert [(f["kind"], f["rank"], f["step"]) for f in faults] == [("sigkill", 1, 35)]
     recoveries = [e for e in ev if e["event"] == "recovery"]
-    assert len(recoveries) == 1 and recoveries[0]["tier"] == "storage"
-    assert recoveries[0]["plt"] > 0
+    assert len(recoveries) == 1 and recoveries[0]["tier"] == "ram"
+    assert recoveries[0]["plt"] > 0  # K_snapshot = 2 of 4 experts: the others are older
     assert verify_path(str(tmp_path / "ckpt")).ok
 
 

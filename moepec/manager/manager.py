@@ -305,7 +305,10 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for the snapshot and persist in flight; re-raise any background error.
-        Idempotent."""
+        Idempotent. Stops what the manager started, in this order: the snapshot copy,
+        the replica thread, the RAM tier (its slots go with a clean close), the persist
+        thread, the lease's heartbeat thread, then the manager's own process groups
+        (nothing is left for interpreter exit to tear down)."""
         if self._closed:
             return
         self._closed = True
@@ -315,13 +318,27 @@ class CheckpointManager:
         try:
             self._record_copy(self.ram_tier.finish())
         finally:
-            if self.replicator is not None:
-                self.replicator.close()
-            self.ram_tier.close(unlink=clean)
             try:
+                if self.replicator is not None:
+                    self.replicator.close()
+                self.ram_tier.close(unlink=clean)
                 self.persister.close()
             finally:
                 self.root_claim.release()
+                self._destroy_groups()
+
+    def _destroy_groups(self) -> None:
+        """Leave the process groups this manager created (after their threads stopped)."""
+        groups = [self._group] + ([self.replicator.group] if self.replicator else [])
+        self._group = None
+        if not (dist.is_available() and dist.is_initialized()):
+            return  # the default group went first: it took every subgroup with it
+        for group in groups:
+            if group is not None:
+                try:
+                    dist.destroy_process_group(group)
+                except Exception as exc:  # noqa: BLE001 - exiting anyway; say what stays
+                    log.debug("could not destroy a checkpoint process group: %s", exc)
 
     def __enter__(self) -> CheckpointManager:
         return self

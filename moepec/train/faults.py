@@ -51,9 +51,14 @@ class InjectedFault(MoepecError):
 
 
 # -- storage that fails on demand ------------------------------------------------
-_EXEMPT = ("moepec-write-probe", "moepec.lease")
-"""Files the injected faults spare: the set-up's probe and lease, so that a fault hits the
-checkpoint data and manifests it is meant for."""
+_EXEMPT = (".moepec-write-probe", "moepec.lease")
+"""Names (prefixes) of the files the injected faults spare: the set-up's probes, the lease
+and its heartbeat files, so that a fault hits the checkpoint data and manifests it is
+meant for."""
+
+
+def _exempt(path: object) -> bool:
+    return os.path.basename(str(path)).startswith(_EXEMPT)
 
 
 class FaultyFileSystem(LocalFileSystem):
@@ -79,12 +84,12 @@ class FaultyFileSystem(LocalFileSystem):
         return LocalFileSystem._strip_protocol(path)
 
     def _open(self, path, mode="rb", **kwargs):
-        if any(c in mode for c in "wa") and not str(path).endswith(_EXEMPT):
+        if any(c in mode for c in "wa") and not _exempt(path):
             self._maybe_fail(path)
         return super()._open(path, mode=mode, **kwargs)
 
     def pipe_file(self, path, value, **kwargs):
-        if not str(path).endswith(_EXEMPT):
+        if not _exempt(path):
             self._maybe_fail(path)
         return super().pipe_file(path, value, **kwargs)
 
