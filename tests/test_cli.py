@@ -152,3 +152,35 @@ def test_train_ckpt_serialization_flag(capsys: pytest.CaptureFixture[str], tmp_p
     assert raw and all(r != stock_readable for r in raw)
     _one_line_error(capsys, TINY + ["--ckpt-dir", str(ckpt), "--ckpt-serialization", "zip"],
                     "unknown serialization")
+
+
+@pytest.mark.parametrize("policy, fault_step, code, newest", [
+    ("continue", 5, 0, "step 3 (ckpt-000001-step00000003"),  # storage full to the end
+    ("stop", 7, 2, None),  # only the final persist fails
+])
+def test_exit_status_of_a_failed_final_persist_follows_on_persist_error(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, policy: str, fault_step: int,
+        code: int, newest: str | None) -> None:
+    from moepec.store.storage import Storage
+    from moepec.train.faults import FaultyFileSystem
+
+    argv = TINY + ["--steps", "8", "--batch-size", "2", "--eval-batches", "0",
+                   "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-interval", "2",
+                   "--out-dir", str(tmp_path), "--on-persist-error", policy,
+                   "--faults", f"enospc@{fault_step}"]  # storage fails from then to the end
+    capsys.readouterr()
+    try:
+        assert cli.main(argv) == code
+    finally:
+        FaultyFileSystem.mode = None
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    committed = [n for n in Storage(str(tmp_path / "ckpt")).committed()]
+    assert f"-step{fault_step - 2:08d}-" in committed[-1]  # the last before the fault
+    if newest is None:
+        assert "moepec: error: checkpoint persist failed" in err and "No space left" in err
+    else:
+        final = [x for x in err.splitlines() if "the run ends" in x]
+        assert len(final) == 1 and "WARNING" in final[0], err
+        assert f"the newest committed checkpoint is {newest}-" in final[0]
+        assert "No space left" in final[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+import warnings
 
 import pytest
 import torch
@@ -24,6 +25,10 @@ from moepec.store.dcp_raw import (
 from moepec.store.manifest import Item
 from moepec.store.persist import root_cause
 from moepec.store.storage import _ROOT, Storage, _SavePlanner
+
+# These tests call stock dcp.save / dcp.load themselves, in one process: torch's
+# single-process notice is theirs (moepec's own calls stay quiet: the last test).
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -234,3 +239,29 @@ def test_conjugate_views_and_fsspec_default_sync(tmp_path):
 def test_checksum_of_wrong_type_is_a_mismatch_not_a_crash():
     t = torch.ones(3)
     assert not checksum_matches(t, 5) and not checksum_matches(t, {"xxh3": "x"})
+
+
+@pytest.mark.parametrize("async_persist", [False, True])
+def test_one_process_save_restore_and_export_warn_nothing(tmp_path, async_persist):
+    """No stray warnings from our own DCP calls (torch warns at every one-process save)."""
+    from moepec import CheckpointManager
+    from moepec.recovery.offline import export_view
+    from tests.toy import Counter, make, run_loop
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (0, 1):  # a run, then a second one that restores it
+            model, opt, sched = make(seed, "stacked", 4)
+            counter = Counter()
+            cfg = CheckpointConfig(path=str(tmp_path / "c"), interval=2, k_persist=1,
+                                   async_persist=async_persist)
+            mgr = CheckpointManager(model, opt, cfg, extra_state={"sched": sched,
+                                                                  "data": counter})
+            report = mgr.restore()
+            start = report.step + 1 if report else 0
+            run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(seed),
+                     start, 4)
+            mgr.close()
+        export_view(str(tmp_path / "c"), str(tmp_path / "out"), "dcp")
+    assert report is not None and report.step == 3
+    assert [str(w.message) for w in caught] == []

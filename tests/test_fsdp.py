@@ -781,8 +781,8 @@ def test_train_fsdp_x_ep_survives_a_sigkill_and_resumes_in_one_process(
         report = run1.manager.restore()
         assert report.step == 5
         assert any(s["step"] < 5 for s in report.sources.values())  # stale experts
-        manifest, values = read_view(str(ckpt))
-        saved = consolidate(manifest, values)
+        view = read_view(str(ckpt))
+        saved = consolidate(view.manifest, view.values)
         n = 0
         for name, p in run1.model.named_parameters():
             assert torch.equal(p.detach(), saved[f"model.{name}"]), name

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from moepec.cli.main import main
+from moepec.keys import parse_key
 from moepec.recovery.offline import export_view, format_inspect, inspect_path, verify_path
+from moepec.store.storage import single_process_dcp
 from tests.test_commit import _corrupt, _train, crash, fresh
 
 
@@ -42,24 +48,23 @@ def test_export_safetensors_and_dcp_equal_restored_model(tmp_path):
     mgr, model, _ = fresh(ckpt, keep_last=5)
     mgr.restore()
     expect = model.state_dict()
-    n = export_view(str(ckpt), str(tmp_path / "m.safetensors"), "safetensors")
+    report = export_view(str(ckpt), str(tmp_path / "m.safetensors"), "safetensors")
     got = load_file(str(tmp_path / "m.safetensors"))
-    assert n == len(got) and set(got) == set(expect)
+    assert report.tensors == len(got) and not report.notes() and set(got) == set(expect)
     assert all(torch.equal(got[k], expect[k]) for k in expect)
     export_view(str(ckpt), str(tmp_path / "dcp"), "dcp")
     # plain DCP, no moepec: read the model and the optimizer state back
     target = {f"model.{k}": torch.empty_like(v) for k, v in expect.items()}
     w1 = "moe.0.experts.w1"
     target[f"optim.{w1}.exp_avg"] = torch.empty_like(expect[w1])
-    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    with single_process_dcp():  # the test's own stock call
+        dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert all(torch.equal(target[f"model.{k}"], v) for k, v in expect.items())
     opt_state = mgr.catalog.optimizer.state[model.moe[0].experts.w1]["exp_avg"]
     assert torch.equal(target[f"optim.{w1}.exp_avg"], opt_state)
 
 
 def test_cli_inspect_verify_export_exit_codes(tmp_path, capsys):
-    from moepec.cli.main import main
-
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=6, keep_last=5)
     assert main(["inspect", str(ckpt)]) == 0
@@ -74,3 +79,80 @@ def test_cli_inspect_verify_export_exit_codes(tmp_path, capsys):
     assert "BAD item" in capsys.readouterr().out
     assert main(["inspect", str(tmp_path / "c"), "--storage-options", "{bad"]) == 2
     assert "storage-options" in capsys.readouterr().err
+
+
+def _damage_entry(root, name: str, key: str, field: str, value) -> None:
+    """Set one field of ``key``'s item entry in checkpoint ``name``'s manifest."""
+    path = root / name / "moepec.json"
+    m = json.loads(path.read_text())
+    m["keys"][key][field] = value
+    path.write_text(json.dumps(m))
+
+
+def _restored(ckpt):
+    """(report, model.* and optim.*.* tensors) of a one-process CheckpointManager.restore()."""
+    mgr, model, _ = fresh(ckpt, keep_last=5)
+    report = mgr.restore()
+    mgr.close()
+    opt = mgr.catalog.optimizer
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for name, p in model.named_parameters():
+        out.update({f"optim.{name}.{s}": v for s, v in opt.state[p].items()})
+    return report, out
+
+
+def test_export_stitches_a_damaged_item_entry_as_restore_does(tmp_path, capsys):
+    """A bad entry (dtype, path, offset) of the newest checkpoint: export falls back to the
+    older copy exactly as restore does, bit for bit, and names the fallback."""
+    pristine = tmp_path / "pristine"
+    manager, _ = _train(pristine, steps=8, keep_last=5)
+    newest = manager.storage.committed()[-1]
+    keys = json.loads((pristine / newest / "moepec.json").read_text())["keys"]
+    expert_key = next(k for k in sorted(keys) if k.startswith("experts/") and "/model/" in k)
+    info = parse_key(expert_key)
+    plain_key = next(k for k in sorted(keys) if k.startswith("model/"))
+    cases = [(expert_key, "dtype", "object"), (expert_key, "file", "../x"),
+             (expert_key, "offset", -1), (plain_key, "dtype", "object")]
+    for i, (key, field, value) in enumerate(cases):
+        ckpt = tmp_path / f"c{i}"
+        shutil.copytree(pristine, ckpt)
+        _damage_entry(ckpt, newest, key, field, value)
+        report, expect = _restored(ckpt)
+        capsys.readouterr()
+        assert main(["export", str(ckpt), str(tmp_path / f"w{i}.safetensors")]) == 0, field
+        text = capsys.readouterr().out
+        if key == expert_key:  # an older copy of that expert, the newest base
+            src = report.sources[f"{info.layer}/{info.expert}"]["checkpoint"]
+            assert report.checkpoint == newest and src != newest
+            assert (f"from an older copy: expert {info.expert} of MoE layer {info.layer} "
+                    f"(model) from {src}") in text, text
+        else:  # the older base
+            assert report.checkpoint != newest
+            assert f"the newest checkpoint {newest} cannot be restored" in text, text
+        got = load_file(str(tmp_path / f"w{i}.safetensors"))
+        model = {k: v for k, v in expect.items() if k.startswith("model.")}
+        assert set(got) == {k.removeprefix("model.") for k in model}
+        assert all(torch.equal(got[k.removeprefix("model.")], v) for k, v in model.items())
+        assert main(["export", str(ckpt), str(tmp_path / f"d{i}"), "--format", "dcp"]) == 0
+        target = {k: torch.empty_like(v) for k, v in expect.items()}
+        with single_process_dcp():
+            dcp.load(target, checkpoint_id=str(tmp_path / f"d{i}"), no_dist=True)
+        assert all(torch.equal(target[k], v) for k, v in expect.items()), field
+
+
+def test_export_with_no_intact_copy_of_an_expert_fails_in_one_line(tmp_path, capsys):
+    ckpt = tmp_path / "c"
+    manager, _ = _train(ckpt, steps=8, keep_last=5)
+    key = None
+    for name in manager.storage.committed():  # every copy of one expert's weights
+        keys = json.loads((ckpt / name / "moepec.json").read_text())["keys"]
+        key = key or next(k for k in sorted(keys) if k.startswith("experts/") and "/model/" in k)
+        if key in keys:
+            _damage_entry(ckpt, name, key, "offset", -1)
+    info = parse_key(key)
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(tmp_path / "w.safetensors")]) == 2
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("moepec: error:"))
+    assert f"no intact copy left of expert {info.expert} of MoE layer {info.layer}" in line
+    assert "Traceback" not in err and not (tmp_path / "w.safetensors").exists()

@@ -14,13 +14,10 @@ Run: moepec bench restore [--experts 32 64] [--repeats 5] [--out FILE]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import tempfile
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -29,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from moepec import CheckpointConfig, CheckpointManager
 from moepec.models.configs import get_config
 from moepec.models.gpt_moe import GPTMoE
+from moepec.store.storage import single_process_dcp
 
 GOAL = 1.5
 """The stitched restore may take at most this many times the full dcp.load."""
@@ -79,18 +77,10 @@ def _restore_once(root: Path, n_experts: int, in_place: bool) -> tuple[float, in
 def _load_once(root: Path, n_experts: int) -> float:
     model, opt = _model(n_experts, 1)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    with _quiet_dcp():
+    with single_process_dcp():
         t0 = time.perf_counter()
         dcp.load(state, checkpoint_id=str(root), no_dist=True)
         return time.perf_counter() - t0
-
-
-@contextlib.contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    """DCP warns that it runs in one process, which is the intent here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        yield
 
 
 def run(experts: list[int], repeats: int = 5) -> list[dict]:
@@ -102,7 +92,7 @@ def run(experts: list[int], repeats: int = 5) -> list[dict]:
             pec, full = Path(tmp) / f"pec{n}", Path(tmp) / f"full{n}"
             nbytes = _pec_run(pec, n)
             model, opt = _model(n, 0)
-            with _quiet_dcp():
+            with single_process_dcp():
                 dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
                          checkpoint_id=str(full), no_dist=True)
             stitched, in_place, loads, sources = [], [], [], 0

@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from moepec import CheckpointConfig, CheckpointManager
 from moepec.models.configs import count_parameters, get_config
 from moepec.models.gpt_moe import GPTMoE
-from moepec.store.storage import Storage
+from moepec.store.storage import Storage, single_process_dcp
 
 PAPER = {"gpt-125m-8e": 0.542, "gpt-350m-16e": 0.577}
 SCOPES = ("all", "optimizer", "weights")
@@ -72,7 +72,8 @@ def measure(cfg, ks: list[int], scopes, workdir: Path) -> list[dict]:
     model, opt = trained_model(cfg)
     full_dir = workdir / f"full-{uuid.uuid4().hex}"
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.save(state, checkpoint_id=str(full_dir), no_dist=True)
+    with single_process_dcp():
+        dcp.save(state, checkpoint_id=str(full_dir), no_dist=True)
     full_bytes = sum(p.stat().st_size for p in full_dir.rglob("*") if p.name != ".metadata")
     rows = []
     for scope in scopes:

@@ -109,8 +109,12 @@ def _run_export(args: argparse.Namespace) -> int:
     from moepec.recovery.offline import export_view
 
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "dcp")
-    n = export_view(args.path, args.out, fmt, _storage_options(args))
-    print(f"exported {n} tensors of the newest view of {args.path} to {args.out} ({fmt})")
+    report = export_view(args.path, args.out, fmt, _storage_options(args))
+    view = report.view.manifest
+    print(f"exported {report.tensors} tensors of the view of {view.name} (step {view.step}) "
+          f"of {args.path} to {args.out} ({fmt})")
+    for line in report.notes():
+        print(f"WARNING: {line}")
     return 0
 
 

@@ -191,7 +191,8 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plt-budget", type=float, default=d("plt_budget"),
                    help="budget of the proportion of lost tokens (%(default)s)")
     g.add_argument("--on-persist-error", default=t("on_persist_error"),
-                   help="continue (log, keep training, retry) or stop (%(default)s)")
+                   help="continue (log, keep training, retry; a failed last persist is a "
+                        "warning, exit 0) or stop (exit 2) (%(default)s)")
     g.add_argument("--restarts", type=int, default=t("restarts"),
                    help="resume from the last checkpoint after this many failures (%(default)s)")
 

@@ -371,6 +371,13 @@ class CheckpointManager:
         return self.persister.fenced
 
     @property
+    def last_committed(self) -> str | None:
+        """The newest committed checkpoint this run continues: its own last commit, or the
+        one it restored from; None when there is none. Any rank, any time; final after
+        ``close()`` (a persist that failed never changes it)."""
+        return self.persister.head
+
+    @property
     def blocked_seconds(self) -> float:
         """Total time the training loop spent blocked in step() and wait_for_snapshot()."""
         return self._blocked

@@ -30,17 +30,16 @@ from moepec.errors import (
     CorruptCheckpointError,
     DistributedError,
     ManifestError,
-    ManifestFormatError,
     NoCheckpointError,
     StructureMismatchError,
 )
 from moepec.keys import parse_key
 from moepec.policy.plt import PLTLedger
 from moepec.recovery.records import lost_since, read_recoveries
-from moepec.recovery.stitch import Recovered, Source, Tier, lost_tokens, recover, storage_source
+from moepec.recovery.stitch import Recovered, Source, Tier, lost_tokens, recover
+from moepec.recovery.views import StoredViews, same_runs, usable_manifests
 from moepec.state.catalog import StateCatalog
 from moepec.state.experts import structure_mismatches
-from moepec.state.objects import pickled_objects_message
 from moepec.store import manifest as mf
 from moepec.store.manifest import CheckpointMeta, Item, Manifest
 from moepec.store.snapshot import Snapshot
@@ -125,7 +124,7 @@ def restore_state(ctx: RestoreContext, found: Committed,
     """Restore the newest view. All ranks call it (collective). Returns None when there is
     nothing to restore. Raises ManifestFormatError (a newer moepec wrote the newest
     checkpoints), StructureMismatchError, NoCheckpointError / CorruptCheckpointError."""
-    manifests = _usable(found)
+    manifests = usable_manifests(found)
     ram_src = _gather_ram(ctx, ram)
     if not manifests and ram_src is None:
         return None
@@ -140,19 +139,6 @@ def restore_state(ctx: RestoreContext, found: Committed,
     return RestoreOutcome(values=rec.values, base=rec.base, head=head, ledger=ledger,
                           lost=lost, sources=sources, keys_from=keys_from,
                           warnings=rec.warnings)
-
-
-def _usable(found: Committed) -> dict[str, Manifest]:
-    newer = found.newer_format()
-    if newer is not None:
-        raise newer
-    older = [n for n, m in found.manifests.items() if m.format not in mf.READABLE_FORMATS]
-    if older:
-        # Not skipped: starting from scratch past them would silently lose the run.
-        raise ManifestFormatError(pickled_objects_message(f"checkpoint {older[-1]}"))
-    for name, exc in found.damaged.items():
-        log.warning("ignoring %s: %s", name, exc)
-    return found.manifests
 
 
 def _check_structure(ctx: RestoreContext, newest: Manifest) -> None:
@@ -176,8 +162,8 @@ class _Views:
         self.ctx = ctx
         self.manifests = manifests
         self.ram = ram
-        self.sources = {n: storage_source(ctx.storage, m) for n, m in manifests.items()}
-        storage_bases = sorted(self.sources.values(), key=lambda s: s.seq, reverse=True)
+        self.stored = StoredViews(ctx.storage, manifests)
+        storage_bases = self.stored.bases
         # Newest first; a RAM snapshot before the committed copy of the same seq (it holds
         # K_snapshot experts), after any newer committed checkpoint.
         self.bases = sorted(([ram] if ram is not None and ram.complete else [])
@@ -206,38 +192,23 @@ class _Views:
 
     def lineage_of(self, base: Source) -> list[Source]:
         if base.tier == Tier.RAM:
-            chain = mf.lineage(self.manifests, self.ram_head) if self.ram_head else []
-            return [base] + _same_runs(base, [self.sources[n] for n in chain])
-        chain = [self.sources[n] for n in mf.lineage(self.manifests, base.name)]
+            chain = self.stored.chain(self.ram_head) if self.ram_head else []
+            return [base] + same_runs(base, chain)
+        chain = self.stored.chain(base.name)
         ram = self.ram
         if ram is not None and ram.seq <= base.seq:
             # the same process's RAM copy, not newer than the base: a valid older copy
             pos = next((i for i, s in enumerate(chain) if s.seq < ram.seq), len(chain))
             chain.insert(pos, ram)
-        return _same_runs(base, chain)
+        return same_runs(base, chain)
 
     def required_of(self, base: Source) -> set[str]:
         if base.tier == Tier.RAM:
             view = self.manifests[self.ram_head].view if self.ram_head else {}
             keys = set(view) | set(base.keys)
         else:
-            keys = set(base.manifest.view)
+            keys = self.stored.required_of(base)
         return {k for k in keys if _mine(self.ctx, k)}
-
-
-def _same_runs(base: Source, chain: list[Source]) -> list[Source]:
-    """The copies of ``chain`` taken by runs of the base's lineage: a checkpoint another
-    run wrote into the same root (a second writer, a copied folder) is never stitched in.
-    A run continues a lineage by restoring from it (or taking over its lease)."""
-    runs = set(base.meta.runs) | {base.meta.run_id}
-    if not base.meta.runs:
-        return chain  # written before runs were recorded
-    kept = [s for s in chain if s.meta.run_id in runs]
-    for s in chain:
-        if s.meta.run_id not in runs:
-            log.warning("not stitching %s: it was written by run %s, which is not in the "
-                        "lineage of %s", s.name, s.meta.run_id or "?", base.name)
-    return kept
 
 
 # -- the RAM tier ---------------------------------------------------------------------

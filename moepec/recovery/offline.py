@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
-from moepec.errors import CheckpointError, ManifestError, NoCheckpointError
+from moepec.errors import CheckpointError, ManifestError
 from moepec.keys import parse_checkpoint_name, parse_key, split_chunk
 from moepec.recovery.stitch import read_verified, storage_source
+from moepec.recovery.views import Fallback, fallbacks, recover_stored
 from moepec.store import manifest as mf
 from moepec.store.manifest import DTYPE_SIZES, Manifest
-from moepec.store.storage import Storage, committed_manifests
+from moepec.store.storage import Storage, committed_manifests, single_process_dcp
 
 log = logging.getLogger(__name__)
 
@@ -175,32 +176,33 @@ def missing_experts(m: Manifest) -> str | None:
     return None
 
 
-def read_view(path: str, storage_options: dict | None = None
-              ) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """The newest committed view, every key read and verified: (manifest, key -> tensor)."""
+@dataclass(frozen=True, slots=True)
+class StitchedView:
+    """The state a one-process ``CheckpointManager.restore()`` would load, read offline."""
+
+    manifest: Manifest
+    """The base checkpoint (the newest whose non-expert state is intact)."""
+    values: dict[str, torch.Tensor]
+    """Every key of its view -> value, each from its newest intact copy."""
+    newest: str
+    """The newest committed checkpoint (the base unless its own state is damaged)."""
+    fallbacks: list[Fallback]
+    """The expert units taken from an older copy than the base's view names."""
+    warnings: list[str]
+    """What the stitching skipped, and why (as ``RestoreReport.warnings``)."""
+
+
+def read_view(path: str, storage_options: dict | None = None) -> StitchedView:
+    """The newest view, stitched as restore stitches it (``recovery.views``): a damaged
+    item falls back to an older copy, a damaged base to an older base. Reads only.
+    Raises NoCheckpointError (nothing committed, no intact copy of some expert),
+    CorruptCheckpointError, ManifestFormatError, each with a one-line message."""
     st = Storage(path, storage_options)
-    found = committed_manifests(st, views=True)
-    if found.newer_format() is not None:
-        raise found.newer_format()
-    for name, exc in found.damaged.items():
-        log.warning("ignoring %s: %s", name, exc)
-    head = found.newest
-    if head is None:
-        raise NoCheckpointError(f"no committed checkpoint under {path}")
-    m = found.manifests[head]
-    by_src: dict[str, list[str]] = {}
-    for key, src in m.view.items():
-        by_src.setdefault(src, []).append(key)
-    values: dict[str, torch.Tensor] = {}
-    for src, keys in by_src.items():
-        if src not in found.manifests:
-            raise NoCheckpointError(f"{src}, needed by the view of {head}, is missing")
-        good, bad = read_verified(storage_source(st, found.manifests[src]), keys)
-        if bad:
-            raise CheckpointError(f"{src}:{bad[0]} fails its checksum or cannot be read; "
-                                  f"run `moepec verify {path}`")
-        values.update(good)
-    return m, values
+    found = committed_manifests(st)
+    rec = recover_stored(st, found)
+    assert rec.base.manifest is not None and found.newest is not None, "a stored base"
+    return StitchedView(manifest=rec.base.manifest, values=rec.values, newest=found.newest,
+                        fallbacks=fallbacks(rec), warnings=rec.warnings)
 
 
 def _check_output(path: str, out: str) -> None:
@@ -271,13 +273,37 @@ def _into(whole: torch.Tensor, value: torch.Tensor, chunk) -> None:
     whole.copy_(value)
 
 
-def export_view(path: str, out: str, fmt: str, storage_options: dict | None = None) -> int:
-    """Write the newest view as one plain DCP checkpoint or safetensors file; returns keys.
+@dataclass(frozen=True, slots=True)
+class ExportReport:
+    """What ``export_view`` wrote."""
 
-    Refuses an output inside the checkpoint root and a view that lacks an expert (the
-    export would hold zeros for it); raises CheckpointError naming the problem."""
+    tensors: int
+    """Tensors written."""
+    view: StitchedView
+    """The view exported (its base, and which experts came from older copies)."""
+
+    def notes(self) -> list[str]:
+        """One line per way the export differs from the newest checkpoint's own view."""
+        lines = []
+        if self.view.manifest.name != self.view.newest:
+            lines.append(f"the newest checkpoint {self.view.newest} cannot be restored; "
+                         f"exported the view of {self.view.manifest.name} instead")
+        lines += [f"from an older copy: {f}" for f in self.view.fallbacks]
+        return lines
+
+
+def export_view(path: str, out: str, fmt: str, storage_options: dict | None = None
+                ) -> ExportReport:
+    """Write the view a restore would load as one plain DCP checkpoint or safetensors file.
+
+    The view is stitched as ``CheckpointManager.restore()`` stitches it (a damaged item
+    falls back to an older copy, named in the report). Refuses an output inside the
+    checkpoint root, a view with no intact copy of some key and a view that lacks an
+    expert (the export would hold zeros for it); raises a CheckpointError naming the
+    problem."""
     _check_output(path, out)
-    manifest, values = read_view(path, storage_options)
+    view = read_view(path, storage_options)
+    manifest, values = view.manifest, view.values
     missing = missing_experts(manifest)
     if missing:
         raise CheckpointError(f"the newest view ({manifest.name}) has no copy of {missing}; "
@@ -297,12 +323,13 @@ def export_view(path: str, out: str, fmt: str, storage_options: dict | None = No
                    if k.startswith("model.")}
         save_file(weights, out, metadata={"moepec_step": str(manifest.step),
                                           "moepec_checkpoint": manifest.name})
-        return len(weights)
+        return ExportReport(tensors=len(weights), view=view)
     if fmt == "dcp":
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(tensors, checkpoint_id=out, no_dist=True)
-        return len(tensors)
+        with single_process_dcp():
+            dcp.save(tensors, checkpoint_id=out, no_dist=True)
+        return ExportReport(tensors=len(tensors), view=view)
     raise CheckpointError(f"unknown export format {fmt!r}; use dcp or safetensors")
 
 

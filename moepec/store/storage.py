@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -157,10 +158,11 @@ class Storage:
             writer = (RawFsspecWriter if raw else FsspecWriter)(
                 url, sync_files=False, overwrite=True, **self.options)
         distributed = dist.is_available() and dist.is_initialized()
-        metadata = dcp.save({_ROOT: dict(tensors)}, storage_writer=writer,
-                            planner=_SavePlanner(),
-                            process_group=process_group if distributed else None,
-                            no_dist=not distributed)
+        with contextlib.nullcontext() if distributed else single_process_dcp():
+            metadata = dcp.save({_ROOT: dict(tensors)}, storage_writer=writer,
+                                planner=_SavePlanner(),
+                                process_group=process_group if distributed else None,
+                                no_dist=not distributed)
         keys = _keys_of(metadata)
         return {keys[index]: Location(
             info.relative_path, info.offset, info.length,
@@ -389,6 +391,32 @@ def no_gc() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+_SINGLE_PROCESS = (r"torch\.distributed is .*assuming the intent is to (save|load) in a single "
+                   r"process")
+"""DCP's UserWarning for a one-process save or load (worded alike from torch 2.4 to 2.13)."""
+
+
+@contextlib.contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """Around our own one-process ``dcp.save`` / ``dcp.load``: silences exactly DCP's
+    "torch.distributed is disabled ..., assuming the intent is to save in a single process"
+    UserWarning, which torch raises at every call even with ``no_dist=True`` (the argument
+    that says one process is the intent), so there is no argument that avoids it.
+
+    Not ``warnings.catch_warnings()``: that saves and restores the whole global filter list
+    and ``showwarning``, so on the persist thread it could undo a filter or a warnings
+    recorder the training thread set meanwhile. This adds one filter and removes that one
+    filter again; any thread may use it."""
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
+    item = next(f for f in warnings.filters if f[0] == "ignore" and f[2] is UserWarning
+                and f[1] is not None and f[1].pattern == _SINGLE_PROCESS)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # another thread restored an older list
+            warnings.filters.remove(item)
 
 
 def _read_committed(storage: Storage, listing: list[tuple[str, bool]],

@@ -33,9 +33,11 @@ class OnPersistError(StrEnum):
     """What the trainer does when a background persist fails."""
 
     CONTINUE = "continue"
-    """Log it and keep training (snapshots to RAM go on; the next checkpoint retries)."""
+    """Log it and keep training (snapshots to RAM go on; the next checkpoint retries); a
+    failed last persist ends the run normally, with a warning naming the newest committed
+    checkpoint."""
     STOP = "stop"
-    """Raise the PersistError: the run ends."""
+    """Raise the PersistError: the run ends (the CLI exits 2)."""
 
 
 

@@ -48,6 +48,7 @@ from moepec.train.steps import (  # noqa: F401
 )
 from moepec.train.wiring import (
     MetricsWriter,
+    close_manager,
     log_commits,
     persist_guard,
     recovery_record,
@@ -308,7 +309,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                              ep_size=cfg.ep)
         train_time = _train_with_restarts(cfg, run, result, metrics, is_main)
         if run.manager:
-            run.manager.close()  # waits for the last persist; raises its error
+            # waits for the last persist; its error is handled per on_persist_error
+            close_manager(cfg, metrics, run.manager, result.final_step)
             run.manager = None
         _finish(cfg, run, result, train_time, t_start)
         if cfg.out_dir and is_main:

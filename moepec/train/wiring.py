@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from moepec.errors import ConfigError, PersistError
+from moepec.keys import parse_checkpoint_name
 from moepec.train.config import OnPersistError, TrainConfig
 
 if TYPE_CHECKING:
@@ -121,11 +122,34 @@ def persist_guard(cfg: TrainConfig, metrics: MetricsWriter, step: int, call, *ar
     try:
         call(*args)
     except PersistError as exc:
-        metrics.write({"event": "persist_error", "step": step, "time": time.time(),
-                       "error": str(exc)})
-        if cfg.on_persist_error == OnPersistError.STOP:
-            raise
-        log.error("step %d: %s; training continues", step, exc)
+        _persist_failed(cfg, metrics, step, exc)
+        log.error("step %d: %s; training continues", step, str(exc).rstrip("."))
+
+
+def close_manager(cfg: TrainConfig, metrics: MetricsWriter, manager, step: int) -> None:
+    """Close the manager at the end of a run (waits for the last persist), with the same
+    policy as :func:`persist_guard`: with on_persist_error="stop" a failed last persist
+    raises its PersistError (the run fails); with "continue" the run ends normally, with
+    one warning naming the newest committed checkpoint (what a restart resumes from)."""
+    try:
+        manager.close()
+    except PersistError as exc:
+        _persist_failed(cfg, metrics, step, exc)
+        name = manager.last_committed
+        newest = (f"step {parse_checkpoint_name(name)[1]} ({name})" if name
+                  else "none: no checkpoint of this run was committed")
+        log.warning("the run ends, but its last checkpoint was not persisted (%s); the newest "
+                    "committed checkpoint is %s (on_persist_error=continue; with stop this "
+                    "run would fail)", str(exc).rstrip("."), newest)
+
+
+def _persist_failed(cfg: TrainConfig, metrics: MetricsWriter, step: int,
+                    exc: PersistError) -> None:
+    """Record a failed persist; re-raise it when the policy is to stop."""
+    metrics.write({"event": "persist_error", "step": step, "time": time.time(),
+                   "error": str(exc)})
+    if cfg.on_persist_error == OnPersistError.STOP:
+        raise exc
 
 
 _STORAGE_FAULTS = ("storage_error", "enospc", "slow_storage")
