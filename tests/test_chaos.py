@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moepec import CheckpointConfig, CheckpointManager
-from moepec.keys import parse_key
+from moepec.keys import parse_checkpoint_name, parse_key
 from moepec.recovery.offline import verify_path
 from moepec.store import persist, snapshot
 from moepec.store.storage import Storage
@@ -28,8 +28,10 @@ N_KILLS = 24
 
 
 def _cfg(path: str) -> CheckpointConfig:
+    # Storage alone: the kills test the commit rule and stitching over committed
+    # checkpoints (the shared-memory tier's kills are in test_ram_torchrun).
     return CheckpointConfig(path=path, interval=2, k_persist=1, k_snapshot=2, keep_last=2,
-                            timeout_s=30)
+                            timeout_s=30, ram_dir=None)
 
 
 def _die() -> None:
@@ -41,7 +43,8 @@ def child(path: str, hist: str, phase: str | None, kill_step: int, delay: float)
     torch.set_num_threads(1)
 
     def persist_hook(where: str, name: str) -> None:
-        step = int(name.rsplit("step", 1)[1]) if "step" in name else -1
+        parsed = parse_checkpoint_name(name)
+        step = parsed.step if parsed else -1
         if step < kill_step:
             return
         if phase == "persist" and where == "write":
