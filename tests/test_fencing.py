@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moepec import CheckpointConfig, CheckpointManager
+from moepec.keys import parse_checkpoint_name
 from moepec.recovery.offline import verify_path
 from moepec.store.storage import Storage
 from tests.toy import Counter, full_state, make
@@ -32,21 +33,37 @@ def _writer(path: str, seconds: float, takeover: bool, out: Path,
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _two_writers_after_a_takeover(path: str, tmp_path: Path, options: dict | None) -> None:
-    old = _writer(path, SECONDS + 15, False, tmp_path / "a.pt", options)
-    new = None
-    try:
-        assert old.stdout.readline().strip() == "ready", old.stderr.read()[-3000:]
-        new = _writer(path, SECONDS, True, tmp_path / "d.pt", options)
-        _, new_err = new.communicate(timeout=SECONDS + 120)
-        assert new.returncode == 0, new_err[-3000:]
-        _, old_err = old.communicate(timeout=SECONDS + 120)
-        assert old.returncode == 0, old_err[-3000:]
-    finally:
-        for proc in (old, new):
+class _TwoWriters:
+    """Run A trains into a root; run D takes it over while A lives; both train on."""
+
+    def __init__(self, path: str, tmp_path: Path, options: dict | None) -> None:
+        self.path, self.tmp_path, self.options = path, tmp_path, options
+        self.old = _writer(path, SECONDS + 15, False, tmp_path / "a.pt", options)
+        self.new = None
+
+    def take_over(self) -> None:
+        assert self.old.stdout.readline().strip() == "ready", self.old.stderr.read()[-3000:]
+        self.new = _writer(self.path, SECONDS, True, self.tmp_path / "d.pt", self.options)
+
+    def finish(self) -> str:
+        """Wait for both; returns the old writer's stderr."""
+        try:
+            _, new_err = self.new.communicate(timeout=SECONDS + 120)
+            assert self.new.returncode == 0, new_err[-3000:]
+            _, old_err = self.old.communicate(timeout=SECONDS + 120)
+            assert self.old.returncode == 0, old_err[-3000:]
+            return old_err
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for proc in (self.old, self.new):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _check(path: str, tmp_path: Path, options: dict | None, old_err: str) -> None:
     a = json.loads((tmp_path / "a.pt.json").read_text())
     d = json.loads((tmp_path / "d.pt.json").read_text())
     # The old writer learnt it was fenced, said so once, and trained on without errors.
@@ -58,13 +75,13 @@ def _two_writers_after_a_takeover(path: str, tmp_path: Path, options: dict | Non
     # Every committed checkpoint reads back intact.
     res = verify_path(path, options)
     assert res.ok and not res.bad and not res.damaged_manifests, (res.bad, res.damaged_manifests)
-    # The old run's folders stopped at its fencing: none of its checkpoints is newer than
-    # the one it might have been writing when it noticed.
+    # The old run stopped writing at its fencing: none of its folders is as new as the
+    # new holder's newest checkpoint (it trained on, 15 s longer than the new holder).
     st = Storage(path, options)
     names = [n for n, _ in st.list_checkpoints()]
-    assert d["newest"] == max(names, key=lambda n: (int(n[5:11]), n)) or \
-        d["newest"] in names
-    late = [n for n in names if n.endswith(a["run_id"]) and int(n[5:11]) > int(d["newest"][5:11])]
+    newest_seq = parse_checkpoint_name(d["newest"]).seq
+    late = [n for n in names if parse_checkpoint_name(n).run == a["run_id"]
+            and parse_checkpoint_name(n).seq >= newest_seq]
     assert late == []
     # A restore gives the new holder's newest step, bit for bit.
     model, opt, sched = make(7, "stacked", 4)
@@ -89,17 +106,14 @@ def _two_writers_after_a_takeover(path: str, tmp_path: Path, options: dict | Non
 
 
 @pytest.mark.slow
-def test_two_live_writers_after_a_takeover_local(tmp_path):
-    _two_writers_after_a_takeover(str(tmp_path / "root"), tmp_path, None)
-
-
-@pytest.mark.slow
-def test_two_live_writers_after_a_takeover_s3(tmp_path):
+def test_two_live_writers_after_a_takeover_local_and_s3(tmp_path):
+    """Both roots at once (the writers sleep between steps: 30 s, not 60, on 2 cores)."""
     pytest.importorskip("s3fs")
     moto_server = pytest.importorskip("moto.server")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
+    runs = []
     try:
         port = server._server.server_port
         opts = {"key": "testing", "secret": "testing",
@@ -107,6 +121,17 @@ def test_two_live_writers_after_a_takeover_s3(tmp_path):
         import s3fs
 
         s3fs.S3FileSystem(**opts).mkdir("fence")
-        _two_writers_after_a_takeover("s3://fence/run", tmp_path, opts)
+        (tmp_path / "local").mkdir()
+        (tmp_path / "s3").mkdir()
+        cases = [(str(tmp_path / "local" / "root"), tmp_path / "local", None),
+                 ("s3://fence/run", tmp_path / "s3", opts)]
+        runs = [_TwoWriters(*case) for case in cases]
+        for run in runs:
+            run.take_over()
+        errs = [run.finish() for run in runs]
+        for case, err in zip(cases, errs):
+            _check(*case, err)
     finally:
+        for run in runs:
+            run.kill()
         server.stop()

@@ -322,6 +322,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         gc.unfreeze()
         metrics.close()
         if info.initialized_here:
+            # What the run built (FSDP state, device meshes, pending work handles) sits in
+            # reference cycles that gc.freeze kept: freed now, while the process groups
+            # they hold still exist, instead of during interpreter exit.
+            run = None
+            gc.collect()
             dist.destroy()
         # The thread count is process-wide: give the caller (e.g. a test session) its own back.
         torch.set_num_threads(threads_before)
