@@ -10,6 +10,9 @@ loop is blocked, and the mean iteration time against a run without checkpoints:
   dcp.async_save   DCP's async save (stage in the loop, write in a thread)
   moepec-full      moepec, K = N (every expert), asynchronous snapshot + persist
   moepec-pec       moepec, K_persist = 1 (K_snapshot = 1), asynchronous
+  moepec-pec-shm   moepec-pec with the RAM tier in shared memory (``--ram-dir``) instead
+                   of in-process buffers; the ratio of its blocking to moepec-pec's is
+                   reported (``--repeats`` interleaves the methods to pair them in time)
 
 It also measures this machine's host memcpy and fsync'd write bandwidth in the same
 run, and reports moepec's snapshot and persist throughput as fractions of them. The
@@ -41,7 +44,9 @@ from moepec import CheckpointConfig, CheckpointManager
 from moepec.models.configs import get_config
 from moepec.models.gpt_moe import GPTMoE
 
-METHODS = ("none", "torch.save", "dcp.save", "dcp.async_save", "moepec-full", "moepec-pec")
+METHODS = ("none", "torch.save", "dcp.save", "dcp.async_save", "moepec-full", "moepec-pec",
+           "moepec-pec-shm")
+SHM_DIR = "/dev/shm/moepec-bench"
 
 
 def memcpy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -104,8 +109,10 @@ def run(method: str, args, workdir: Path) -> dict:
     manager = None
     if method.startswith("moepec"):
         k = cfg.n_experts if method == "moepec-full" else 1
+        ram_dir = args.ram_dir if method.endswith("-shm") else None
         manager = CheckpointManager(model, opt, CheckpointConfig(
-            path=str(root), interval=args.interval, k_persist=k, k_snapshot=k, keep_last=2))
+            path=str(root), interval=args.interval, k_persist=k, k_snapshot=k, keep_last=2,
+            ram_dir=ram_dir))
     pending = None
     iter_times, blocked = [], []
     for step in range(args.steps):
@@ -159,12 +166,29 @@ def run(method: str, args, workdir: Path) -> dict:
         result["persist_bytes"] = statistics.mean(r.bytes_written for r in recs)
         result["persist_Bps"] = sum(r.bytes_written for r in recs) / sum(r.seconds for r in recs)
     result["drain_s"] = time.perf_counter() - t_close
-    warm = iter_times[args.warmup:]
-    result["iter_s"] = statistics.mean(warm)
-    result["blocked_s"] = statistics.mean(blocked) if blocked else 0.0
-    result["checkpoints"] = len(blocked)
+    result["iter_all_s"] = iter_times[args.warmup:]
+    result["blocked_all_s"] = blocked
     shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def merge(runs: list[dict]) -> dict:
+    """One row from repeated runs of a method: per-checkpoint blocking and iteration
+    times pooled over the runs, throughputs averaged."""
+    row = {"method": runs[0]["method"], "repeats": len(runs)}
+    for name in ("snapshot_bytes", "snapshot_Bps", "persist_bytes", "persist_Bps", "drain_s"):
+        if name in runs[0]:
+            row[name] = statistics.mean(r[name] for r in runs)
+    iters = [t for r in runs for t in r["iter_all_s"]]
+    blocked = [b for r in runs for b in r["blocked_all_s"]]
+    row["iter_s"] = statistics.mean(iters)
+    row["blocked_s"] = statistics.mean(blocked) if blocked else 0.0
+    row["blocked_max_s"] = max(blocked, default=0.0)
+    row["blocked_per_run_s"] = [statistics.mean(r["blocked_all_s"]) if r["blocked_all_s"]
+                                else 0.0 for r in runs]
+    row["blocked_all_s"] = blocked
+    row["checkpoints"] = len(blocked)
+    return row
 
 
 def bandwidth_phase(args, workdir: Path) -> dict:
@@ -269,7 +293,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for training (leave a core to the writer on 2 cores)")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--ram-dir", default=SHM_DIR,
+                    help="shared-memory folder of the moepec-pec-shm row's RAM tier")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the methods this many times, interleaved (order reversed "
+                         "every other round); rows pool their checkpoints")
     ap.add_argument("--bw-config", default="gpt-125m-8e",
                     help="model whose 1/--bw-scale copy measures snapshot/persist throughput")
     ap.add_argument("--bw-scale", type=int, default=4)
@@ -281,7 +310,11 @@ def main(argv: list[str] | None = None) -> dict:
         workdir = Path(tmp)
         memcpy = memcpy_bandwidth()
         write_fresh, write_rewrite = write_bandwidth(workdir)
-        rows = [run(m, args, workdir) for m in args.methods]
+        runs: dict[str, list[dict]] = {m: [] for m in args.methods}
+        for i in range(args.repeats):
+            for m in args.methods if i % 2 == 0 else args.methods[::-1]:
+                runs[m].append(run(m, args, workdir))
+        rows = [merge(rs) for rs in runs.values()]
         bw = bandwidth_phase(args, workdir) if args.bw_saves > 0 else None
     # The machine's write bandwidth: the plain writes paired with persists when there are.
     write = bw["write_Bps"] if bw else write_fresh
@@ -308,6 +341,14 @@ def main(argv: list[str] | None = None) -> dict:
             "persist_ge_50pct_write": bw["persist_frac_write"] >= 0.5 if bw else None,
             "dcp_async_over_pec_blocked": dasync["blocked_s"] / max(pec["blocked_s"], 1e-9),
         }
+    if "moepec-pec" in by and "moepec-pec-shm" in by:
+        proc, shm = by["moepec-pec"], by["moepec-pec-shm"]
+        result["shm_vs_process"] = {
+            "process_blocked_s": proc["blocked_s"], "shm_blocked_s": shm["blocked_s"],
+            "process_blocked_max_s": proc["blocked_max_s"],
+            "shm_blocked_max_s": shm["blocked_max_s"],
+            "ratio": shm["blocked_s"] / max(proc["blocked_s"], 1e-9),
+            "shm_le_1_2x_process": shm["blocked_s"] <= 1.2 * proc["blocked_s"]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     report(result)
@@ -330,6 +371,12 @@ def report(res: dict) -> None:
             line += (f"{r['snapshot_Bps'] / 1e9:>11.2f}{100 * r['snapshot_frac_memcpy']:>8.0f}%"
                      f"{r['persist_Bps'] / 1e9:>13.2f}")
         print(line)
+    svp = res.get("shm_vs_process")
+    if svp:
+        print(f"RAM tier blocking per checkpoint (K=1): shared memory mean "
+              f"{1e3 * svp['shm_blocked_s']:.2f} ms (max {1e3 * svp['shm_blocked_max_s']:.2f}), "
+              f"in-process buffers {1e3 * svp['process_blocked_s']:.2f} ms (max "
+              f"{1e3 * svp['process_blocked_max_s']:.2f}): ratio {svp['ratio']:.2f}x")
     bw = res.get("bandwidth")
     if bw:
         print(f"throughput on {bw['config']} ({bw['params'] / 1e6:.1f}M params, K=1 "

@@ -209,7 +209,8 @@ def _md_overhead(result: dict) -> list[str]:
     sync = by["dcp.save"]
     kind = {"none": "no checkpointing", "torch.save": "sync", "dcp.save": "sync (baseline)",
             "dcp.async_save": "async, no PEC", "moepec-full": "async, no PEC (K=N)",
-            "moepec-pec": "PEC async (K=1)"}
+            "moepec-pec": "PEC async (K=1)",
+            "moepec-pec-shm": "PEC async (K=1), RAM tier in shared memory"}
     rows = [[r["method"], kind.get(r["method"], ""), f"{1e3 * r['blocked_s']:.2f}",
              _pct(r["blocked_frac_iter"]),
              f"{sync['blocked_s'] / r['blocked_s']:.1f}x" if r["method"] != "none" else "-",

@@ -31,14 +31,14 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moepec.errors import ConfigError, ManifestError
-from moepec.store.checksum import checksum_matches, tensor_checksum
+from moepec.store.checksum import checksum_matches, stored_checksum
 from moepec.store.lease import pid_alive
 from moepec.store.manifest import CheckpointMeta, meta_from_json
 
@@ -127,7 +127,9 @@ class SlotHeader:
 
     def to_json(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in self.__slots__ if name != "meta"}
-        return {"format": HEADER_FORMAT, **d, "meta": asdict(self.meta)}
+        # Shallow (the meta's fields are JSON values): asdict's deep copy took ~2 ms.
+        meta = {f.name: getattr(self.meta, f.name) for f in fields(self.meta)}
+        return {"format": HEADER_FORMAT, **d, "meta": meta}
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> SlotHeader:
@@ -162,14 +164,17 @@ class Slot:
     seq: int = -1
     """The seq its valid header records (-1: none)."""
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    views: tuple[tuple, mmap.mmap, list[torch.Tensor]] | None = None
+    """The last layout's (shapes and dtypes, mapping, views), reused by ``prepare``."""
 
 
 class SlotStore:
     """One rank's slots under one checkpoint root's folder. Thread-safe.
 
-    ``acquire`` (training thread) hands out a free slot mapped to hold a layout, its
-    header removed first; ``commit`` (copy thread) writes the header last; ``release``
-    (either thread) frees it, keeping its header (a valid older copy until reused).
+    ``reserve`` (training thread) picks a free slot and does no file I/O; ``prepare``
+    (copy thread) removes its header, then creates or grows and maps its file for a
+    layout; ``commit`` (copy thread) writes the header last; ``release`` (either thread)
+    frees it, keeping its header (a valid older copy until reused).
     """
 
     def __init__(self, ram_dir: str, *, root: str, rank: int, world_size: int,
@@ -198,43 +203,11 @@ class SlotStore:
         return sum(s.size for s in self.slots)
 
     # -- writing ----------------------------------------------------------------
-    def acquire(self, layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-                ) -> tuple[Slot, dict[str, torch.Tensor]]:
-        """A free slot (the one with the oldest copy) mapped for ``layout``; its header is
-        removed before anything is written, so until ``commit`` it is torn."""
-        entries, offset = {}, 0
-        for key, (shape, dtype) in layout.items():
-            n = _nbytes(shape, dtype)
-            entries[key] = {"offset": offset, "shape": list(shape),
-                            "dtype": str(dtype).removeprefix("torch."), "nbytes": n}
-            offset = _align(offset + n)
-        slot = self._take(max(offset, 1))  # torn from here until commit
-        slot.entries = entries
-        views = {k: self._view(slot, e) for k, e in entries.items()}
-        return slot, views
-
-    def commit(self, slot: Slot, header: SlotHeader) -> None:
-        """Checksum the slot's data and write its header last (temporary name, rename)."""
-        for e in slot.entries.values():
-            e["checksum"] = tensor_checksum(self._view(slot, e))
-        header.entries = slot.entries
-        self._write_header(slot, json.dumps(header.to_json()).encode())
-        slot.seq = header.seq
-
-    def write_raw(self, header: bytes, data: torch.Tensor) -> None:
-        """Store a slot another rank committed (a replica): its data bytes as they are,
-        then its header, last. The header's checksums are verified when it is loaded."""
-        slot = self._take(max(data.numel(), 1))
-        try:
-            slot.base[:data.numel()].copy_(data)
-            self._write_header(slot, header)
-            slot.seq = json.loads(header).get("seq", -1)
-        finally:
-            self.release(slot)
-
-    def _take(self, nbytes: int) -> Slot:
-        """A free slot (the one with the oldest copy, or a new one), marked in use, its
-        header removed (torn until a header is written again) and mapped for ``nbytes``."""
+    def reserve(self) -> Slot:
+        """A free slot for the next snapshot (the one with the oldest copy, or a new one),
+        marked in use. Training thread: no file I/O and no page faults here (a new slot
+        is only a name until :meth:`prepare` creates its file). Its header stays valid
+        until ``prepare`` removes it: nothing is written into the slot before that."""
         with self._lock:
             free = [s for s in self.slots if not s.in_use]
             slot = (min(free, key=lambda s: (s.seq, s.index)) if free
@@ -242,10 +215,59 @@ class SlotStore:
             if not free:
                 self.slots.append(slot)
             slot.in_use = True
+        return slot
+
+    def prepare(self, slot: Slot, layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+                ) -> dict[str, torch.Tensor]:
+        """Views of ``slot`` (from :meth:`reserve`) laid out for ``layout``: its header is
+        removed first (the slot is torn from here until ``commit``), then its file is
+        created or grown and mapped with its pages faulted in. The copy thread calls it,
+        so that file creation and first-touch page faults never block training."""
+        entries, offset = {}, 0
+        for key, (shape, dtype) in layout.items():
+            n = _nbytes(shape, dtype)
+            entries[key] = {"offset": offset, "shape": list(shape),
+                            "dtype": str(dtype).removeprefix("torch."), "nbytes": n}
+            offset = _align(offset + n)
+        self._open(slot, max(offset, 1))
+        slot.entries = entries
+        # Checkpoints of one K lay a slot out alike (other experts' keys, same shapes):
+        # the views of the last layout are reused (making ~200 views cost ~2 ms of GIL).
+        shapes = tuple(layout.values())
+        if slot.views is None or slot.views[0] != shapes or slot.views[1] is not slot.mm:
+            slot.views = (shapes, slot.mm, [self._view(slot, e) for e in entries.values()])
+        return dict(zip(entries, slot.views[2], strict=True))
+
+    def commit(self, slot: Slot, header: SlotHeader) -> None:
+        """Checksum the slot's data and write its header last (temporary name, rename)."""
+        data = memoryview(slot.mm)
+        try:
+            for e in slot.entries.values():
+                e["checksum"] = stored_checksum(data[e["offset"]:e["offset"] + e["nbytes"]],
+                                                _dtype(e["dtype"]), tuple(e["shape"]))
+        finally:
+            data.release()
+        header.entries = slot.entries
+        self._write_header(slot, json.dumps(header.to_json()).encode())
+        slot.seq = header.seq
+
+    def write_raw(self, header: bytes, data: torch.Tensor) -> None:
+        """Store a slot another rank committed (a replica): its data bytes as they are,
+        then its header, last. The header's checksums are verified when it is loaded."""
+        slot = self.reserve()
+        try:
+            self._open(slot, max(data.numel(), 1))
+            slot.base[:data.numel()].copy_(data)
+            self._write_header(slot, header)
+            slot.seq = json.loads(header).get("seq", -1)
+        finally:
+            self.release(slot)
+
+    def _open(self, slot: Slot, nbytes: int) -> None:
+        """Make a reserved slot torn (its header removed) and map it for ``nbytes``."""
         slot.header_path.unlink(missing_ok=True)
         slot.seq = -1
         self._map(slot, nbytes)
-        return slot
 
     @staticmethod
     def _write_header(slot: Slot, header: bytes) -> None:
@@ -279,10 +301,14 @@ class SlotStore:
             return
         fd = os.open(slot.data_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            size = max(os.fstat(fd).st_size, need)
-            os.ftruncate(fd, size)  # grows only: older views of the file stay valid
-            # MAP_POPULATE: the pages are faulted in now, not one by one by the copy
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            size = max(os.fstat(fd).st_size, need)  # grows only: older views stay valid
+            # The pages are allocated here, by fallocate, which releases the GIL (a full
+            # tmpfs fails now with ENOSPC, not later with SIGBUS in the copy); the copy
+            # then only maps them, in torch's copy_, which releases it too. Not
+            # MAP_POPULATE: mmap() holds the GIL, and populating a slot stalled every
+            # other thread, the training loop included, for ~1 ms per MB.
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
         # The previous mapping (if any) is dropped, not closed: views may still hold it.
@@ -372,7 +398,7 @@ class SlotStore:
         """Drop the mappings; with ``unlink`` remove this rank's files and folder (a clean
         close), and the job folder once no rank's folder is left."""
         for s in self.slots:
-            s.base, s.mm = None, None
+            s.base, s.mm, s.views = None, None, None
         if unlink:
             shutil.rmtree(self.dir, ignore_errors=True)
             try:

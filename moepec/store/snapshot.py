@@ -72,7 +72,9 @@ class Snapshot:
     seq: int
     step: int
     tensors: dict[str, torch.Tensor]
-    """key -> host buffer (tensor keys, filled by the copy) and object keys (filled at once)."""
+    """key -> host buffer (tensor keys, filled by the copy) and object keys (filled at once).
+    With a shared-memory slot the copy thread replaces it by views of the slot (objects
+    and buffers copied in); read it only once ``done`` is set."""
     snapshot_experts: list[tuple[int, ...]]
     persist_experts: list[tuple[int, ...]] | None
     """Experts per layer to persist; None when this snapshot is not to be persisted."""
@@ -115,14 +117,10 @@ class Snapshotter:
     def start(self, snap: Snapshot, sources: Mapping[str, torch.Tensor]) -> None:
         """Begin copying ``sources`` (live tensors) into pooled buffers of ``snap``."""
         if self.slots is not None:
-            # One slot holds the whole snapshot: the tensors still to copy and the objects
-            # and buffers captured already (copied in now; they are small).
-            extras = dict(snap.tensors)
-            layout = {k: (tuple(t.shape), t.dtype) for k, t in {**sources, **extras}.items()}
-            snap.slot, views = self.slots.acquire(layout)
-            for key, t in extras.items():
-                views[key].copy_(t)
-            snap.tensors = views
+            # Only the slot is chosen here: the copy thread removes its header, maps it
+            # (creating its file and faulting its pages in) and fills it, so the training
+            # thread does no file I/O and takes no page faults (see _into_slot).
+            snap.slot = self.slots.reserve()
         else:
             for key, src in sources.items():
                 buf = self.pool.take(src)
@@ -180,6 +178,8 @@ class Snapshotter:
         try:
             if fault_hook is not None:
                 fault_hook("copy", snap.step)
+            if snap.slot is not None:
+                self._into_slot(snap, sources)
             if self._stream is not None:
                 # Side stream: copies overlap compute on the default stream; the
                 # caller waited for the optimizer step before starting us.
@@ -200,6 +200,19 @@ class Snapshotter:
             snap.error = exc
         snap.copy_seconds = time.perf_counter() - t0
         snap.done.set()
+
+    def _into_slot(self, snap: Snapshot, sources: Mapping[str, torch.Tensor]) -> None:
+        """Lay ``snap``'s slot out for the whole snapshot (the tensors still to copy and the
+        objects and buffers captured already, which are copied in now: they are small)
+        and point ``snap.tensors`` at it. Copy thread; the training thread reads
+        ``snap.tensors`` only once ``done`` is set."""
+        assert self.slots is not None and snap.slot is not None
+        extras = snap.tensors
+        layout = {k: (tuple(t.shape), t.dtype) for k, t in {**sources, **extras}.items()}
+        views = self.slots.prepare(snap.slot, layout)
+        for key, t in extras.items():
+            views[key].copy_(t)
+        snap.tensors = views
 
     def _seal(self, snap: Snapshot) -> None:
         """Commit ``snap``'s slot: checksums and the header, written last."""
