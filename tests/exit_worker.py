@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,8 @@ from tests.toy import Counter, make, run_loop  # noqa: E402
 
 def main() -> None:
     torch.set_num_threads(1)
+    # The toy model returns a view (it is the test's model, and no in-place op follows).
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
