@@ -50,6 +50,9 @@ def crash(mgr):
     mgr.ram_tier.snapshotter.close()
     mgr.persister.close() if mgr.persister._error is None else None
     mgr.root_claim.release()
+    slots = mgr.ram_tier.snapshotter.slots
+    os.close(slots._owner)  # the kernel drops a dead process's lock on its slot folder
+    slots._owner = None
 
 
 def rank_dir(tmp_path):
@@ -207,7 +210,7 @@ def test_config_and_budget(tmp_path):
     with pytest.raises(ConfigError, match="ram_replicas must be"):
         CheckpointConfig(path="x", ram_dir="/dev/shm/x", ram_replicas=2)
     with pytest.raises(ConfigError, match="needs the shared-memory RAM tier"):
-        CheckpointConfig(path="x", ram_replicas=1)
+        CheckpointConfig(path="x", ram_dir=None, ram_replicas=1)
     (tmp_path / "afile").write_text("")
     model, opt, _ = make(0, "stacked", 4)
     with pytest.raises(ConfigError, match="cannot keep RAM snapshots"):

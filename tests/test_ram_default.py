@@ -63,3 +63,20 @@ def test_none_keeps_snapshots_in_the_process(tmp_path, caplog):
     mgr, _ = _manager(tmp_path / "c", ram_dir=None)
     assert mgr.ram_dir is None and "RAM tier" not in caplog.text
     mgr.close()
+
+
+def test_two_live_managers_of_one_root_never_share_slots(tmp_path, caplog):
+    """A second live writer into the same root on this host (a takeover while the old run
+    lives) keeps its snapshots in the process: slots have one owner."""
+    first, (model, opt, sched, counter) = _manager(tmp_path / "c")
+    assert first.ram_dir == DEFAULT_DIR
+    second, _ = _manager(tmp_path / "c", takeover=True)
+    assert second.ram_dir is None
+    assert "RAM tier: in-process buffers (another live process on this host uses the RAM " \
+           "slots" in caplog.text
+    run_loop(first, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, 2)
+    first.close()
+    second.close()
+    third, _ = _manager(tmp_path / "c")  # the owner is gone: the slots are free again
+    assert third.ram_dir == DEFAULT_DIR
+    third.close()

@@ -43,7 +43,14 @@ from moepec.state.shares import CheckpointKeys
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.persist import Persister
 from moepec.store.replica import Replicator, node_id, ring_peers
-from moepec.store.shm import DEFAULT_DIR, SlotStore, admissible, check_budget, root_identity
+from moepec.store.shm import (
+    DEFAULT_DIR,
+    SlotsInUse,
+    SlotStore,
+    admissible,
+    check_budget,
+    root_identity,
+)
 from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
 from moepec.store.storage import Storage, committed_manifests, no_gc
 
@@ -143,17 +150,9 @@ class CheckpointManager:
             if config.ram_dir != AUTO:  # checked by _ram_dir when chosen automatically
                 check_budget(self._ram_need_bytes(peers), config.ram_budget_bytes, ram_dir,
                              root)
-            try:
-                slots = SlotStore(ram_dir, root=root, rank=self.rank,
-                                  world_size=self.world_size)
-                if peers:
-                    held = SlotStore(ram_dir, root=root, rank=peers[1],
-                                     world_size=self.world_size, replica=True)
-            except OSError as exc:
-                raise ConfigError(f"cannot keep RAM snapshots in ram_dir={ram_dir!r} "
-                                  f"({exc}); use a writable folder on a shared-memory "
-                                  f"filesystem such as /dev/shm/moepec, or ram_dir=None") \
-                    from exc
+            slots, held = self._open_slots(ram_dir, root, peers)
+            if slots is None:
+                ram_dir = peers = None
         self.ram_dir = ram_dir
         """Where this manager's RAM snapshots live (None: in the process)."""
         self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s,
@@ -169,6 +168,38 @@ class CheckpointManager:
                                    background=config.async_persist, timeout_s=config.timeout_s,
                                    keep_last=config.keep_last, release=self.ram_tier.release,
                                    guard=lambda: self.root_claim.check())
+
+    def _open_slots(self, ram_dir: str, root: str, peers: tuple[int, int] | None
+                    ) -> tuple[SlotStore | None, SlotStore | None]:
+        """This rank's slot store (and its predecessor's replicas), or (None, None) on
+        every rank when another live process of this host holds some rank's slots (a
+        second run into the same root, as in a takeover while the old run lives): the
+        tier is then in the process, with one warning. Collective when distributed."""
+        slots = held = None
+        busy = None
+        try:
+            slots = SlotStore(ram_dir, root=root, rank=self.rank, world_size=self.world_size)
+            if peers:
+                held = SlotStore(ram_dir, root=root, rank=peers[1],
+                                 world_size=self.world_size, replica=True)
+        except SlotsInUse as exc:
+            busy = str(exc)
+        except OSError as exc:
+            raise ConfigError(f"cannot keep RAM snapshots in ram_dir={ram_dir!r} ({exc}); use "
+                              f"a writable folder on a shared-memory filesystem such as "
+                              f"/dev/shm/moepec, or ram_dir=None") from exc
+        if self.distributed:
+            reasons: list[Any] = [None] * self.world_size
+            dist.all_gather_object(reasons, busy)
+            busy = next((f"rank {r}: {b}" for r, b in enumerate(reasons) if b), None)
+        if busy is None:
+            return slots, held
+        for store in (slots, held):
+            if store is not None:
+                store.close(unlink=False)
+        if self.rank == 0:
+            log.warning("RAM tier: in-process buffers (%s)", busy)
+        return None, None
 
     def _ram_dir(self) -> str | None:
         """The folder of the shared-memory RAM tier, or None for in-process buffers.

@@ -20,6 +20,7 @@ restarted worker may read is decided against the storage's lineage by
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -185,6 +186,7 @@ class SlotStore:
         Path(ram_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         for d in (self.job_dir, self.dir):
             d.mkdir(mode=0o700, exist_ok=True)
+        self._owner = _lock_owner(self.dir)
         self._lock = threading.Lock()
         self.slots: list[Slot] = []
         for path in sorted(self.dir.glob("slot*.data")):
@@ -405,6 +407,31 @@ class SlotStore:
                 self.job_dir.rmdir()
             except OSError:
                 pass  # another rank's folder is still there
+        if self._owner is not None:
+            os.close(self._owner)  # lets go of the folder (after its files went)
+            self._owner = None
+
+
+class SlotsInUse(OSError):
+    """Another live process of this host holds this rank's slot folder (a second run into
+    the same checkpoint root: a takeover while the old run lives)."""
+
+
+OWNER_NAME = "owner.lock"
+
+
+def _lock_owner(folder: Path) -> int:
+    """Hold an exclusive lock on ``folder``'s owner file for this process's lifetime (the
+    kernel drops it when the process dies, so a restarted worker gets it). Raises
+    SlotsInUse while another live process holds it: two writers must never share slots."""
+    fd = os.open(folder / OWNER_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SlotsInUse(f"another live process on this host uses the RAM slots in {folder} "
+                         f"(a second run into the same checkpoint root?)") from None
+    return fd
 
 
 def admissible(meta: CheckpointMeta, head: CheckpointMeta | None) -> bool:
