@@ -120,7 +120,7 @@ def train_argv(cfg: TrainConfig) -> list[str]:
     args += [] if cfg.faults is None else ["--faults", cfg.faults]
     if ckpt is not None:
         args += ["--dynamic-k" if ckpt.dynamic_k else "--no-dynamic-k"]
-    args += ["--ram-dir", ckpt.ram_dir] if ckpt is not None and ckpt.ram_dir else []
+    args += [] if ckpt is None else ["--ram-dir", ckpt.ram_dir or "none"]
     return args
 
 

@@ -239,7 +239,7 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
         busy_policy=args.busy_policy, write_mode=args.write_mode, dynamic_k=args.dynamic_k,
         dynamic_k_down=args.dynamic_k_down, plt_budget=args.plt_budget,
         timeout_s=args.dist_timeout,
-        ram_dir=None if str(args.ram_dir).lower() == "none" else args.ram_dir)
+        ram_dir=_ram_dir_arg(args.ram_dir))
     # Built, and so validated, even without --ckpt-dir: a mistyped checkpoint flag fails
     # now, as it always has, rather than in the run that turns checkpointing on.
     return None if args.ckpt_dir is None else ckpt
@@ -342,6 +342,14 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
                    help="steps between checkpoints (%(default)s)")
     p.add_argument("--ram-lost", action="store_true",
                    help="also wipe the node's shared-memory RAM tier once (storage recovers)")
+    p.add_argument("--ram-dir", default=d.ram_dir, metavar="DIR",
+                   help="the faulty run's shared-memory RAM tier (%(default)s); 'none': "
+                        "in-process snapshots (restarted workers recover from storage)")
+
+
+def _ram_dir_arg(value: str | None) -> str | None:
+    """``--ram-dir``: a folder, ``auto``, or ``none`` (in-process snapshots)."""
+    return None if value is None or value.lower() == "none" else value
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -349,7 +357,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     settings = DemoSettings(steps=args.steps, ranks=args.ranks, seed=args.seed,
                             faults=args.faults, ckpt_interval=args.ckpt_interval,
-                            ram_lost=args.ram_lost)
+                            ram_lost=args.ram_lost,
+                            ram_dir=_ram_dir_arg(args.ram_dir))
     run_demo(args.out_dir, settings)
     print(f"report: {os.path.join(args.out_dir, 'report.md')}")
     return 0
