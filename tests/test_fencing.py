@@ -135,3 +135,37 @@ def test_two_live_writers_after_a_takeover_local_and_s3(tmp_path):
         for run in runs:
             run.kill()
         server.stop()
+
+
+def _toy(path: Path, **kw):
+    model, opt, sched = make(0, "stacked", 4)
+    counter = Counter()
+    cfg = CheckpointConfig(path=str(path), interval=2, k_persist=1, async_persist=False,
+                           ram_dir=None, **kw)
+    mgr = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
+    return mgr, (model, opt, sched, counter)
+
+
+def _listing(root: Path) -> dict[str, float]:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+
+
+def test_a_fenced_run_trains_saves_and_restores_without_touching_the_root(tmp_path, caplog):
+    from tests.toy import run_loop
+
+    root = tmp_path / "c"
+    old, parts = _toy(root)
+    run_loop(old, *parts, torch.Generator().manual_seed(1), 0, 4)
+    new, _ = _toy(root, takeover=True)
+    assert new.restore().step == 3
+    new.save(10)
+    before = _listing(root)
+    run_loop(old, *parts, torch.Generator().manual_seed(2), 4, 6)  # three more checkpoints
+    old.wait_for_snapshot()
+    assert old.fenced and "took over the checkpoint root" in old.fenced
+    assert caplog.text.count("this run no longer writes, renames or deletes") == 1
+    assert old.ram is not None and old.ram.step == 9  # RAM snapshots go on
+    assert old.restore().tier == "ram"  # an in-process restart: no recovery record written
+    old.close()
+    assert _listing(root) == before  # not a file written, renamed or deleted
+    new.close()

@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moepec.errors import CheckpointError, ConfigError, ExpertDiscoveryError, PersistError
+from moepec.errors import (
+    CheckpointError,
+    ConfigError,
+    ExpertDiscoveryError,
+    FencedError,
+    PersistError,
+)
 from moepec.keys import parse_checkpoint_name
 from moepec.manager.claim import RootClaim
 from moepec.manager.config import AUTO, BusyPolicy, CheckpointConfig, PecScope
@@ -449,7 +455,7 @@ class CheckpointManager:
                                sources=outcome.sources, lost=outcome.lost,
                                plt=self.ledger.plt(), warnings=outcome.warnings,
                                seconds=time.perf_counter() - t0, keys_from=outcome.keys_from)
-        if self.rank == 0:
+        if self.rank == 0 and self._holds_root():
             write_recovery(self.storage, report, base_seq=base.seq, next_seq=self.seq,
                            k_persist=self.k_persist)
         report.persisted_on_failure = persisted
@@ -458,6 +464,15 @@ class CheckpointManager:
                  report.step, report.checkpoint, report.tier, report.lost_total,
                  100 * report.plt)
         return report
+
+    def _holds_root(self) -> bool:
+        """Rank 0: whether this run still holds the root's lease (a fenced run writes
+        nothing there, not even a recovery record)."""
+        try:
+            self.root_claim.check()
+        except FencedError:
+            return False
+        return True
 
     def _drain(self) -> None:
         """Finish the snapshot and persist in flight before restoring; their errors are
