@@ -358,3 +358,32 @@ def test_manifest_records_what_design_promises(tmp_path):
     assert typed.to_json() == m  # the typed form round-trips
     assert json.loads(json.dumps(m)) == m
     assert not os.path.exists(tmp_path / "c" / m["name"] / "moepec.json.tmp")
+
+
+def test_one_format_a_pre_release_manifest_is_damaged_everywhere(tmp_path, caplog):
+    """Issue 23.1: a manifest of any other format is refused in one line and is damaged
+    for restore, inspect and verify; a pre-release folder name (no run id) is ignored,
+    reported once, never deleted."""
+    from moepec.recovery.offline import inspect_path, verify_path
+
+    ckpt = tmp_path / "c"
+    manager, _ = _train(ckpt, steps=6, keep_last=4)
+    names = manager.storage.committed()
+    path = ckpt / names[-1] / "moepec.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), format="moepec/4")))
+    legacy = ckpt / "ckpt-000099-step00000099"
+    shutil.copytree(ckpt / names[0], legacy)
+    found = committed_manifests(Storage(str(ckpt)))
+    msg = str(found.damaged[names[-1]])
+    assert "written by a pre-release moepec (format 'moepec/4'); not readable by this " \
+           "version" in msg and "\n" not in msg
+    assert legacy.name not in dict(found.listing)
+    assert caplog.text.count("written by a pre-release moepec (e.g. ckpt-000099") == 1
+    fresh_mgr, _, _ = fresh(ckpt)
+    assert fresh_mgr.restore().checkpoint == names[-2]  # restore skips it
+    fresh_mgr.close()
+    res = verify_path(str(ckpt))
+    assert not res.ok and any("pre-release" in d for d in res.damaged_manifests)
+    report = json.dumps(inspect_path(str(ckpt)), default=str)
+    assert "pre-release moepec (format 'moepec/4')" in report
+    assert legacy.exists()  # retention never touched it

@@ -12,10 +12,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from moepec.errors import ManifestFormatError, NoCheckpointError
+from moepec.errors import NoCheckpointError
 from moepec.keys import parse_key
 from moepec.recovery.stitch import Recovered, Source, Tier, recover, storage_source
-from moepec.state.objects import pickled_objects_message
 from moepec.store import manifest as mf
 from moepec.store.manifest import Manifest
 from moepec.store.storage import Committed, Storage
@@ -26,15 +25,12 @@ log = logging.getLogger(__name__)
 def usable_manifests(found: Committed) -> dict[str, Manifest]:
     """The committed manifests a recovery may use; the damaged ones are logged and skipped.
 
-    Raises ManifestFormatError when a newer moepec wrote some checkpoint, or when some
-    checkpoint has a format this one no longer reads: skipping either would silently
-    restore (or export) an older state than the run has."""
+    Raises ManifestFormatError when a newer moepec wrote some checkpoint: skipping it
+    would silently restore (or export) an older state than the run has. (A pre-release
+    one is damaged: moepec.store.manifest.check_format.)"""
     newer = found.newer_format()
     if newer is not None:
         raise newer
-    older = [n for n, m in found.manifests.items() if m.format not in mf.READABLE_FORMATS]
-    if older:
-        raise ManifestFormatError(pickled_objects_message(f"checkpoint {older[-1]}"))
     for name, exc in found.damaged.items():
         log.warning("ignoring %s: %s", name, exc)
     return found.manifests
@@ -45,8 +41,6 @@ def same_runs(base: Source, chain: list[Source]) -> list[Source]:
     run wrote into the same root (a second writer, a copied folder) is never stitched in.
     A run continues a lineage by restoring from it (or taking over its lease)."""
     runs = set(base.meta.runs) | {base.meta.run_id}
-    if not base.meta.runs:
-        return chain  # written before runs were recorded
     kept = [s for s in chain if s.meta.run_id in runs]
     for s in chain:
         if s.meta.run_id not in runs:

@@ -69,21 +69,7 @@ _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.BuiltinMethodType, functools.partial)
 _PICKLE_PROTO = b"\x80"
-"""The first byte of every pickle of protocol 2 or newer (what moepec/1 and /2 wrote)."""
-
-
-def pickled_objects_message(where: str) -> str:
-    """One line saying that ``where`` (an item or a checkpoint) holds pickled objects, as
-    moepec/1 and moepec/2 checkpoints do, and what to do. For the manifest-level refusal
-    of those formats too, so that both say the same thing."""
-    return (f"{where} was written by an older moepec that stored objects with pickle, "
-            f"which this moepec no longer loads (unpickling can run code); start a new run, "
-            f"or restore with the older moepec and save the model and optimizer yourself")
-
-
-def pickled_objects_error(where: str) -> CorruptCheckpointError:
-    """:func:`pickled_objects_message` as the error decoding raises."""
-    return CorruptCheckpointError(pickled_objects_message(where))
+"""The first byte of every pickle of protocol 2 or newer: named in the refusal."""
 
 
 def _is_tag(key: str) -> bool:
@@ -225,14 +211,14 @@ def decode_object(t: torch.Tensor, key: str) -> Any:
 
     Any thread. Tensors in the object come back on the CPU. Raises
     CorruptCheckpointError (one line, naming ``key``) for anything but a well-formed
-    document, including pickle bytes written by an older moepec."""
+    document, pickle bytes included."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
         raise _corrupt(key, "not a 1-d uint8 tensor")
     if t.numel() > MAX_OBJECT_BYTES:
         raise _corrupt(key, f"{t.numel()} bytes, more than the {MAX_OBJECT_BYTES} allowed")
     data = t.detach().cpu().contiguous().numpy().tobytes()
     if data.startswith(_PICKLE_PROTO):
-        raise pickled_objects_error(f"checkpoint item {key!r}")
+        raise _corrupt(key, "pickle bytes, which moepec never loads (unpickling can run code)")
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant,
                          object_pairs_hook=_no_duplicates)

@@ -1,8 +1,7 @@
 """Checksums of tensors as stored: a fast hash of the raw bytes, plus dtype and shape.
 
-New checkpoints use XXH3-64 (``xxh3:<hex>``; ~16 GB/s on this project's machine,
-2.6x XXH64). Checksums written by earlier versions (``xxh64:<hex>``) still verify:
-the prefix names the algorithm.
+XXH3-64 (``xxh3:<hex>``; ~16 GB/s on this project's machine, 2.6x XXH64); the prefix
+names the algorithm, and a checksum of any other algorithm never matches.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import functools
 import torch
 import xxhash
 
-ALGORITHMS = {"xxh3": xxhash.xxh3_64, "xxh64": xxhash.xxh64}
+ALGORITHMS = {"xxh3": xxhash.xxh3_64}
 DEFAULT_ALGORITHM = "xxh3"
 
 

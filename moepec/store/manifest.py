@@ -41,24 +41,14 @@ from moepec.policy.plt import PLTLedger
 from moepec.policy.selection import Selector
 
 FORMAT = "moepec/5"
-FORMAT_CHUNKS = "moepec/4"
-"""5: the view is stored in its own file (:class:`ViewRef`, :class:`StoredView`), read only
-when it is used: a restore of a K=1 view of E experts parses E+1 manifests but only the
-base's view, and a view grows with the experts, so keeping it inline made that parse grow
-as E squared. Chunk keys as in 4.
-4: some keys name chunks of sharded tensors (``<key>#<offsets>+<shape>:<global>``,
-moepec.keys): written only by checkpoints of DTensor state, so that a moepec that does not
-know chunks stops with "upgrade moepec" instead of failing to place them; otherwise as 3.
-3: item locations (file, offset, length, encoding) in the manifest, objects as
-tagged JSON (no pickle). 2: items may be raw tensor bytes (moepec.store.dcp_raw; the manifest's
-``serialization`` says which) and checksums XXH3 (``xxh3:``). 1: torch.save-framed
-items, XXH64."""
-KNOWN_FORMATS = ("moepec/1", "moepec/2", "moepec/3", "moepec/4", "moepec/5")
-READABLE_FORMATS = ("moepec/3", "moepec/4", "moepec/5")
-CHUNK_FORMATS = ("moepec/4", "moepec/5")
-"""Formats whose keys may name chunks of sharded tensors."""
-"""Formats whose items moepec reads: older ones store objects with pickle and need
-DCP's pickled ``.metadata`` to find items, neither of which moepec loads any more."""
+"""The one manifest format: item locations (file, offset, length, encoding) in the
+manifest, XXH3 checksums, objects as tagged JSON (no pickle), chunk keys of sharded tensors
+(``<key>#<offsets>+<shape>:<global>``, moepec.keys), and the view in a file of its own
+(:class:`ViewRef`, :class:`StoredView`), read only when it is used. Any other format is
+refused in one line (:func:`check_format`): a lower one was written by a pre-release
+moepec (damaged for restore, inspect and verify), a higher one by a newer moepec (nothing
+acts as if it were absent)."""
+_FORMAT_RE = re.compile(r"^moepec/(\d{1,6})$")
 MAX_VIEW_BYTES = 1 << 30
 """A view file may claim at most this many bytes (more is taken as damage)."""
 MAX_ANCESTORS = 512
@@ -104,11 +94,11 @@ class Item:
     """torch dtype name without the ``torch.`` prefix (one of DTYPE_SIZES)."""
     nbytes: int = 0
     checksum: str | None = None
-    """``xxh3:<hex>`` (or ``xxh64:`` in format 1); None for RAM copies."""
+    """``xxh3:<hex>``; None for RAM copies."""
     rank: int | None = None
     """The rank that wrote it."""
     file: str | None = None
-    """Data file inside the checkpoint folder (format 3 on); None: not recorded."""
+    """Data file inside the checkpoint folder; None for RAM copies."""
     offset: int = 0
     length: int = 0
     """Where the item's bytes are in ``file``."""
@@ -275,10 +265,22 @@ _META_TYPES: dict[str, type | tuple[type, ...]] = {
     "config": dict, "k_persist": int, "k_snapshot": int, "full": bool, "pec_scope": str,
     "selection": str, "experts_saved": list, "experts_snapshot": list, "counts": list,
     "ledger": dict, "plt": (int, float), "selectors": dict, "k_history": list,
-    "world_size": int, "write_mode": str,
+    "world_size": int, "write_mode": str, "run_id": str, "runs": list,
 }
-_META_OPTIONAL: dict[str, tuple[type, Any]] = {"run_id": (str, ""), "runs": (list, [])}
-"""Fields older formats lack: type and default."""
+
+
+def check_format(fmt: Any, where: str) -> None:
+    """Raise unless ``fmt`` is :data:`FORMAT`: ManifestError (damaged) for a pre-release
+    format, ManifestFormatError for a newer one."""
+    if fmt == FORMAT:
+        return
+    m = _FORMAT_RE.match(fmt) if isinstance(fmt, str) else None
+    if m is not None and int(m[1]) > int(FORMAT.split("/")[1]):
+        raise ManifestFormatError(
+            f"{where} has manifest format {fmt!r}, which this moepec cannot read (it reads "
+            f"{FORMAT}); it was written by a newer moepec: upgrade moepec")
+    raise ManifestError(f"{where}: written by a pre-release moepec (format {fmt!r:.40}); "
+                        f"not readable by this version")
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,8 +298,8 @@ class Manifest:
     """Every item this checkpoint wrote (all ranks); :class:`Items` when parsed."""
     view: Mapping[str, str]
     """Every key of the full state -> the checkpoint holding its newest copy (a
-    :class:`StoredView` when read from format 5 on: loaded on first use, ManifestError
-    when its file is missing or damaged)."""
+    :class:`StoredView` when read: loaded on first use, ManifestError when its file is
+    missing or damaged)."""
     bytes_per_rank: list[int]
     bytes: int
     committed_at: float
@@ -313,9 +315,8 @@ class Manifest:
         return self.meta.seq
 
     def to_json(self, view_ref: ViewRef | None = None) -> dict[str, Any]:
-        """The flat JSON object stored as ``moepec.json``: with the reference to the view's
-        file (``view_ref``, or the one it was read with) from format 5 on, else the view
-        inline."""
+        """The flat JSON object stored as ``moepec.json``, with the reference to the view's
+        file (``view_ref``, or the one it was read with)."""
         out = {name: getattr(self.meta, name) for name in _META_FIELDS}
         out.update(format=self.format, serialization=self.serialization, name=self.name,
                    parent=self.parent, ancestors=self.ancestors,
@@ -324,66 +325,41 @@ class Manifest:
                    committed_at=self.committed_at)
         if view_ref is None and isinstance(self.view, StoredView):
             view_ref = self.view.ref
-        if view_ref is not None:
-            out["view_file"] = view_ref.to_json()
-        else:
-            out["view"] = dict(self.view)
+        if view_ref is None:
+            raise ValueError("a manifest is written with its view's file (encode_view)")
+        out["view_file"] = view_ref.to_json()
         return out
 
     @classmethod
     def from_json(cls, data: Any, where: str,
                   read_view: Callable[[ViewRef], bytes] | None = None) -> Manifest:
         """Parse a manifest; ``where`` names it in errors. ``read_view`` reads the bytes of
-        its view file (format 5 on; checked when the view is first used). Raises
-        ManifestFormatError for a format this moepec cannot read, ManifestError for
-        anything else wrong."""
+        its view file (checked when the view is first used). Raises ManifestFormatError
+        for a newer format, ManifestError for anything else wrong (a pre-release format
+        included)."""
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: the manifest is not a JSON object")
-        fmt = data.get("format")
-        if fmt not in KNOWN_FORMATS:
-            raise ManifestFormatError(
-                f"{where} has manifest format {fmt!r}, which this moepec cannot read (it "
-                f"reads {', '.join(KNOWN_FORMATS)}); it was written by a newer moepec: "
-                f"upgrade moepec")
-        for name, kind in _META_TYPES.items():
-            _need(data, name, kind, where)
-        stored = fmt not in INLINE_VIEW_FORMATS
-        for name, kind in (("name", str), ("keys", dict),
-                           ("view_file" if stored else "view", dict),
+        check_format(data.get("format"), where)
+        meta = meta_from_json(data, where)
+        for name, kind in (("name", str), ("keys", dict), ("view_file", dict),
                            ("bytes_per_rank", list), ("bytes", int)):
             _need(data, name, kind, where)
-        meta = {n: data[n] for n in _META_TYPES}
-        for name, (kind, default) in _META_OPTIONAL.items():
-            meta[name] = data.get(name, default)
-            if not isinstance(meta[name], kind):
-                raise ManifestError(f"{where}: manifest field {name!r} is not a {kind.__name__}")
         ancestors = data.get("ancestors", [])
-        _check_structure(data["structure"], where)
-        if stored:
-            if read_view is None:
-                raise ManifestError(f"{where}: its view is in a file of its own, and no "
-                                    f"reader was given for it")
-            view: Mapping[str, str] = StoredView(ViewRef.from_json(data["view_file"], where),
-                                                 read_view, data["name"], fmt, where)
-        else:
-            view = data["view"]
-        _check_names(data["name"], ancestors, {} if stored else view, data.get("parent"),
-                     where)
+        if read_view is None:
+            raise ManifestError(f"{where}: its view is in a file of its own, and no reader "
+                                f"was given for it")
+        view = StoredView(ViewRef.from_json(data["view_file"], where), read_view,
+                          data["name"], where)
+        _check_names(data["name"], ancestors, {}, data.get("parent"), where)
         keys, total = _raw_items(data["keys"], where)
-        _check_chunks(keys, {} if stored else view, fmt, where)
+        _check_chunks(keys, {}, where)
         if total != data["bytes"]:
             raise ManifestError(f"{where}: the items' sizes do not add up to 'bytes'")
-        _check_bookkeeping(meta, where)
-        return cls(meta=CheckpointMeta(**meta),
-                   name=data["name"], parent=data.get("parent"),
-                   ancestors=ancestors,
-                   keys=keys,
-                   view=view, bytes_per_rank=data["bytes_per_rank"],
-                   bytes=data["bytes"], committed_at=data.get("committed_at", 0.0),
-                   serialization=data.get("serialization", "torch_save"), format=fmt)
-
-
-INLINE_VIEW_FORMATS = ("moepec/1", "moepec/2", "moepec/3", "moepec/4")
+        return cls(meta=meta, name=data["name"], parent=data.get("parent"),
+                   ancestors=ancestors, keys=keys, view=view,
+                   bytes_per_rank=data["bytes_per_rank"], bytes=data["bytes"],
+                   committed_at=data.get("committed_at", 0.0),
+                   serialization=data.get("serialization", "torch_save"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,15 +393,15 @@ def encode_view(view: Mapping[str, str]) -> tuple[bytes, ViewRef]:
 
 
 class StoredView(Mapping[str, str]):
-    """A format-5 manifest's view: read, checked against its length and checksum, parsed
+    """A manifest's view: read, checked against its length and checksum, parsed
     and validated on first use (ManifestError when the file is missing or damaged; the
     error is kept, so every later use raises it too)."""
 
-    __slots__ = ("ref", "_read", "_owner", "_fmt", "_where", "_view", "_error")
+    __slots__ = ("ref", "_read", "_owner", "_where", "_view", "_error")
 
     def __init__(self, ref: ViewRef, read: Callable[[ViewRef], bytes], owner: str,
-                 fmt: str, where: str) -> None:
-        self.ref, self._read, self._owner, self._fmt, self._where = ref, read, owner, fmt, where
+                 where: str) -> None:
+        self.ref, self._read, self._owner, self._where = ref, read, owner, where
         self._view: dict[str, str] | None = None
         self._error: ManifestError | None = None
 
@@ -459,7 +435,7 @@ class StoredView(Mapping[str, str]):
         if type(view) is not dict:
             raise ManifestError(f"{where} is not a JSON object")
         _check_names(self._owner, [], view, None, where)
-        _check_chunks({}, view, self._fmt, where)
+        _check_chunks({}, view, where)
         return view
 
     def __getitem__(self, key: str) -> str:
@@ -492,10 +468,6 @@ def meta_from_json(data: Any, where: str) -> CheckpointMeta:
     for name, kind in _META_TYPES.items():
         _need(data, name, kind, where)
     meta = {n: data[n] for n in _META_TYPES}
-    for name, (kind, default) in _META_OPTIONAL.items():
-        meta[name] = data.get(name, default)
-        if not isinstance(meta[name], kind):
-            raise ManifestError(f"{where}: field {name!r} is not a {kind.__name__}")
     _check_structure(data["structure"], where)
     _check_bookkeeping(meta, where)
     return CheckpointMeta(**meta)
@@ -582,15 +554,11 @@ def _known_key(key: str) -> bool:
     return bool(_KEY_RE.match(key))
 
 
-def _check_chunks(keys: Mapping[str, Item], view: Mapping[str, str], fmt: str,
-                  where: str) -> None:
-    """Chunk keys (format 4 on) are well formed, and an item's shape is its chunk's."""
+def _check_chunks(keys: Mapping[str, Item], view: Mapping[str, str], where: str) -> None:
+    """Chunk keys are well formed, and an item's shape is its chunk's."""
     if CHUNK_MARK not in "".join(keys) and CHUNK_MARK not in "".join(view):
         return  # the common case, at C speed
     for key in [k for k in keys if CHUNK_MARK in k] + [k for k in view if CHUNK_MARK in k]:
-        if fmt not in CHUNK_FORMATS:
-            raise ManifestError(f"{where}: {key[:80]!r} names a chunk, which format {fmt} "
-                                f"does not have")
         try:
             _, chunk = split_chunk(key)
         except ValueError as exc:

@@ -201,8 +201,7 @@ class Storage:
         name = manifest.name
         final = f"{self._dir(name)}/{MANIFEST_NAME}"
         ref = None
-        if manifest.format not in mf.INLINE_VIEW_FORMATS and not isinstance(
-                manifest.view, mf.StoredView):
+        if not isinstance(manifest.view, mf.StoredView):
             # The view first, in a file named by its checksum (so it never replaces another
             # manifest's view); the manifest that names it is the commit.
             if self.fs.exists(final):
