@@ -243,3 +243,53 @@ def test_dynamic_k_down_halves_k_when_plt_has_headroom(tmp_path):
     mgr.close()
     assert ks == [2, 1, 1]
     assert mgr.k_history[-2:] == [[3, 2], [7, 1]]
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_callbacks_deliver_typed_records_in_order(tmp_path, asynchronous):
+    """Every checkpoint gives one CheckpointEvent, then one SnapshotRecord of the same seq;
+    each commit one CommitRecord; a failing observer never fails the checkpoint."""
+    from moepec import CommitRecord, SnapshotRecord
+
+    seen: list = []
+
+    def broken(record):
+        raise RuntimeError("an observer's bug")
+
+    model, opt, sched = make(0, "stacked", 4)
+    counter = Counter()
+    cfg = CheckpointConfig(path=str(tmp_path / "c"), interval=2, k_persist=1, k_snapshot=2,
+                           async_snapshot=asynchronous, async_persist=asynchronous)
+    mgr = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter},
+                            on_checkpoint=seen.append, on_snapshot=seen.append,
+                            on_commit=lambda r: (seen.append(r), broken(r)))
+    loop(mgr, model, opt, sched, counter, 6)
+    mgr.close()
+    events = [r for r in seen if isinstance(r, CheckpointEvent)]
+    snaps = [r for r in seen if isinstance(r, SnapshotRecord)]
+    commits = [r for r in seen if isinstance(r, CommitRecord)]
+    assert [e.step for e in events] == [s.step for s in snaps] == [1, 3, 5]
+    order = [r.seq for r in seen if not isinstance(r, CommitRecord)]
+    assert order == [s for e in events for s in (e.seq, e.seq)]
+    assert events[0].full and not events[1].full and all(e.persist for e in events)
+    assert all(len(layer) == 2 for layer in events[1].experts_snapshot)
+    assert all(len(layer) == 1 for layer in events[1].experts_persist)
+    assert [c.name for c in commits] == mgr.storage.committed()[-len(commits):]
+    assert all(c.bytes == sum(c.bytes_per_rank) > 0 for c in commits)
+
+
+def test_set_k_changes_k_from_the_next_checkpoint(tmp_path):
+    from moepec import ConfigError
+
+    mgr, model, opt, sched, counter = setup(tmp_path / "c", k_persist=1, async_persist=False)
+    loop(mgr, model, opt, sched, counter, 2)
+    mgr.set_k(2)
+    assert (mgr.k_persist, mgr.k_snapshot) == (2, 2)
+    with pytest.raises(ConfigError, match="set_k"):
+        mgr.set_k(3, 2)
+    with pytest.raises(AttributeError):
+        mgr.k_persist = 1
+    loop(mgr, model, opt, sched, counter, 4, start=2)
+    mgr.close()
+    meta = mgr.storage.read_manifest(mgr.storage.committed()[-1]).meta
+    assert meta.k_persist == 2 and meta.k_history[-1] == [1, 2]
