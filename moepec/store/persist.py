@@ -33,6 +33,7 @@ from moepec.store.storage import Storage, committed_manifests
 
 log = logging.getLogger(__name__)
 
+
 def root_cause(exc: BaseException) -> BaseException:
     """The underlying error of a DCP CheckpointException (one per failed rank)."""
     failures = getattr(exc, "failures", None)

@@ -37,6 +37,7 @@ from moepec.store.shm import Slot, SlotHeader, SlotStore
 
 log = logging.getLogger(__name__)
 
+
 class BufferPool:
     """Free lists of host tensors by (shape, dtype). Thread-safe."""
 
