@@ -39,10 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from moepec import CheckpointConfig, CheckpointManager  # noqa: E402
+from moepec import CheckpointConfig, CheckpointManager, FaultHooks  # noqa: E402
 from moepec.bench.size import scaled, trained_model  # noqa: E402
 from moepec.models.configs import get_config  # noqa: E402
-from moepec.store import persist  # noqa: E402
 
 GOAL = 5.0
 """RAM restore should be at least this many times faster than storage restore."""
@@ -54,10 +53,12 @@ def _cfg(name: str):
 
 
 def _abandon(mgr: CheckpointManager) -> None:
-    """Stop a manager's threads without cleaning up (a SIGKILL leaves the files)."""
-    mgr.ram_tier.snapshotter.close()
-    mgr.persister.wait_idle()
-    mgr.root_claim.release()
+    """Stop a manager as a crashed worker leaves it: closed while an error is being handled,
+    it keeps its shared-memory slots for the restarted worker (CheckpointManager.close)."""
+    try:
+        raise RuntimeError("the worker crashed")
+    except RuntimeError:
+        mgr.close()
 
 
 def _state(model, opt) -> dict[str, torch.Tensor]:
@@ -133,23 +134,24 @@ def measure(name: str, repeats: int, work: Path, ram_base: str, s3: dict | None)
 def _persist_on_failure(cfg, root: Path, ram_dir: str) -> float:
     """Seconds the restarted worker's restore spends committing a RAM-only snapshot."""
     model, opt = trained_model(cfg)
+    hooks = FaultHooks()
     mgr = CheckpointManager(model, opt, CheckpointConfig(
         path=str(root), ram_dir=ram_dir, k_persist=1, k_snapshot=cfg.n_experts,
-        async_snapshot=False, async_persist=False))
+        async_snapshot=False, async_persist=False), hooks=hooks)
     mgr.save(0)
 
     def fail(where: str, name: str) -> None:
         if where == "before_commit":
             raise OSError("the worker died before the commit")
 
-    persist.fault_hook = fail
+    hooks.on_persist = fail
     try:
         _one_step(model, cfg, opt)
         mgr.save(1)
     except Exception:  # noqa: BLE001 - the failed commit is the point
         pass
     finally:
-        persist.fault_hook = None
+        hooks.on_persist = None
     _abandon(mgr)
     model, opt = trained_model(cfg)
     fresh = CheckpointManager(model, opt, CheckpointConfig(

@@ -9,6 +9,8 @@ from moepec.errors import (
     PersistError,
     StructureMismatchError,
 )
+from moepec.events import CheckpointEvent, CommitRecord, SnapshotRecord
+from moepec.hooks import FaultHooks
 from moepec.manager.config import CheckpointConfig
 from moepec.state.experts import ExpertSpec
 
@@ -18,13 +20,17 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointManager",
     "CheckpointError",
+    "CheckpointEvent",
+    "CommitRecord",
     "ConfigError",
     "CorruptCheckpointError",
     "ExpertSpec",
+    "FaultHooks",
     "MoepecError",
     "NoCheckpointError",
     "PersistError",
     "RestoreReport",
+    "SnapshotRecord",
     "StructureMismatchError",
     "__version__",
 ]

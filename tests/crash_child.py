@@ -11,8 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moepec import CheckpointConfig, CheckpointManager  # noqa: E402
-from moepec.store import persist
+from moepec import CheckpointConfig, CheckpointManager, FaultHooks  # noqa: E402
 from tests.toy import Counter, make, run_loop  # noqa: E402
 
 
@@ -26,12 +25,12 @@ def main() -> None:
             if seen["n"] == nth:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    persist.fault_hook = hook
     model, opt, sched = make(0, "stacked", 4)
     counter = Counter()
     # Storage alone: these crashes test the commit rule (the RAM tier has tests of its own).
     cfg = CheckpointConfig(path=path, interval=2, k_persist=1, keep_last=2, ram_dir=None)
-    manager = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
+    manager = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter},
+                                hooks=FaultHooks(on_persist=hook))
     run_loop(manager, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, steps)
     manager.close()
 

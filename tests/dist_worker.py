@@ -126,10 +126,10 @@ def train_worker(rank: int, world: int, store: str, out: str, ep: int, layout: s
                  steps: int, ckpt: str, k_persist: int, k_snapshot: int, write_mode: str,
                  kill: str | None = None, ram_restore: bool = False,
                  drop_ram_rank: int | None = None) -> None:
-    from moepec import CheckpointConfig, CheckpointManager
-    from moepec.store import persist
+    from moepec import CheckpointConfig, CheckpointManager, FaultHooks
 
     result = {"rank": rank}
+    hooks = FaultHooks()
     try:
         init(rank, world, store)
         model, opt, ep_rank, n_local = _build(world, rank, ep, layout)
@@ -144,10 +144,10 @@ def train_worker(rank: int, world: int, store: str, out: str, ep: int, layout: s
                     if seen["n"] == int(nth):
                         os.kill(os.getpid(), signal.SIGKILL)
 
-            persist.fault_hook = hook
+            hooks.on_persist = hook
         cfg = CheckpointConfig(path=ckpt, interval=2, k_persist=k_persist, k_snapshot=k_snapshot,
                                write_mode=write_mode, keep_last=10, timeout_s=20)
-        mgr = CheckpointManager(model, opt, cfg,
+        mgr = CheckpointManager(model, opt, cfg, hooks=hooks,
                                 expert_parallel=(ep_rank, ep) if ep > 1 else None)
         gen = torch.Generator().manual_seed(100 + rank)
         for step in range(steps):

@@ -8,9 +8,12 @@ tree lost its shape before).
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
+
+from moepec.hooks import FaultHooks
 
 ROOT = Path(__file__).resolve().parent.parent / "moepec"
 
@@ -19,7 +22,7 @@ APP = ("models", "train", "integrations", "cli", "bench", "__main__")
 
 LAYERS = {
     # the library, bottom up; a module may import its own layer and the ones below
-    "errors": 0, "keys": 0,
+    "errors": 0, "keys": 0, "events": 0, "hooks": 0,
     "policy": 1,
     "state": 2,
     "store": 3,
@@ -168,3 +171,147 @@ def test_the_checks_catch_a_violating_import(tmp_path, source, rule):
         assert layer_violations(g)
     else:
         assert any("moepec.store.checksum" in c for c in cycles(g))
+
+
+# -- the app uses only the public contract ------------------------------------------
+REPO = ROOT.parent
+APP_SOURCES = ("moepec/train", "moepec/bench", "moepec/cli", "moepec/integrations",
+               "benchmarks")
+"""What is checked: the app's code and the benchmark scripts (built on the library as a
+user's code would be)."""
+INTERNALS = ("persister", "events", "snapshotter", "root_claim")
+"""Attributes that were the app's way into the manager's insides (the persist worker, the
+untyped event dicts, the copy worker, the lease); the public API has methods and typed
+callbacks for them."""
+SETTABLE = frozenset(f.name for f in dataclasses.fields(FaultHooks))
+"""Public attributes of library objects documented as settable while the manager runs."""
+
+
+def _library_privates(root: Path = ROOT) -> set[str]:
+    """The ``_private`` attribute names the library defines (methods, fields, ``self._x``)."""
+    names: set[str] = set()
+    for name, path in modules(root).items():
+        if layer_of(name) in APP:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in ("self", "cls") and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _own_names(tree: ast.AST) -> set[str]:
+    """Attribute names a file defines itself (its own classes' fields and methods)."""
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            own.add(node.target.id)
+        elif isinstance(node, ast.keyword) and node.arg:
+            own.add(node.arg)  # argparse's set_defaults(_command=...) and the like
+    return own
+
+
+def _library_bindings(tree: ast.AST, known: set[str]) -> tuple[set[str], set[str]]:
+    """Names bound to library modules, and names bound to library classes/functions,
+    by the file's imports (any scope)."""
+    mods: set[str] = set()
+    objs: set[str] = set()
+
+    def is_library(module: str) -> bool:
+        return (module == "moepec" or module.startswith("moepec.")) and \
+            layer_of(module) not in APP
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if is_library(a.name):
+                    mods.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module and is_library(node.module):
+            for a in node.names:
+                bound = a.asname or a.name
+                (mods if f"{node.module}.{a.name}" in known else objs).add(bound)
+    return mods, objs
+
+
+def contract_violations(path: Path, privates: set[str], known: set[str]) -> list[str]:
+    """Where ``path`` reaches past the library's public API: a library ``_private``
+    attribute, ``.persister`` / ``.events``, an assignment to a library module's global
+    (or ``setattr`` on one), or an assignment to an attribute of a library object built
+    in the same function."""
+    tree = ast.parse(path.read_text(), str(path))
+    own = _own_names(tree)
+    mods, objs = _library_bindings(tree, known)
+    where = path.relative_to(path.parents[len(path.parts) - len(REPO.parts) - 1])
+    bad: list[str] = []
+
+    def say(node: ast.AST, what: str) -> None:
+        bad.append(f"{where}:{node.lineno}: {what}: {ast.unparse(node)[:80]}")
+
+    def root_name(node: ast.AST) -> str | None:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    built: set[str] = set()  # names assigned from a library constructor or function call
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
+                and root_name(node.value.func) in objs | mods:
+            built |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            is_self = isinstance(base, ast.Name) and base.id in ("self", "cls") or (
+                isinstance(base, ast.Call) and isinstance(base.func, ast.Name)
+                and base.func.id == "super")
+            if node.attr in INTERNALS:
+                say(node, f"reaches into .{node.attr}")
+            elif node.attr in privates and node.attr not in own and not is_self:
+                say(node, f"touches the library's private .{node.attr}")
+            if isinstance(node.ctx, ast.Store) and not is_self:
+                if isinstance(base, ast.Name) and base.id in mods or \
+                        ast.unparse(base).startswith("moepec."):
+                    say(node, "assigns a library module global")
+                elif isinstance(base, ast.Name) and base.id in built \
+                        and node.attr not in SETTABLE:
+                    say(node, "assigns an attribute of a library object")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("setattr", "delattr") and node.args \
+                and root_name(node.args[0]) in mods:
+            say(node, "sets a library module global")
+    return sorted(bad, key=lambda line: int(line.split(":")[1]))
+
+
+def app_sources(repo: Path = REPO) -> list[Path]:
+    return [p for d in APP_SOURCES for p in sorted((repo / d).rglob("*.py"))]
+
+
+def test_the_app_uses_only_the_public_api():
+    """The trainer, CLI, benchmarks and integrations use nothing a user could not: no
+    library ``_private`` attribute, no ``.persister`` / ``.events``, no patched module
+    global (DESIGN.md, "Public API contract")."""
+    privates, known = _library_privates(), set(modules())
+    bad = [v for p in app_sources() for v in contract_violations(p, privates, known)]
+    assert not bad, "the app reaches past the public API:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("source", [
+    "def f(manager):\n    manager.persister.wait_idle()\n",
+    "def f(manager):\n    return len(manager.events)\n",
+    "def f(manager):\n    return manager._blocked\n",
+    "from moepec.store import persist\npersist.fault_hook = print\n",
+    "import moepec.store.storage\nmoepec.store.storage.no_gc = None\n",
+    "from moepec.store import storage\nsetattr(storage, 'no_gc', None)\n",
+    "from moepec import CheckpointManager\nm = CheckpointManager(1, 2, 3)\nm.k_persist = 2\n",
+])
+def test_the_contract_check_catches_a_reach_in(tmp_path, source):
+    target = tmp_path / "moepec" / "bench" / "reach.py"
+    target.parent.mkdir(parents=True)
+    target.write_text(source)
+    assert contract_violations(target, _library_privates(), set(modules()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepec import CheckpointConfig, CheckpointManager, PersistError
+from moepec import CheckpointConfig, CheckpointEvent, CheckpointManager, FaultHooks, PersistError
 from moepec.train.faults import FaultyFileSystem
 from tests.toy import Counter, full_state, make, run_loop, train_step
 
@@ -17,12 +17,13 @@ def healthy_storage():
     FaultyFileSystem.mode = None
 
 
-def setup(path, **kw):
+def setup(path, hooks=None, on_checkpoint=None, **kw):
     model, opt, sched = make(0, "stacked", 4)
     counter = Counter()
     kw.setdefault("interval", 2)
     cfg = CheckpointConfig(path=str(path), **kw)
-    mgr = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
+    mgr = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter},
+                            hooks=hooks, on_checkpoint=on_checkpoint)
     return mgr, model, opt, sched, counter
 
 
@@ -66,7 +67,7 @@ def test_failed_persist_surfaces_keeps_last_commit_and_snapshots_go_on(tmp_path)
     url = f"faulty://{tmp_path}/c"
     mgr, model, opt, sched, counter = setup(url, k_persist=1, k_snapshot=2)
     gen = loop(mgr, model, opt, sched, counter, 4)  # commits at steps 1 and 3
-    mgr.persister.wait_idle()
+    mgr.wait_for_persist()
     committed = mgr.storage.committed()
     FaultyFileSystem.mode = "enospc"
     with pytest.raises(PersistError, match="No space left") as err:
@@ -79,7 +80,7 @@ def test_failed_persist_surfaces_keeps_last_commit_and_snapshots_go_on(tmp_path)
     for step in range(6, 12):
         # The previous persist has failed before this step starts, so its error surfaces
         # at this step's first check whatever the threads' timing.
-        mgr.persister.wait_idle()
+        mgr.wait_for_persist()
         try:
             loop(mgr, model, opt, sched, counter, 1, start=step, gen=gen)
             mgr.wait_for_snapshot()
@@ -88,7 +89,7 @@ def test_failed_persist_surfaces_keeps_last_commit_and_snapshots_go_on(tmp_path)
             assert mgr.snapshotter.pending is None
         ram_steps.append(mgr.ram.step)
     assert max(ram_steps) == 11
-    mgr.persister.wait_idle()
+    mgr.wait_for_persist()
     try:  # the last failure may or may not have been reported inside the loop
         mgr.wait_for_snapshot()
     except PersistError:
@@ -107,26 +108,25 @@ def test_persist_error_is_raised_only_after_the_snapshot_is_complete(tmp_path):
     "skip" a persist can fail while the next snapshot (kept in RAM only) is copying."""
     import threading
 
-    from moepec.store import persist, snapshot
-
     url = f"faulty://{tmp_path}/c"
-    mgr, model, opt, sched, counter = setup(url, k_persist=4, busy_policy="skip")
+    hooks = FaultHooks()
+    mgr, model, opt, sched, counter = setup(url, hooks, k_persist=4, busy_policy="skip")
     persist_gate, copy_gate = threading.Event(), threading.Event()
-    persist.fault_hook = lambda point, name: persist_gate.wait(10) if point == "write" else None
+    hooks.on_persist = lambda point, name: persist_gate.wait(10) if point == "write" else None
     FaultyFileSystem.mode = "enospc"
     try:
         loop(mgr, model, opt, sched, counter, 2)  # step 1's persist waits at the gate
-        snapshot.fault_hook = lambda point, step: copy_gate.wait(10)
+        hooks.on_snapshot = lambda point, step: copy_gate.wait(10)
         mgr.save(3)  # the persister is busy: RAM only; the copy waits at its gate
         persist_gate.set()
-        mgr.persister.wait_idle()  # step 1's persist failed: its error is pending
+        mgr.wait_for_persist()  # step 1's persist failed: its error is pending
         threading.Timer(0.3, copy_gate.set).start()
         with pytest.raises(PersistError):
             mgr.wait_for_snapshot()
         assert copy_gate.is_set() and mgr.snapshotter.pending is None
         assert mgr.ram.step == 3
     finally:
-        persist.fault_hook = snapshot.fault_hook = None
+        hooks.on_persist = hooks.on_snapshot = None
         persist_gate.set()
         copy_gate.set()
     FaultyFileSystem.mode = None
@@ -150,22 +150,25 @@ def test_skip_policy_keeps_busy_checkpoints_in_ram(tmp_path):
     FaultyFileSystem.delay_s = 0.2
     # In-process buffers: the shared-memory tier's three slots would hold the loop back
     # to the persist's pace (a slot is reused once written), so nothing would be skipped.
-    mgr, model, opt, sched, counter = setup(url, interval=1, busy_policy="skip", ram_dir=None)
+    events: list[CheckpointEvent] = []
+    mgr, model, opt, sched, counter = setup(url, interval=1, busy_policy="skip", ram_dir=None,
+                                            on_checkpoint=events.append)
     loop(mgr, model, opt, sched, counter, 6)
     FaultyFileSystem.mode = None
     mgr.wait_for_snapshot()
     assert mgr.ram.step == 5
     mgr.close()
-    persisted = [e["persist"] for e in mgr.events]
+    persisted = [e.persist for e in events]
     assert persisted[0] and not all(persisted)
 
 
 def test_buffers_are_reused_and_memory_bounded(tmp_path):
+    events: list[CheckpointEvent] = []
     mgr, model, opt, sched, counter = setup(tmp_path / "c", interval=1, k_persist=1,
-                                            k_snapshot=2)
+                                            k_snapshot=2, on_checkpoint=events.append)
     loop(mgr, model, opt, sched, counter, 12)
     mgr.close()
-    largest = max(e["snapshot_bytes"] for e in mgr.events)
+    largest = max(e.snapshot_bytes for e in events)
     # triple buffer: at most three snapshots alive (the first, full one, is the largest)
     assert mgr.pool.allocated_bytes <= 3 * largest
 
@@ -175,31 +178,26 @@ def test_torn_state_slow_snapshot_overlaps_training(tmp_path):
     for it, so restore gives exactly step t's state, never a mix with t+1."""
     import time
 
-    from moepec.store import snapshot
-
     overlapped = []
 
     def slow(where, step):
         time.sleep(0.25)  # longer than a toy step even on a loaded 2-core machine
 
-    snapshot.fault_hook = slow
-    try:
-        mgr, model, opt, sched, counter = setup(tmp_path / "c", interval=3, k_persist=4)
-        saved = {}
-        gen = torch.Generator().manual_seed(1)
-        for step in range(9):
-            _, counts = train_step(model, opt, sched, gen)  # runs during the copy
-            overlapped.append(mgr.snapshotter.busy)
-            mgr.wait_for_snapshot()
-            opt.step()
-            sched.step()
-            counter.position += 1
-            mgr.observe_routing(counts)
-            if mgr.step(step):
-                saved[step] = full_state(model, opt)
-        mgr.close()
-    finally:
-        snapshot.fault_hook = None
+    mgr, model, opt, sched, counter = setup(tmp_path / "c", FaultHooks(on_snapshot=slow),
+                                            interval=3, k_persist=4)
+    saved = {}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(9):
+        _, counts = train_step(model, opt, sched, gen)  # runs during the copy
+        overlapped.append(mgr.snapshotter.busy)
+        mgr.wait_for_snapshot()
+        opt.step()
+        sched.step()
+        counter.position += 1
+        mgr.observe_routing(counts)
+        if mgr.step(step):
+            saved[step] = full_state(model, opt)
+    mgr.close()
     assert any(overlapped)  # forward/backward really ran while a copy was in flight
     fresh, model2, opt2, _, c2 = setup(tmp_path / "c", interval=3, k_persist=4)
     report = fresh.restore()
@@ -218,7 +216,7 @@ def test_first_persist_failing_makes_the_next_commit_full(tmp_path):
             loop(mgr, model, opt, sched, counter, 1, start=step, gen=gen)
         except PersistError:
             pass
-        mgr.persister.wait_idle()
+        mgr.wait_for_persist()
     FaultyFileSystem.mode = None
     for step in range(6, 10):
         try:
@@ -245,3 +243,53 @@ def test_dynamic_k_down_halves_k_when_plt_has_headroom(tmp_path):
     mgr.close()
     assert ks == [2, 1, 1]
     assert mgr.k_history[-2:] == [[3, 2], [7, 1]]
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_callbacks_deliver_typed_records_in_order(tmp_path, asynchronous):
+    """Every checkpoint gives one CheckpointEvent, then one SnapshotRecord of the same seq;
+    each commit one CommitRecord; a failing observer never fails the checkpoint."""
+    from moepec import CommitRecord, SnapshotRecord
+
+    seen: list = []
+
+    def broken(record):
+        raise RuntimeError("an observer's bug")
+
+    model, opt, sched = make(0, "stacked", 4)
+    counter = Counter()
+    cfg = CheckpointConfig(path=str(tmp_path / "c"), interval=2, k_persist=1, k_snapshot=2,
+                           async_snapshot=asynchronous, async_persist=asynchronous)
+    mgr = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter},
+                            on_checkpoint=seen.append, on_snapshot=seen.append,
+                            on_commit=lambda r: (seen.append(r), broken(r)))
+    loop(mgr, model, opt, sched, counter, 6)
+    mgr.close()
+    events = [r for r in seen if isinstance(r, CheckpointEvent)]
+    snaps = [r for r in seen if isinstance(r, SnapshotRecord)]
+    commits = [r for r in seen if isinstance(r, CommitRecord)]
+    assert [e.step for e in events] == [s.step for s in snaps] == [1, 3, 5]
+    order = [r.seq for r in seen if not isinstance(r, CommitRecord)]
+    assert order == [s for e in events for s in (e.seq, e.seq)]
+    assert events[0].full and not events[1].full and all(e.persist for e in events)
+    assert all(len(layer) == 2 for layer in events[1].experts_snapshot)
+    assert all(len(layer) == 1 for layer in events[1].experts_persist)
+    assert [c.name for c in commits] == mgr.storage.committed()[-len(commits):]
+    assert all(c.bytes == sum(c.bytes_per_rank) > 0 for c in commits)
+
+
+def test_set_k_changes_k_from_the_next_checkpoint(tmp_path):
+    from moepec import ConfigError
+
+    mgr, model, opt, sched, counter = setup(tmp_path / "c", k_persist=1, async_persist=False)
+    loop(mgr, model, opt, sched, counter, 2)
+    mgr.set_k(2)
+    assert (mgr.k_persist, mgr.k_snapshot) == (2, 2)
+    with pytest.raises(ConfigError, match="set_k"):
+        mgr.set_k(3, 2)
+    with pytest.raises(AttributeError):
+        mgr.k_persist = 1
+    loop(mgr, model, opt, sched, counter, 4, start=2)
+    mgr.close()
+    meta = mgr.storage.read_manifest(mgr.storage.committed()[-1]).meta
+    assert meta.k_persist == 2 and meta.k_history[-1] == [1, 2]

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moepec import CheckpointConfig, CheckpointManager
+from moepec import CheckpointConfig, CheckpointManager, FaultHooks
 from moepec.keys import parse_checkpoint_name, parse_key
 from moepec.recovery.offline import verify_path
-from moepec.store import persist, snapshot
 from moepec.store.storage import Storage
 from tests.toy import Counter, full_state, make, train_step
 
@@ -58,12 +57,11 @@ def child(path: str, hist: str, phase: str | None, kill_step: int, delay: float)
         if phase == "snapshot" and step >= kill_step:
             _die()
 
-    persist.fault_hook = persist_hook
-    snapshot.fault_hook = snapshot_hook
     model, opt, sched = make(0, "stacked", 4)
     counter = Counter()
     mgr = CheckpointManager(model, opt, _cfg(path),
-                            extra_state={"sched": sched, "data": counter})
+                            extra_state={"sched": sched, "data": counter},
+                            hooks=FaultHooks(on_persist=persist_hook, on_snapshot=snapshot_hook))
     report = mgr.restore()
     start = report.step + 1 if report else 0
     gen = torch.Generator().manual_seed(1000 + start)

@@ -59,11 +59,12 @@ def build(seed: int, world: int, expert_dim: int | None, n_experts: int = 4,
     return model, opt
 
 
-def manager(model, opt, path: str, counter, **kw) -> moepec.CheckpointManager:
+def manager(model, opt, path: str, counter, hooks=None, **kw) -> moepec.CheckpointManager:
     kw = {"k_snapshot": 1, **kw}
     cfg = moepec.CheckpointConfig(path=path, interval=1, k_persist=1, async_snapshot=False,
                                   async_persist=False, keep_last=8, timeout_s=60, **kw)
-    return moepec.CheckpointManager(model, opt, cfg, extra_state={"data": counter})
+    return moepec.CheckpointManager(model, opt, cfg, extra_state={"data": counter},
+                                    hooks=hooks)
 
 
 def full(model, opt) -> dict[str, torch.Tensor]:
@@ -339,8 +340,8 @@ def _killed_save(rank: int, world: int, ckpt: str, counter) -> None:
     import signal
 
     from moepec.errors import PersistError
-    from moepec.store import persist
 
+    hooks = moepec.FaultHooks()
     if rank == 1:
         seen = {"n": 0}
 
@@ -350,9 +351,9 @@ def _killed_save(rank: int, world: int, ckpt: str, counter) -> None:
                 if seen["n"] == 2:
                     os.kill(os.getpid(), signal.SIGKILL)
 
-        persist.fault_hook = hook
+        hooks.on_persist = hook
     model, opt = build(0, world, 1)
-    mgr = manager(model, opt, ckpt, counter)
+    mgr = manager(model, opt, ckpt, counter, hooks=hooks)
     try:
         train(model, opt, mgr, counter, 0, 2)
     except PersistError:

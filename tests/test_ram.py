@@ -18,21 +18,21 @@ import threading
 import pytest
 import torch
 
-from moepec import CheckpointConfig, CheckpointManager, ConfigError
+from moepec import CheckpointConfig, CheckpointManager, ConfigError, FaultHooks
 from moepec.cli.main import main
-from moepec.store import persist
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.shm import admissible, job_name
 from moepec.store.storage import Storage
 from tests.toy import Counter, full_state, make, run_loop
 
 
-def manager(tmp_path, seed=0, **kw):
+def manager(tmp_path, seed=0, hooks=None, **kw):
     model, opt, sched = make(seed, "stacked", 4)
     counter = Counter()
     cfg = CheckpointConfig(path=str(tmp_path / "ckpt"), ram_dir=str(tmp_path / "shm"),
                            interval=2, k_persist=1, k_snapshot=3, keep_last=3, **kw)
-    mgr = CheckpointManager(model, opt, cfg, extra_state={"data": counter, "sched": sched})
+    mgr = CheckpointManager(model, opt, cfg, extra_state={"data": counter, "sched": sched},
+                            hooks=hooks)
     return mgr, (model, opt, sched, counter)
 
 
@@ -87,16 +87,13 @@ def ram_cli(capsys, tmp_path, *argv):
 
 def test_restarted_worker_restores_from_shared_memory_and_persists_what_was_only_in_ram(
         tmp_path, capsys):
-    mgr, parts = manager(tmp_path)
-    saved = {}
     # The last checkpoint (step 7) is due for storage, but its commit fails (as if the
     # worker died before committing): it exists only in RAM.
-    persist.fault_hook = lambda where, name: (_ for _ in ()).throw(OSError("died")) \
-        if where == "before_commit" and "-step00000007-" in name else None
-    try:
-        train(mgr, parts, 8, saved)
-    finally:
-        persist.fault_hook = None
+    die = FaultHooks(on_persist=lambda where, name: (_ for _ in ()).throw(OSError("died"))
+                     if where == "before_commit" and "-step00000007-" in name else None)
+    mgr, parts = manager(tmp_path, hooks=die)
+    saved = {}
+    train(mgr, parts, 8, saved)
     storage = Storage(str(tmp_path / "ckpt"))
     assert [storage.read_manifest(n).step for n in storage.committed()] == [1, 3, 5]
     snap_experts = [list(e) for e in mgr.ram.snapshot_experts]
@@ -232,7 +229,7 @@ def test_slot_files_are_touched_only_off_the_training_thread_and_slots_are_reuse
     def spy(op, fn, ours=lambda *a: True):
         def wrapped(*a, **kw):
             if ours(*a):
-                calls.append((op, len(mgr.events), threading.current_thread() is main_thread))
+                calls.append((op, mgr.seq, threading.current_thread() is main_thread))
             return fn(*a, **kw)
         return wrapped
 

@@ -47,6 +47,7 @@ def _loop(method: str, args, workdir: Path) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from moepec import CheckpointConfig, CheckpointManager
+    from moepec.bench.records import Records
     from moepec.models.configs import get_config
     from moepec.models.gpt_moe import GPTMoE
 
@@ -55,10 +56,12 @@ def _loop(method: str, args, workdir: Path) -> dict:
     model = GPTMoE(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     manager = pending = None
+    records = Records()
     if method.startswith("moepec"):
         k = cfg.n_experts if method == "moepec-full" else 1
         manager = CheckpointManager(model, opt, CheckpointConfig(
-            path=str(workdir / method), interval=args.interval, k_persist=k, keep_last=1))
+            path=str(workdir / method), interval=args.interval, k_persist=k, keep_last=1),
+            **records.callbacks())
     iters, blocked = [], []
     for step in range(args.steps):
         torch.cuda.synchronize()
@@ -92,22 +95,21 @@ def _loop(method: str, args, workdir: Path) -> dict:
     res = {"method": method, "iteration_s": statistics.median(iters[3:] or iters)}
     if manager is not None:
         manager.close()
-        blocked = [e["blocked_step_s"] + e["blocked_wait_s"] for e in manager.events]
-        res.update(_moepec_rates(manager))
+        blocked = records.blocked()
+        res.update(_moepec_rates(records))
     res["blocked_s"] = statistics.mean(blocked) if blocked else 0.0
     return res
 
 
-def _moepec_rates(manager) -> dict:
+def _moepec_rates(records) -> dict:
     """Snapshot and persist throughput (bytes/s) from a closed manager's records."""
     out = {}
-    snaps = [(e["snapshot_bytes"], e["snapshot_copy_s"]) for e in manager.events
-             if e.get("snapshot_copy_s")]
-    recs = [r for r in manager.persister.records if r.committed]
+    snaps = records.copies()
+    recs = records.commits
     if snaps:
         out["snapshot_Bps"] = sum(b for b, _ in snaps) / sum(s for _, s in snaps)
     if recs:
-        out["persist_Bps"] = sum(r.bytes_written for r in recs) / sum(r.seconds for r in recs)
+        out["persist_Bps"] = sum(r.bytes for r in recs) / sum(r.seconds for r in recs)
     return out
 
 

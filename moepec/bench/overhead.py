@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from moepec import CheckpointConfig, CheckpointManager
+from moepec import CheckpointConfig, CheckpointManager, FaultHooks
+from moepec.bench.records import Records
 from moepec.models.configs import get_config
 from moepec.models.gpt_moe import GPTMoE
 
@@ -107,12 +108,13 @@ def run(method: str, args, workdir: Path) -> dict:
     gen = torch.Generator().manual_seed(0)
     root = workdir / method.replace(".", "_")
     manager = None
+    records = Records()
     if method.startswith("moepec"):
         k = cfg.n_experts if method == "moepec-full" else 1
         ram_dir = args.ram_dir if method.endswith("-shm") else None
         manager = CheckpointManager(model, opt, CheckpointConfig(
             path=str(root), interval=args.interval, k_persist=k, k_snapshot=k, keep_last=2,
-            ram_dir=ram_dir))
+            ram_dir=ram_dir), **records.callbacks())
     pending = None
     iter_times, blocked = [], []
     for step in range(args.steps):
@@ -156,15 +158,13 @@ def run(method: str, args, workdir: Path) -> dict:
     result = {"method": method}
     if manager:
         manager.close()
-        events = manager.events
-        blocked = [e["blocked_step_s"] + e["blocked_wait_s"] for e in events]
-        snaps = [(e["snapshot_bytes"], e["snapshot_copy_s"]) for e in events
-                 if e.get("snapshot_copy_s")]
-        recs = [r for r in manager.persister.records if r.committed]
+        blocked = records.blocked()
+        snaps = records.copies()
+        recs = records.commits
         result["snapshot_bytes"] = statistics.mean(b for b, _ in snaps)
         result["snapshot_Bps"] = sum(b for b, _ in snaps) / sum(s for _, s in snaps)
-        result["persist_bytes"] = statistics.mean(r.bytes_written for r in recs)
-        result["persist_Bps"] = sum(r.bytes_written for r in recs) / sum(r.seconds for r in recs)
+        result["persist_bytes"] = statistics.mean(r.bytes for r in recs)
+        result["persist_Bps"] = sum(r.bytes for r in recs) / sum(r.seconds for r in recs)
     result["drain_s"] = time.perf_counter() - t_close
     result["iter_all_s"] = iter_times[args.warmup:]
     result["blocked_all_s"] = blocked
@@ -215,20 +215,19 @@ def bandwidth_phase(args, workdir: Path) -> dict:
 
 
 def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path) -> dict:
-    from moepec.store import persist
-
     root, plain_dir = workdir / f"bw-{serialization}", workdir / f"bw-{serialization}-plain"
     plain_dir.mkdir()
     scratch = workdir / "scratch.bin"
+    records, hooks = Records(), FaultHooks()
     manager = CheckpointManager(model, opt, CheckpointConfig(
         path=str(root), interval=1, k_persist=1, keep_last=saves + 2,
-        serialization=serialization))
+        serialization=serialization), hooks=hooks, **records.callbacks())
 
     def save(step: int) -> int:
         manager.save(step)
         manager.wait_for_snapshot()
-        manager.persister.wait_idle()
-        return manager.persister.records[-1].bytes_written
+        manager.wait_for_persist()
+        return records.commits[-1].bytes
 
     def plain_write(step: int) -> float:
         _timed_write(scratch, filler)
@@ -248,8 +247,7 @@ def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path)
             unlink_s.append(time.perf_counter() - t0)
 
     filler = os.urandom(1 << 20) * (save(0) >> 20)  # the first, full checkpoint: untimed
-    seam = persist.fault_hook
-    persist.fault_hook = unlink_before_write
+    hooks.on_persist = unlink_before_write
     try:
         nbytes = persist_write(1)  # sizes the plain writes
         data = os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes % (1 << 20))
@@ -262,26 +260,26 @@ def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path)
                 elif step > 1:
                     persist_write(step)
     finally:
-        persist.fault_hook = seam
+        hooks.on_persist = None
     manager.close()
-    events = [e for e in manager.events if not e["full"]]
-    recs = [r for r in manager.persister.records if r.committed][1:]
+    events = [(e, records.snapshots[e.seq]) for e in records.checkpoints if not e.full]
+    recs = records.commits[1:]
     persist_s = [r.seconds - u for r, u in zip(recs, unlink_s, strict=True)]
     # Medians: the typical persist against the typical plain write. The VM stalls some
     # writes 3x for reasons outside both (see the module docstring); the ratio over all
     # pairs, stalls included, is reported beside it.
     persist_bps = len(data) / statistics.median(persist_s)
     write_bps = len(data) / statistics.median(plain)
-    snap_bytes = sum(e["snapshot_bytes"] for e in events)
+    snap_bytes = sum(e.snapshot_bytes for e, _ in events)
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(plain_dir, ignore_errors=True)
-    return {"persist_bytes": sum(r.bytes_written for r in recs) / len(recs),
+    return {"persist_bytes": sum(r.bytes for r in recs) / len(recs),
             "persist_Bps": persist_bps, "write_Bps": write_bps,
             "persist_frac_write": persist_bps / write_bps,
             "persist_frac_write_all": sum(plain) / sum(persist_s),
             "persist_s": persist_s, "write_s": plain, "unlink_s": unlink_s,
             "snapshot_bytes": snap_bytes / len(events),
-            "snapshot_Bps": snap_bytes / sum(e["snapshot_copy_s"] for e in events)}
+            "snapshot_Bps": snap_bytes / sum(s.copy_s for _, s in events)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -87,7 +87,7 @@ def measure(cfg, ks: list[int], scopes, workdir: Path) -> list[dict]:
         moepec_full = st.data_bytes(first)
         for k in ks if scope == "all" else ks[:1]:
             # K is changed between saves the way dynamic K does it
-            mgr.k_persist = mgr.k_snapshot = k
+            mgr.set_k(k, k)
             mgr.save(k)
             name = st.committed()[-1]
             rows.append({"scope": scope, "k": k, "pec_bytes": st.data_bytes(name),

@@ -15,11 +15,12 @@ applies its outcome. ``close`` waits for the persist in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +35,8 @@ from moepec.errors import (
     FencedError,
     PersistError,
 )
+from moepec.events import CheckpointEvent, CommitRecord, SnapshotRecord
+from moepec.hooks import FaultHooks
 from moepec.keys import parse_checkpoint_name
 from moepec.manager.claim import RootClaim
 from moepec.manager.config import AUTO, BusyPolicy, CheckpointConfig, PecScope
@@ -71,18 +74,31 @@ class CheckpointManager:
     Raises ConfigError for invalid settings and ExpertDiscoveryError when the
     experts cannot be found unambiguously (pass ``expert_spec``), or none are found and
     ``config.require_experts`` (by default) asks for them.
+
+    What the manager does is told through callbacks (see :mod:`moepec.events`; each
+    runs on the thread its record names, and an exception it raises is logged, never
+    raised): ``on_checkpoint(CheckpointEvent)`` when a checkpoint starts,
+    ``on_snapshot(SnapshotRecord)`` when its RAM copy is complete,
+    ``on_commit(CommitRecord)`` when it is committed to storage. ``hooks``
+    (:class:`moepec.FaultHooks`) are fault-injection seams, for tests.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  config: CheckpointConfig, *, extra_state: Mapping[str, Any] | None = None,
                  expert_spec: ExpertSpec | None = None,
-                 expert_parallel: tuple[int, int] | None = None) -> None:
+                 expert_parallel: tuple[int, int] | None = None,
+                 on_checkpoint: Callable[[CheckpointEvent], None] | None = None,
+                 on_snapshot: Callable[[SnapshotRecord], None] | None = None,
+                 on_commit: Callable[[CommitRecord], None] | None = None,
+                 hooks: FaultHooks | None = None) -> None:
         self.config = config
+        self._on_checkpoint, self._on_snapshot = on_checkpoint, on_snapshot
+        self._on_commit, self._hooks = on_commit, hooks
         self._init_layout(expert_parallel)
         self._init_state(model, optimizer, extra_state, expert_spec)
         self._init_tiers()
-        self.k_persist = config.k_persist
-        self.k_snapshot = config.k_snapshot
+        self._k_persist = config.k_persist
+        self._k_snapshot = config.k_snapshot
         self.k_history: list[list[int]] = [[-1, self.k_persist]]
         self.persist_selector = Selector.create(self.n_experts, config.selection)
         self.ram_selector = Selector.create(self.n_experts, config.selection)
@@ -91,7 +107,11 @@ class CheckpointManager:
         self._index = 0
         self._covered: tuple[str | None, bool] = (None, False)
         self.seq = _next_seq(self.storage.list_checkpoints())
-        self.events: list[dict[str, Any]] = []
+        self._copying: CheckpointEvent | None = None
+        """The checkpoint whose RAM snapshot is in flight (its SnapshotRecord is due)."""
+        self._copy_wait = 0.0
+        """Seconds the loop waited so far for that snapshot."""
+        self._last_step = -1
         self.restores: list[RestoreReport] = []
         self._blocked = 0.0
         self._closed = False
@@ -162,7 +182,7 @@ class CheckpointManager:
         self.ram_dir = ram_dir
         """Where this manager's RAM snapshots live (None: in the process)."""
         self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s,
-                                slots=slots, replicas=held)
+                                slots=slots, replicas=held, hooks=self._hooks)
         self.replicator = None
         if peers:
             self.replicator = Replicator(slots, held, succ=peers[0], pred=peers[1],
@@ -173,7 +193,8 @@ class CheckpointManager:
                                    world_size=self.world_size, group=self._group,
                                    background=config.async_persist, timeout_s=config.timeout_s,
                                    keep_last=config.keep_last, release=self.ram_tier.release,
-                                   guard=lambda: self.root_claim.check())
+                                   guard=lambda: self.root_claim.check(),
+                                   hooks=self._hooks, on_commit=self._on_commit)
 
     def _open_slots(self, ram_dir: str, root: str, peers: tuple[int, int] | None
                     ) -> tuple[SlotStore | None, SlotStore | None]:
@@ -322,21 +343,29 @@ class CheckpointManager:
             self.config.full_every > 0 and self._index % self.config.full_every == 0)
         snap, sources = self._take(step, full, persist)
         self.ram_tier.start(snap, sources)
-        event = {"step": step, "seq": self.seq, "full": full, "persist": persist,
-                 "snapshot_bytes": sum(t.numel() * t.element_size() for t in sources.values()),
-                 "blocked_step_s": 0.0, "blocked_wait_s": 0.0}
-        self.events.append(event)
+        nbytes = sum(t.numel() * t.element_size() for t in sources.values())
+        self._copying, self._copy_wait = CheckpointEvent(
+            step=step, seq=self.seq, full=full, persist=persist,
+            experts_snapshot=tuple(snap.snapshot_experts),
+            experts_persist=None if snap.persist_experts is None else tuple(snap.persist_experts),
+            k_persist=self.k_persist, k_snapshot=self.k_snapshot, snapshot_bytes=nbytes,
+            blocked_s=0.0), 0.0
+        started = self._copying
         self.seq += 1
         self._index += 1
+        self._last_step = step
+        copied = None
         if not self.config.async_snapshot:
-            self._finish_snapshot()
+            copied = self._finish_snapshot(notify=False)
         try:
             if persist:
                 self.persister.submit(snap)
         finally:
             blocked = time.perf_counter() - t0
-            event["blocked_step_s"] = blocked
             self._blocked += blocked
+            self._notify(self._on_checkpoint, dataclasses.replace(started, blocked_s=blocked))
+            if copied is not None:
+                self._notify(self._on_snapshot, copied)
         if pending_error is not None:
             raise pending_error
 
@@ -386,6 +415,42 @@ class CheckpointManager:
     def persister_check(self) -> None:
         """Re-raise (once) a background persist's error as PersistError."""
         self.persister.check()
+
+    def wait_for_persist(self, timeout_s: float | None = None) -> None:
+        """Block until the persist in flight (if any) has finished, committed or not.
+
+        Training thread. Its error, if it failed, stays pending: raised by the next
+        ``step``, ``wait_for_snapshot`` or ``close``. Raises CheckpointError when it does not
+        finish within ``timeout_s`` (default: ``config.timeout_s``).
+        """
+        self.persister.wait_idle(timeout_s)
+
+    @property
+    def k_persist(self) -> int:
+        """Experts per MoE layer written to storage at each checkpoint (now)."""
+        return self._k_persist
+
+    @property
+    def k_snapshot(self) -> int:
+        """Experts per MoE layer copied to RAM at each checkpoint (now)."""
+        return self._k_snapshot
+
+    def set_k(self, k_persist: int, k_snapshot: int | None = None) -> None:
+        """Save ``k_persist`` experts per layer to storage (``k_snapshot``, by default the
+        larger of it and the current K_snapshot, to RAM) from the next checkpoint on, as
+        dynamic K does after a recovery (recorded in the manifests' ``k_history``).
+
+        Training thread, every rank with the same values. Raises ConfigError unless
+        1 <= k_persist <= k_snapshot <= the experts per MoE layer.
+        """
+        k_snapshot = max(self._k_snapshot, k_persist) if k_snapshot is None else k_snapshot
+        top = min(self.n_experts, default=0)
+        if not 1 <= k_persist <= k_snapshot <= top:
+            raise ConfigError(f"set_k({k_persist}, {k_snapshot}): need 1 <= k_persist <= "
+                              f"k_snapshot <= {top} (the experts per MoE layer)")
+        if k_persist != self._k_persist:
+            self.k_history.append([self._last_step, k_persist])
+        self._k_persist, self._k_snapshot = k_persist, k_snapshot
 
     @property
     def ram(self) -> Snapshot | None:
@@ -506,7 +571,7 @@ class CheckpointManager:
         self.ledger = outcome.ledger
         self.persist_selector.load_state_dict(meta.selectors["persist"])
         self.ram_selector.load_state_dict(meta.selectors["ram"])
-        self.k_persist, self.k_snapshot = meta.k_persist, meta.k_snapshot
+        self._k_persist, self._k_snapshot = meta.k_persist, meta.k_snapshot
         self.k_history = [list(x) for x in meta.k_history]
         # This run continues the base's lineage of runs (restore stitches only within it).
         self.runs = [r for r in meta.runs if r != self.run_id][-63:] + [self.run_id]
@@ -552,15 +617,16 @@ class CheckpointManager:
         return name
 
     # -- internals --------------------------------------------------------------
-    def _finish_snapshot(self) -> None:
-        if self.snapshotter.pending is not None:
-            t0 = time.perf_counter()
-            snap = self.ram_tier.finish()
-            waited = time.perf_counter() - t0
-            self._blocked += waited
-            if self.events:
-                self.events[-1]["blocked_wait_s"] += waited
-            self._record_copy(snap)
+    def _finish_snapshot(self, notify: bool = True) -> SnapshotRecord | None:
+        """Wait for the snapshot in flight; its record is delivered (``notify``) or returned."""
+        if self.snapshotter.pending is None:
+            return None
+        t0 = time.perf_counter()
+        snap = self.ram_tier.finish()
+        waited = time.perf_counter() - t0
+        self._blocked += waited
+        self._copy_wait += waited
+        return self._record_copy(snap, notify)
 
     def _may_persist(self, step: int) -> tuple[bool, CheckpointError | None]:
         """Whether this checkpoint goes to storage, and an earlier persist's error (which
@@ -642,12 +708,29 @@ class CheckpointManager:
                 self.persister.head_view, self.config.pec_scope != PecScope.OPTIMIZER))
         return self._covered[1]
 
-    def _record_copy(self, snap: Snapshot | None) -> None:
-        """Note a finished snapshot's copy time in its checkpoint event."""
-        for event in reversed(self.events if snap is not None else []):
-            if event["seq"] == snap.seq:
-                event["snapshot_copy_s"] = snap.copy_seconds
-                break
+    def _record_copy(self, snap: Snapshot | None, notify: bool = True) -> SnapshotRecord | None:
+        """The SnapshotRecord of a finished snapshot this manager started (delivered to
+        ``on_snapshot`` when ``notify``, else returned); None for any other."""
+        started = self._copying
+        if snap is None or started is None or started.seq != snap.seq:
+            return None
+        self._copying = None
+        record = SnapshotRecord(step=started.step, seq=started.seq,
+                                snapshot_bytes=started.snapshot_bytes,
+                                copy_s=snap.copy_seconds, wait_s=self._copy_wait)
+        if not notify:
+            return record
+        self._notify(self._on_snapshot, record)
+        return None
+
+    @staticmethod
+    def _notify(callback: Callable[[Any], None] | None, record: Any) -> None:
+        """Deliver ``record``; an observer's error is logged, never raised."""
+        if callback is not None:
+            try:
+                callback(record)
+            except Exception:  # noqa: BLE001 - an observer must not fail the checkpoint
+                log.exception("checkpoint callback %r failed", callback)
 
     def _adjust_k(self, step: int) -> None:
         """Dynamic K after a recovery (policy.plt.dynamic_k), when configured; without it,
@@ -668,8 +751,8 @@ class CheckpointManager:
         if new != self.k_persist:
             log.info("dynamic K: PLT %.3f%% vs budget %.3f%%: K_persist %d -> %d", 100 * plt,
                      100 * self.config.plt_budget, self.k_persist, new)
-            self.k_persist = new
-            self.k_snapshot = max(self.k_snapshot, new)
+            self._k_persist = new
+            self._k_snapshot = max(self._k_snapshot, new)
             self.k_history.append([step, new])
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import torch.distributed as dist
 
 from moepec.errors import CheckpointError, FencedError, PersistError
+from moepec.events import CommitRecord
+from moepec.hooks import FaultHooks
 from moepec.keys import checkpoint_name
 from moepec.store import manifest as mf
 from moepec.store.checksum import tensor_checksum
@@ -30,16 +32,6 @@ from moepec.store.snapshot import Snapshot
 from moepec.store.storage import Storage, committed_manifests
 
 log = logging.getLogger(__name__)
-
-# Fault-injection seam (moepec.train.faults sets it; None in normal runs). Called with a
-# point name: "write", "written" (every rank, data written), "before_commit",
-# "after_commit" (rank 0), "retention".
-fault_hook: Callable[[str, str], None] | None = None
-
-
-def _hook(point: str, name: str) -> None:
-    if fault_hook is not None:
-        fault_hook(point, name)
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -72,7 +64,8 @@ class Persister:
     def __init__(self, storage: Storage, *, run_id: str, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, background: bool, timeout_s: float,
                  keep_last: int, release: Callable[[Snapshot], None],
-                 guard: Callable[[], None] | None = None) -> None:
+                 guard: Callable[[], None] | None = None, hooks: FaultHooks | None = None,
+                 on_commit: Callable[[CommitRecord], None] | None = None) -> None:
         self.storage = storage
         self.run_id = run_id
         """This run's id: in every checkpoint name it writes (names unique per run)."""
@@ -93,8 +86,10 @@ class Persister:
         self.head_view: dict[str, str] = {}
         self.head_ancestors: list[str] = []
         self.records: list[PersistRecord] = []
-        self.on_commit: Callable[[PersistRecord, CheckpointMeta], None] | None = None
-        """Called on the worker thread after each commit (record, the checkpoint's meta)."""
+        self.hooks = hooks or FaultHooks()
+        """Fault-injection seams (moepec.hooks.PERSIST_POINTS)."""
+        self.on_commit = on_commit
+        """Called on the worker thread after each commit with its CommitRecord."""
         self._error: BaseException | None = None
         self._known: dict[str, Manifest] = {}
         """Committed manifests read or written so far (retention reads only new ones)."""
@@ -222,9 +217,9 @@ class Persister:
         # Checksums before the write, on this thread: on 2 cores a checksum thread beside
         # the write slowed the write 2-3x (measured), more than the hashing costs.
         checksums = {k: tensor_checksum(t) for k, t in tensors.items()}
-        _hook("write", name)
+        self.hooks.persist_point("write", name)
         where = self.storage.write(name, tensors, self.group)
-        _hook("written", name)
+        self.hooks.persist_point("written", name)
         return {k: Item(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
                         nbytes=t.numel() * t.element_size(), checksum=checksums[k],
                         rank=self.rank, file=where[k].file, offset=where[k].offset,
@@ -281,7 +276,7 @@ class Persister:
         """Rank 0 writes the manifest (the commit); every rank learns whether it did."""
         outcome: list[Any] = [("ok", "")]
         if self.rank == 0:
-            _hook("before_commit", manifest.name)
+            self.hooks.persist_point("before_commit", manifest.name)
             try:
                 if self.guard is not None:
                     self.guard()
@@ -294,7 +289,7 @@ class Persister:
                 if self.world_size == 1:
                     raise
                 log.exception("commit of %s failed", manifest.name)
-            _hook("after_commit", manifest.name)
+            self.hooks.persist_point("after_commit", manifest.name)
         if self.world_size > 1:
             dist.broadcast_object_list(outcome, src=0, group=self.group)
         state, message = outcome[0]
@@ -307,14 +302,17 @@ class Persister:
     def _notify(self, record: PersistRecord, meta: CheckpointMeta) -> None:
         if self.on_commit is not None:
             try:
-                self.on_commit(record, meta)
+                self.on_commit(CommitRecord(
+                    name=record.name, step=record.step, bytes=record.bytes_written,
+                    bytes_per_rank=tuple(record.bytes_per_rank), seconds=record.seconds,
+                    k_persist=meta.k_persist, full=meta.full))
             except Exception:  # noqa: BLE001 - an observer must not fail the checkpoint
                 log.exception("on_commit callback failed")
 
     def _retain(self) -> None:
         """Delete what no retained view needs (rank 0, after a commit; only while this run
         holds the root's lease)."""
-        _hook("retention", self.head or "")
+        self.hooks.persist_point("retention", self.head or "")
         if self.guard is not None:
             try:
                 self.guard()

@@ -31,15 +31,11 @@ from dataclasses import dataclass, field
 import torch
 
 from moepec.errors import CheckpointError
+from moepec.hooks import FaultHooks
 from moepec.store.manifest import CheckpointMeta
 from moepec.store.shm import Slot, SlotHeader, SlotStore
 
 log = logging.getLogger(__name__)
-
-# Fault-injection seam (tests and moepec.train.faults set it; None in normal runs): called
-# with ("copy", step) on the copying thread before a snapshot's copy starts, and with
-# ("seal", step) after a shared-memory slot's data is written, before its header.
-fault_hook: Callable[[str, int], None] | None = None
 
 
 class BufferPool:
@@ -104,8 +100,10 @@ class Snapshotter:
     """
 
     def __init__(self, pool: BufferPool, *, background: bool, timeout_s: float,
-                 slots: SlotStore | None = None) -> None:
+                 slots: SlotStore | None = None, hooks: FaultHooks | None = None) -> None:
         self.pool = pool
+        self.hooks = hooks or FaultHooks()
+        """Fault-injection seams (moepec.hooks.SNAPSHOT_POINTS), on the copying thread."""
         self.slots = slots
         self.background = background
         self.timeout_s = timeout_s
@@ -176,8 +174,7 @@ class Snapshotter:
     def _copy(self, snap: Snapshot, sources: Mapping[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
         try:
-            if fault_hook is not None:
-                fault_hook("copy", snap.step)
+            self.hooks.snapshot_point("copy", snap.step)
             if snap.slot is not None:
                 self._into_slot(snap, sources)
             if self._stream is not None:
@@ -193,8 +190,7 @@ class Snapshotter:
                     for key, src in sources.items():
                         snap.tensors[key].copy_(src.detach())
             if snap.slot is not None:
-                if fault_hook is not None:
-                    fault_hook("seal", snap.step)
+                self.hooks.snapshot_point("seal", snap.step)
                 self._seal(snap)
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
             snap.error = exc
@@ -239,7 +235,8 @@ class RamTier:
     """
 
     def __init__(self, *, background: bool, timeout_s: float,
-                 slots: SlotStore | None = None, replicas: SlotStore | None = None) -> None:
+                 slots: SlotStore | None = None, replicas: SlotStore | None = None,
+                 hooks: FaultHooks | None = None) -> None:
         self.pool = BufferPool()
         self.slots = slots
         self.replicas = replicas
@@ -249,7 +246,7 @@ class RamTier:
         it holds a reference it must ``release`` (the replicator)."""
         """Shared-memory slots (ram_dir set), or None for in-process buffers."""
         self.snapshotter = Snapshotter(self.pool, background=background, timeout_s=timeout_s,
-                                       slots=slots)
+                                       slots=slots, hooks=hooks)
         self._loaded: list[Snapshot] = []
         self.newest: Snapshot | None = None
         """The newest complete snapshot (the RAM recovery copy), or None."""

@@ -36,6 +36,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from moepec.errors import ConfigError, MoepecError
+from moepec.hooks import FaultHooks
+from moepec.keys import parse_checkpoint_name
 from moepec.store.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -232,7 +234,9 @@ class FaultInjector:
     """Fires a FaultPlan's faults from the training loop (one per rank).
 
     Call ``before_step(step)`` at the top of every step and ``after_backward(step)``
-    after the backward pass. Fired faults are recorded before they act, so a restarted
+    after the backward pass; give ``hooks`` to the CheckpointManager
+    (``CheckpointManager(..., hooks=injector.hooks)``): the faults inside a persist or a
+    snapshot copy fire there. Fired faults are recorded before they act, so a restarted
     process does not fire them again. ``on_event`` receives a dict per fault.
     """
 
@@ -250,6 +254,12 @@ class FaultInjector:
         self._storage_until = -1
         self._step = -1
         self.ram_dir = ram_dir
+        self._copy_kill: int | None = None
+        """The step whose snapshot copy is to be killed (armed by kill_copy), or None."""
+        self._persist_kill: tuple[Fault, int, float] | None = None
+        """The armed kill_persist/kill_commit: (fault, step armed at, delay), or None."""
+        self.hooks = FaultHooks(on_persist=self._in_persist, on_snapshot=self._in_snapshot)
+        """The seams the faults inside a persist or a copy fire from (the manager's)."""
 
     def _fire(self, fault: Fault, step: int, **extra) -> None:
         self.plan.mark(fault)
@@ -305,34 +315,31 @@ class FaultInjector:
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
 
     def _arm_copy_kill(self, step: int) -> None:
-        from moepec.store import snapshot
+        self._copy_kill = step
 
-        def hook(where: str, at: int) -> None:
-            if where == "copy" and at == step:
-                kill_self()  # the slot's header was removed; its data is half written
-
-        snapshot.fault_hook = hook
+    def _in_snapshot(self, where: str, at: int) -> None:
+        """``hooks.on_snapshot``: the copying thread, at each snapshot point."""
+        if where == "copy" and at == self._copy_kill:
+            kill_self()  # the slot's header was removed; its data is half written
 
     def _arm_persist_kill(self, fault: Fault, armed_at: int) -> None:
-        from moepec.keys import parse_checkpoint_name
-        from moepec.store import persist
+        self._persist_kill = (fault, armed_at, self.rng.uniform(0.0, 0.01))
 
-        kind = fault.kind
-        delay = self.rng.uniform(0.0, 0.01)
+    def _in_persist(self, where: str, name: str) -> None:
+        """``hooks.on_persist``: the persist worker, at each persist point."""
+        if self._persist_kill is None:
+            return
+        fault, armed_at, delay = self._persist_kill
+        if fault.kind == "kill_persist" and where == "write":
+            self._fire_in_persist(fault, armed_at, name)
+            threading.Timer(delay, kill_self).start()  # while DCP writes the data
+        elif fault.kind == "kill_commit" and where == ("before_commit" if self.rank == 0
+                                                       else "written"):
+            self._fire_in_persist(fault, armed_at, name)
+            kill_self()  # data written, manifest not (rank 0 commits)
 
-        def fire(name: str) -> None:
-            # The persist of checkpoint step c runs while training is past step c.
-            parsed = parse_checkpoint_name(name)
-            at = max(self._step, parsed[1] + 1 if parsed else -1)
-            self._fire(fault, at, armed_at=armed_at, checkpoint=name)
-
-        def hook(where: str, name: str) -> None:
-            if kind == "kill_persist" and where == "write":
-                fire(name)
-                threading.Timer(delay, kill_self).start()  # while DCP writes the data
-            elif kind == "kill_commit" and where == ("before_commit" if self.rank == 0
-                                                     else "written"):
-                fire(name)
-                kill_self()  # data written, manifest not (rank 0 commits)
-
-        persist.fault_hook = hook
+    def _fire_in_persist(self, fault: Fault, armed_at: int, name: str) -> None:
+        # The persist of checkpoint step c runs while training is past step c.
+        parsed = parse_checkpoint_name(name)
+        at = max(self._step, parsed[1] + 1 if parsed else -1)
+        self._fire(fault, at, armed_at=armed_at, checkpoint=name)

@@ -7,7 +7,7 @@ Kept apart from :mod:`moepec.train.trainer` so the loop reads on its own.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +20,13 @@ from moepec.train import dist
 from moepec.train.config import Device, TrainConfig
 from moepec.train.data import TokenLoader, eval_batches, load_corpus
 from moepec.train.steps import build_optimizer, build_scheduler
-from moepec.train.wiring import build_injector, build_manager, log_plt_outlook
+from moepec.train.wiring import (
+    CheckpointLog,
+    MetricsWriter,
+    build_injector,
+    build_manager,
+    log_plt_outlook,
+)
 
 __all__ = ["Run", "device_for", "setup"]
 
@@ -49,6 +55,8 @@ class Run:
     manager: Any  # CheckpointManager or None
     tokens_per_step: int
     injector: Any = None  # moepec.train.faults.FaultInjector or None
+    checkpoints: CheckpointLog = field(default_factory=CheckpointLog)
+    """The checkpoints the manager started, not yet written as metrics records."""
 
 
 def _check_world(cfg: TrainConfig, info: dist.DistInfo) -> None:
@@ -166,10 +174,11 @@ def _fully_shard(model: GPTMoE, mesh, info: dist.DistInfo) -> None:
     fully_shard(model, mesh=flat)
 
 
-def setup(cfg: TrainConfig, info: dist.DistInfo) -> Run:
+def setup(cfg: TrainConfig, info: dist.DistInfo, metrics: MetricsWriter | None = None) -> Run:
     """Build everything a run needs. Called by :func:`moepec.train.trainer.train` on every
     rank, once per call (restarts reuse it); collective: the EP groups, the init check and
-    the checkpoint manager meet all ranks, in this order."""
+    the checkpoint manager meet all ranks, in this order. ``metrics`` (rank 0's writer)
+    receives the manager's commit records."""
     model_cfg = cfg.model_config()
     _check_world(cfg, info)
     device = device_for(cfg, info)
@@ -185,9 +194,13 @@ def setup(cfg: TrainConfig, info: dist.DistInfo) -> Run:
         _fully_shard(model, mesh, info)  # before the optimizer: it holds the shards
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
+    injector = build_injector(cfg, info)
+    checkpoints = CheckpointLog()
     # Under FSDP the DTensor placements say which experts a rank holds.
     manager = build_manager(cfg, model, optimizer, scheduler, loader,
-                            NO_EXPERT_PARALLEL if cfg.fsdp else ep)
+                            NO_EXPERT_PARALLEL if cfg.fsdp else ep, checkpoints=checkpoints,
+                            metrics=metrics if info.rank == 0 else None,
+                            hooks=injector.hooks if injector is not None else None)
     if info.rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         log.info("training %s (%.2fM params) on %d rank(s), ep %d%s, %s, %d steps, "
@@ -198,4 +211,4 @@ def setup(cfg: TrainConfig, info: dist.DistInfo) -> Run:
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, val=val,
                device=device, manager=manager,
                tokens_per_step=cfg.batch_size * model_cfg.seq_len,
-               injector=build_injector(cfg, info))
+               injector=injector, checkpoints=checkpoints)

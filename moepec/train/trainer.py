@@ -48,8 +48,8 @@ from moepec.train.steps import (  # noqa: F401
 )
 from moepec.train.wiring import (
     MetricsWriter,
+    checkpoint_record,
     close_manager,
-    log_commits,
     persist_guard,
     recovery_record,
 )
@@ -93,8 +93,6 @@ def _resume(run: Run, result: TrainResult, metrics: MetricsWriter, is_main: bool
     manager = run.manager
     if manager is None:
         return 0
-    if is_main:
-        log_commits(manager, metrics)
     start = manager.restore()  # RestoreReport or None; .step
     if start is None:
         return 0
@@ -129,24 +127,19 @@ def _train_one_step(cfg: TrainConfig, run: Run, step: int,
         persist_guard(cfg, metrics, step, manager.wait_for_snapshot)
     grad_norm = optimizer_step(run.model, run.optimizer, run.scheduler, cfg.grad_clip)
     if manager:
-        _checkpoint(cfg, manager, step, out, metrics)
+        _checkpoint(cfg, run, step, out, metrics)
     return out, lr, grad_norm
 
 
-def _checkpoint(cfg: TrainConfig, manager, step: int, out: StepResult,
+def _checkpoint(cfg: TrainConfig, run: Run, step: int, out: StepResult,
                 metrics: MetricsWriter) -> None:
     """Hand the step's routing to the manager and let it checkpoint when due; a started
-    checkpoint becomes a ``checkpoint`` metrics record."""
+    checkpoint (the manager's CheckpointEvent) becomes a ``checkpoint`` metrics record."""
+    manager = run.manager
     manager.observe_routing([s.assigned for s in out.routing])
-    n_events = len(manager.events)
     persist_guard(cfg, metrics, step, manager.step, step)
-    if len(manager.events) > n_events:
-        ev = manager.events[-1]
-        metrics.write({"event": "checkpoint", "step": step, "time": time.time(),
-                       "blocked_s": ev["blocked_step_s"],
-                       "snapshot_bytes": ev["snapshot_bytes"],
-                       "persist": ev["persist"], "full": ev["full"],
-                       "k_persist": manager.k_persist})
+    for event in run.checkpoints.take():
+        metrics.write(checkpoint_record(event))
 
 
 def _record_step(result: TrainResult, step: int, out: StepResult, tokens: int) -> None:
@@ -298,7 +291,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                             append=cfg.checkpoint is not None)
     run: Run | None = None
     try:
-        run = setup(cfg, info)
+        run = setup(cfg, info, metrics)
         # What exists now (torch's modules, the model, the data) lives for the whole run.
         # Freezing it leaves each full collection of the cyclic GC only what the run
         # allocates later; such a pause stops every thread, the training loop too

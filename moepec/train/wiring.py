@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from moepec.errors import ConfigError, PersistError
+from moepec.events import CheckpointEvent, CommitRecord
+from moepec.hooks import FaultHooks
 from moepec.keys import parse_checkpoint_name
 from moepec.train.config import OnPersistError, TrainConfig
 
@@ -51,13 +53,32 @@ class MetricsWriter:
                 self._file = None
 
 
-def build_manager(cfg: TrainConfig, model, optimizer, scheduler, loader, ep):
+class CheckpointLog:
+    """The checkpoints the manager started since the trainer last took them: the
+    manager's ``on_checkpoint`` callback (training thread), read once per step."""
+
+    def __init__(self) -> None:
+        self._started: list[CheckpointEvent] = []
+
+    def add(self, event: CheckpointEvent) -> None:
+        self._started.append(event)
+
+    def take(self) -> list[CheckpointEvent]:
+        taken, self._started = self._started, []
+        return taken
+
+
+def build_manager(cfg: TrainConfig, model, optimizer, scheduler, loader, ep, *,
+                  checkpoints: CheckpointLog | None = None,
+                  metrics: MetricsWriter | None = None, hooks: FaultHooks | None = None):
     """The CheckpointManager of ``cfg.checkpoint``, or None when the run has none.
 
     Called by the trainer's set-up on every rank (the manager's constructor is
     collective). The checkpoint config is used as given, except that its path goes
     through the fault-injecting filesystem when storage faults are planned
-    (:func:`ckpt_url`).
+    (:func:`ckpt_url`). Started checkpoints go to ``checkpoints``, commits become
+    ``commit`` records of ``metrics`` (pass it on rank 0 only: the rank that commits and
+    writes metrics), ``hooks`` are the fault injector's.
     """
     if cfg.checkpoint is None:
         return None
@@ -67,21 +88,29 @@ def build_manager(cfg: TrainConfig, model, optimizer, scheduler, loader, ep):
     ckpt_cfg = dataclasses.replace(cfg.checkpoint, path=ckpt_url(cfg))
     ep_kwargs = {"expert_parallel": (ep.rank, ep.size)} if ep.enabled else {}
     return CheckpointManager(model, optimizer, ckpt_cfg,
-                             extra_state={"scheduler": scheduler, "data": loader}, **ep_kwargs)
+                             extra_state={"scheduler": scheduler, "data": loader},
+                             on_checkpoint=checkpoints.add if checkpoints else None,
+                             on_commit=commit_logger(metrics) if metrics else None,
+                             hooks=hooks, **ep_kwargs)
 
 
-def log_commits(manager, metrics: MetricsWriter) -> None:
-    """Write a ``commit`` record for every checkpoint the persist worker commits.
-
-    Called by the trainer on rank 0 only (the rank that commits and writes metrics).
-    """
-    def on_commit(rec, meta) -> None:  # the persist worker thread
+def commit_logger(metrics: MetricsWriter):
+    """The ``on_commit`` callback that writes a ``commit`` record for every checkpoint the
+    persist worker commits (it runs on that thread; the writer has a lock)."""
+    def on_commit(rec: CommitRecord) -> None:
         metrics.write({"event": "commit", "step": rec.step, "time": time.time(),
-                       "checkpoint": rec.name, "bytes": rec.bytes_written,
-                       "bytes_per_rank": rec.bytes_per_rank, "seconds": rec.seconds,
-                       "k_persist": meta.k_persist, "full": meta.full})
+                       "checkpoint": rec.name, "bytes": rec.bytes,
+                       "bytes_per_rank": list(rec.bytes_per_rank), "seconds": rec.seconds,
+                       "k_persist": rec.k_persist, "full": rec.full})
 
-    manager.persister.on_commit = on_commit
+    return on_commit
+
+
+def checkpoint_record(event: CheckpointEvent) -> dict[str, Any]:
+    """The ``checkpoint`` metrics record of a started checkpoint."""
+    return {"event": "checkpoint", "step": event.step, "time": time.time(),
+            "blocked_s": event.blocked_s, "snapshot_bytes": event.snapshot_bytes,
+            "persist": event.persist, "full": event.full, "k_persist": event.k_persist}
 
 
 def recovery_record(report, manager) -> dict[str, Any]:
