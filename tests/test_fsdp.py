@@ -760,6 +760,7 @@ def test_train_fsdp_x_ep_survives_a_sigkill_and_resumes_in_one_process(
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc_per_node", "4", "--max-restarts", "1", "-m", "moepec",
                           "train", "--fsdp", "--ep", "2", "--faults", "sigkill@5:r1",
+                          "--ram-dir", "none",  # the restart restores from storage
                           "--dist-timeout", "30", "--log-interval", "1", "--out-dir",
                           str(tmp_path), *common], capture_output=True, text=True,
                          timeout=300, env=env, cwd=tmp_path)

@@ -473,6 +473,13 @@ class CheckpointManager:
         return self.persister.fenced
 
     @property
+    def last_persist_failed(self) -> bool:
+        """Whether this run's newest persist did not commit (failed, or refused because
+        the run was fenced). Any rank; final after ``close()``."""
+        records = self.persister.records
+        return bool(records) and not records[-1].committed
+
+    @property
     def last_committed(self) -> str | None:
         """The newest committed checkpoint this run continues: its own last commit, or the
         one it restored from; None when there is none. Any rank, any time; final after

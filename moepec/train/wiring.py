@@ -160,16 +160,21 @@ def close_manager(cfg: TrainConfig, metrics: MetricsWriter, manager, step: int) 
     policy as :func:`persist_guard`: with on_persist_error="stop" a failed last persist
     raises its PersistError (the run fails); with "continue" the run ends normally, with
     one warning naming the newest committed checkpoint (what a restart resumes from)."""
+    error: PersistError | None = None
     try:
         manager.close()
     except PersistError as exc:
         _persist_failed(cfg, metrics, step, exc)
-        name = manager.last_committed
-        newest = (f"step {parse_checkpoint_name(name)[1]} ({name})" if name
-                  else "none: no checkpoint of this run was committed")
-        log.warning("the run ends, but its last checkpoint was not persisted (%s); the newest "
-                    "committed checkpoint is %s (on_persist_error=continue; with stop this "
-                    "run would fail)", str(exc).rstrip("."), newest)
+        error = exc
+    if error is None and not manager.last_persist_failed:
+        return
+    name = manager.last_committed
+    newest = (f"step {parse_checkpoint_name(name).step} ({name})" if name
+              else "none: no checkpoint of this run was committed")
+    why = str(error).rstrip(".") if error is not None else "its persist failed, see above"
+    log.warning("the run ends, but its last checkpoint was not persisted (%s); the newest "
+                "committed checkpoint is %s (on_persist_error=continue; with stop this "
+                "run would fail)", why, newest)
 
 
 def _persist_failed(cfg: TrainConfig, metrics: MetricsWriter, step: int,
