@@ -145,8 +145,10 @@ def train_worker(rank: int, world: int, store: str, out: str, ep: int, layout: s
                         os.kill(os.getpid(), signal.SIGKILL)
 
             hooks.on_persist = hook
+        # In-process RAM tier: these workers drop a rank's RAM copies by hand (the
+        # shared-memory tier, which outlives them, has its own tests).
         cfg = CheckpointConfig(path=ckpt, interval=2, k_persist=k_persist, k_snapshot=k_snapshot,
-                               write_mode=write_mode, keep_last=10, timeout_s=20)
+                               write_mode=write_mode, keep_last=10, timeout_s=20, ram_dir=None)
         mgr = CheckpointManager(model, opt, cfg, hooks=hooks,
                                 expert_parallel=(ep_rank, ep) if ep > 1 else None)
         gen = torch.Generator().manual_seed(100 + rank)

@@ -60,7 +60,8 @@ def build(seed: int, world: int, expert_dim: int | None, n_experts: int = 4,
 
 
 def manager(model, opt, path: str, counter, hooks=None, **kw) -> moepec.CheckpointManager:
-    kw = {"k_snapshot": 1, **kw}
+    kw = {"k_snapshot": 1, "ram_dir": None, **kw}  # restores from storage unless the test
+    # keeps the manager (an in-process RAM tier goes with it)
     cfg = moepec.CheckpointConfig(path=path, interval=1, k_persist=1, async_snapshot=False,
                                   async_persist=False, keep_last=8, timeout_s=60, **kw)
     return moepec.CheckpointManager(model, opt, cfg, extra_state={"data": counter},
