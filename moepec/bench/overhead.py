@@ -44,6 +44,7 @@ from moepec import CheckpointConfig, CheckpointManager, FaultHooks
 from moepec.bench.records import Records
 from moepec.models.configs import get_config
 from moepec.models.gpt_moe import GPTMoE
+from moepec.store.storage import single_process_dcp
 
 METHODS = ("none", "torch.save", "dcp.save", "dcp.async_save", "moepec-full", "moepec-pec",
            "moepec-pec-shm")
@@ -142,13 +143,16 @@ def run(method: str, args, workdir: Path) -> dict:
             torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
             fsync_tree(path.parent)
         elif due and method == "dcp.save":
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                     checkpoint_id=str(root / f"step{step}"), no_dist=True)
+            with single_process_dcp():
+                dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                         checkpoint_id=str(root / f"step{step}"), no_dist=True)
         elif due and method == "dcp.async_save":
             if pending is not None:
                 pending.result()
-            pending = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
-                                     checkpoint_id=str(root / f"step{step}"), no_dist=True)
+            with single_process_dcp():
+                pending = dcp.async_save(
+                    {"model": model.state_dict(), "optim": opt.state_dict()},
+                    checkpoint_id=str(root / f"step{step}"), no_dist=True)
         if due and not manager:
             blocked.append(time.perf_counter() - tb)
         iter_times.append(time.perf_counter() - t0)
