@@ -102,6 +102,13 @@ def fsync_tree(path: Path) -> None:
 
 
 def run(method: str, args, workdir: Path) -> dict:
+    """One method's training run. Stock DCP's one-process warning is silenced for the
+    whole run: ``dcp.async_save`` writes in a thread of its own after the call returns."""
+    with single_process_dcp():
+        return _run(method, args, workdir)
+
+
+def _run(method: str, args, workdir: Path) -> dict:
     torch.manual_seed(0)
     cfg = get_config(args.config)
     model = GPTMoE(cfg)
@@ -143,16 +150,13 @@ def run(method: str, args, workdir: Path) -> dict:
             torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
             fsync_tree(path.parent)
         elif due and method == "dcp.save":
-            with single_process_dcp():
-                dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                         checkpoint_id=str(root / f"step{step}"), no_dist=True)
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                     checkpoint_id=str(root / f"step{step}"), no_dist=True)
         elif due and method == "dcp.async_save":
             if pending is not None:
                 pending.result()
-            with single_process_dcp():
-                pending = dcp.async_save(
-                    {"model": model.state_dict(), "optim": opt.state_dict()},
-                    checkpoint_id=str(root / f"step{step}"), no_dist=True)
+            pending = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
+                                     checkpoint_id=str(root / f"step{step}"), no_dist=True)
         if due and not manager:
             blocked.append(time.perf_counter() - tb)
         iter_times.append(time.perf_counter() - t0)

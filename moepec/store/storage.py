@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -407,15 +408,31 @@ def single_process_dcp() -> Iterator[None]:
     Not ``warnings.catch_warnings()``: that saves and restores the whole global filter list
     and ``showwarning``, so on the persist thread it could undo a filter or a warnings
     recorder the training thread set meanwhile. This adds one filter and removes that one
-    filter again; any thread may use it."""
-    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
-    item = next(f for f in warnings.filters if f[0] == "ignore" and f[2] is UserWarning
-                and f[1] is not None and f[1].pattern == _SINGLE_PROCESS)
+    filter again, once the last thread inside has left (warnings merges identical
+    filters into one entry, so each thread removing "its" filter would unfilter the
+    others); any thread may use it."""
+    with _quiet_lock:
+        if _quiet_users[0] == 0:
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
+        _quiet_users[0] += 1
     try:
         yield
     finally:
-        with contextlib.suppress(ValueError):  # another thread restored an older list
-            warnings.filters.remove(item)
+        with _quiet_lock:
+            _quiet_users[0] -= 1
+            if _quiet_users[0] == 0:
+                for item in [f for f in warnings.filters if f[0] == "ignore"
+                             and f[2] is UserWarning and f[1] is not None
+                             and f[1].pattern == _SINGLE_PROCESS]:
+                    with contextlib.suppress(ValueError):  # another thread reset the list
+                        warnings.filters.remove(item)
+                # As warnings.filterwarnings does after a change: registries re-check.
+                getattr(warnings, "_filters_mutated", lambda: None)()
+
+
+_quiet_lock = threading.Lock()
+_quiet_users = [0]
+"""Threads inside :func:`single_process_dcp` (the filter is process-wide, so is this)."""
 
 
 def _read_committed(storage: Storage, listing: list[tuple[str, bool]],
