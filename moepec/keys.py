@@ -37,7 +37,10 @@ OBJECT_PREFIX = "objects/"
 MANIFEST_NAME = "moepec.json"
 """The manifest file inside a checkpoint folder: written last, its presence is the commit."""
 
-_NAME_RE = re.compile(r"^ckpt-(\d{6,})-step(\d{8,})-([0-9a-z]{1,32})$")
+_RUN_ID = r"[0-9a-z]{1,32}"
+RUN_ID_RE = re.compile(_RUN_ID)
+"""A run id (``RootClaim`` draws 12 hex digits): it names folders and heartbeat files."""
+_NAME_RE = re.compile(rf"^ckpt-(\d{{6,}})-step(\d{{8,}})-({_RUN_ID})$")
 _LEGACY_NAME_RE = re.compile(r"^ckpt-\d{6,}-step\d{8,}$")
 """A folder name of a pre-release moepec (no run id): not readable by this version."""
 
@@ -118,7 +121,7 @@ class CheckpointName(NamedTuple):
 def checkpoint_name(seq: int, step: int, run: str) -> str:
     """The folder name of checkpoint number ``seq`` of run ``run``, holding training step
     ``step``."""
-    assert re.fullmatch(r"[0-9a-z]{1,32}", run), run
+    assert RUN_ID_RE.fullmatch(run), run
     return f"ckpt-{seq:06d}-step{step:08d}-{run}"
 
 

@@ -21,18 +21,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
 
 from moepec.errors import FencedError, LeaseError
+from moepec.keys import RUN_ID_RE
 
 log = logging.getLogger(__name__)
 
 LEASE_NAME = "moepec.lease"
-_RUN_ID = re.compile(r"[0-9a-z]{1,32}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +55,7 @@ class Holder:
         except (ValueError, KeyError, TypeError):
             return None
         # The run id names the holder's heartbeat file: nothing but a plain id may.
-        return holder if _RUN_ID.fullmatch(holder.run_id) else None
+        return holder if RUN_ID_RE.fullmatch(holder.run_id) else None
 
 
 
