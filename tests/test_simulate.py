@@ -131,6 +131,72 @@ def test_ettr_grows_with_mtbf_and_pec_writes_less() -> None:
     assert pec.bytes_per_rank_per_day < 0.4 * full.bytes_per_rank_per_day
 
 
+# ------------------------------------------------------- pec-ft: replica groups on torchft
+
+def _ft_run(groups: int, failures: Failures, days: float, track_plt: bool = False,
+            name: str = "pec-ft"):
+    """pec-ft on a model whose checkpoints cost nothing: ETTR = 1 without faults."""
+    shape = ModelShape(name="small", expert_params=8 * 10**6, non_expert_params=2 * 10**6,
+                       n_moe_layers=4, n_experts=8, top_k=1)
+    return simulate(shape, Cluster(gpus=8, d2h_bw=1e18), strategy(name, 32, 1, None, groups),
+                    Timing(iteration_s=0.5, fixed_block_s=0.0, commit_s=0.0), failures,
+                    days=days, sim_layers=1, track_plt=track_plt)
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_pec_ft_loses_the_pause_and_a_share_of_the_heal_per_fault(groups: int) -> None:
+    """Faults far apart (never two groups down): nothing rolls back, PEC loses nothing,
+    and each fault costs pause + (heal - pause) / G of the run's time (the survivors stand
+    still for the pause, then train without the healing group until it rejoins)."""
+    pause, heal = 1.0, 2.0
+    res = _ft_run(groups, Failures(mtbf_s=3600, heal_s=heal, ft_pause_s=pause), days=1,
+                  track_plt=True)
+    assert res.failures > 20 and res.heals == res.failures and res.cold_starts == 0
+    assert res.recomputed_steps == 0 and res.plt == 0 and res.restart_s == 0
+    assert res.ft_pause_s == pytest.approx(res.failures * pause)
+    assert res.reduced_width_s == pytest.approx(res.failures * (heal - pause) / groups)
+    want = 1 - res.failures * (pause + (heal - pause) / groups) / res.wall_s
+    assert res.ettr == pytest.approx(want, abs=1e-5)  # the last step's fraction
+
+
+def test_pec_ft_with_one_group_is_pec() -> None:
+    """G = 1: every fault is a cold start, handled exactly as pec handles it."""
+    failures = Failures(mtbf_s=1800, detect_s=60, restart_s=240)
+    ft, pec = (_ft_run(1, failures, days=1, track_plt=True, name=n) for n in ("pec-ft", "pec"))
+    assert ft.heals == 0 and ft.cold_starts > 30 and ft.plt > 0
+    for name in ("ettr", "plt", "recomputed_steps", "restart_s", "failures", "cold_starts"):
+        assert getattr(ft, name) == getattr(pec, name), name
+
+
+@pytest.mark.parametrize("heal_share", [0.2, 0.5])
+def test_pec_ft_cold_starts_when_both_groups_are_down(heal_share: float) -> None:
+    """G = 2, heals as long as a share of the MTBF: a heal ends in a cold start when the
+    other group fails before it, after any number of faults of the healing group itself:
+    q = (p / 2) / (1 - p / 2) with p = 1 - exp(-heal / MTBF)."""
+    mtbf = 600.0
+    res = _ft_run(2, Failures(mtbf_s=mtbf, detect_s=0, restart_s=0, heal_s=heal_share * mtbf),
+                  days=5)
+    p = 1 - math.exp(-heal_share)
+    assert res.heals > 400 and res.recomputed_steps > 0
+    assert res.cold_starts / res.heals == pytest.approx(p / (2 - p), rel=0.2)
+
+
+def test_pec_ft_monotone_in_groups_heal_and_pause() -> None:
+    """More groups: fewer cold starts and a smaller share missing while one heals; a
+    longer heal or pause: less ETTR. Restart-all (G = 1) is worst while heals are short."""
+    f = Failures(mtbf_s=3600, heal_s=600)
+    by_groups = [_ft_run(g, f, days=20) for g in (1, 2, 4, 8)]
+    assert [r.ettr for r in by_groups] == sorted(r.ettr for r in by_groups)
+    colds = [r.cold_starts for r in by_groups]
+    assert colds == sorted(colds, reverse=True) and colds[0] > colds[1] > 0 == colds[-1]
+    by_heal = [_ft_run(2, Failures(mtbf_s=3600, heal_s=h), days=20).ettr
+               for h in (2, 60, 600, 3000)]
+    assert by_heal == sorted(by_heal, reverse=True) and by_heal[0] > by_groups[0].ettr
+    by_pause = [_ft_run(2, Failures(mtbf_s=3600, ft_pause_s=p), days=20).ettr
+                for p in (0.0, 1.1, 30.0)]
+    assert by_pause == sorted(by_pause, reverse=True) and by_pause[0] > by_pause[-1]
+
+
 def test_meta_curve_passes_through_its_points() -> None:
     assert meta_mtbf_hours(1024) == pytest.approx(7.9)
     assert meta_mtbf_hours(16384) == pytest.approx(1.8)
@@ -180,6 +246,36 @@ def test_advise_cli_fits_the_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert capsys.readouterr().out.count("\n") == 4
 
 
+def test_pec_ft_in_simulate_and_advise(capsys: pytest.CaptureFixture[str]) -> None:
+    """The flags reach the model: a long heal at 4 groups against 2; advise plans pec-ft
+    for one cold start within budget and shows restart-all PEC at its K and interval."""
+    rows = {}
+    for groups in (2, 4):
+        assert cli.main(["simulate", "--config", "gpt-125m-8e", "--gpus", "64", "--days", "2",
+                         "--mtbf-hours", "1", "--strategies", "pec,pec-ft", "--json",
+                         "--ft-groups", str(groups), "--heal-s", "600",
+                         "--ft-pause-s", "5"]) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert (res["ft_groups"], res["heal_s"], res["ft_pause_s"]) == (groups, 600, 5)
+        rows[groups] = {r["plan"]: r for r in res["rows"]}
+    pec, ft2, ft4 = rows[2]["pec"], rows[2]["pec-ft"], rows[4]["pec-ft"]
+    assert pec["cold_starts"] > 0 and pec["heals"] == 0 and rows[4]["pec"] == pec
+    assert ft2["heals"] > 0 and ft2["ft_pause_s"] == pytest.approx(5 * ft2["heals"])
+    assert ft4["cold_starts"] <= ft2["cold_starts"] < pec["cold_starts"]
+    assert pec["ettr"] < ft2["ettr"] < ft4["ettr"]
+    assert cli.main(["advise", "--config", "gpt-125m-8e", "--gpus", "8", "--mtbf-hours", "4",
+                     "--strategy", "pec-ft", "--json", "--days", "3"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    best, restart_all = res["best"], res["restart_all"]
+    assert best["settings"]["plan"]["replica_groups"] == 2 and len(res["explain"]) == 4
+    assert restart_all["settings"]["plan"]["replica_groups"] == 1
+    assert best["ettr"] > restart_all["ettr"] and best["ettr"] > res["baseline"]["ettr"]
+    one = plt_per_fault(8, best["settings"]["plan"]["k_persist"],
+                        best["settings"]["plan"]["interval"],
+                        round(best["productive_s"] / best["settings"]["iteration_s"]))
+    assert 0 < one <= 0.0375 and "one cold start" in res["explain"][0]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["simulate", "--hf-config", "/nonexistent/config.json"], "cannot read config.json"),
     (["simulate"], "give the model as one of"),
@@ -189,6 +285,9 @@ def test_advise_cli_fits_the_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
     (["advise", "--config", "tiny", "--budget", "2"], "budget"),
     (["simulate", "--config", "tiny", "--gpus", "0"], "gpus"),
     (["simulate", "--config", "tiny", "--calibration", "/nonexistent.json"], "calibration"),
+    (["simulate", "--config", "tiny", "--gpus", "8", "--ft-groups", "3"], "--ft-groups"),
+    (["simulate", "--config", "tiny", "--ft-groups", "0"], "--ft-groups"),
+    (["advise", "--config", "tiny", "--strategy", "pec-ft", "--heal-s", "-1"], "--heal-s"),
 ])
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                  needle: str) -> None:
