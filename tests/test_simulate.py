@@ -248,7 +248,7 @@ def test_advise_cli_fits_the_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_pec_ft_in_simulate_and_advise(capsys: pytest.CaptureFixture[str]) -> None:
     """The flags reach the model: a long heal at 4 groups against 2; advise plans pec-ft
-    for one cold start within budget and shows restart-all PEC at its K and interval."""
+    for one cold start within budget and shows the best plan without replica groups."""
     rows = {}
     for groups in (2, 4):
         assert cli.main(["simulate", "--config", "gpt-125m-8e", "--gpus", "64", "--days", "2",
@@ -269,6 +269,7 @@ def test_pec_ft_in_simulate_and_advise(capsys: pytest.CaptureFixture[str]) -> No
     best, restart_all = res["best"], res["restart_all"]
     assert best["settings"]["plan"]["replica_groups"] == 2 and len(res["explain"]) == 4
     assert restart_all["settings"]["plan"]["replica_groups"] == 1
+    assert restart_all["cold_starts"] > 0 and restart_all["plt"] <= 0.0375
     assert best["ettr"] > restart_all["ettr"] and best["ettr"] > res["baseline"]["ettr"]
     one = plt_per_fault(8, best["settings"]["plan"]["k_persist"],
                         best["settings"]["plan"]["interval"],
