@@ -181,6 +181,66 @@ def test_pec_ft_cold_starts_when_both_groups_are_down(heal_share: float) -> None
     assert res.cold_starts / res.heals == pytest.approx(p / (2 - p), rel=0.2)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_replica_groups_lost_width_equals_its_integral(seed: int) -> None:
+    """Faults close together in 4 groups (never all down): the job-seconds lost to
+    reduced width equal the integral, on a 1 ms grid, of the share of groups healing
+    at times outside every survivors' pause."""
+    from moepec.bench.replicas import ReplicaGroups
+
+    rng, groups, heal, pause = np.random.default_rng(seed), 4, 3.0, 1.0
+    peers = ReplicaGroups(groups, heal, pause, seed)
+    times = np.sort(rng.uniform(0, 6, 3))
+    hits = [peers.fault(float(t)) for t in times]
+    peers.close(20.0)
+    grid = np.arange(0, 20, 1e-3)
+    paused = np.zeros_like(grid, dtype=bool)
+    down = np.zeros_like(grid)
+    for g in range(groups):
+        windows: list[list[float]] = []  # [fault, rejoin] per heal of group g
+        for t, hit in zip(times, hits):
+            if hit.group != g:
+                continue
+            assert hit.live == (not windows or t >= windows[-1][1]) and not hit.cold
+            if hit.live:
+                windows.append([t, t + heal])
+                paused |= (grid >= t) & (grid < t + pause)
+            else:  # healing still: its heal starts over
+                windows[-1][1] = t + heal
+        for start, end in windows:
+            down += (grid >= start) & (grid < end)
+    want = float(np.sum(down * ~paused)) * 1e-3 / groups
+    assert peers.lost_width_s == pytest.approx(want, abs=0.01)
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_pec_ft_fault_aborts_the_checkpoint_being_written(live: bool) -> None:
+    """A fault in a training group while a persist runs: that checkpoint never commits
+    (its writers included the failed group) and the next write may start at once; a
+    fault in a group that was already healing changes nothing."""
+    from moepec.bench.simulate import SimRun
+
+    shape = ModelShape(name="big", expert_params=8 * 10**11, non_expert_params=2 * 10**11,
+                       n_moe_layers=4, n_experts=8, top_k=1)
+    run = SimRun(shape, Cluster(gpus=8), strategy("pec-ft", 10, 1), Timing(iteration_s=1.0),
+                 Failures(mtbf_s=3600), routing="uniform", sim_layers=1, budget=0.0375,
+                 seed=0)
+    run.step, run.t = 10, 10.0
+    run.t += run.checkpoint()
+    ck = run.ckpts[-1]
+    assert ck.commit > run.t + 60  # the write takes minutes
+    t0 = run.t
+    t_fail = t0 + 30
+    run.survive(t_fail, t_fail + 1, live=live)
+    if live:
+        assert run.ckpts == [] and run.persist_free == t_fail
+        assert not any(run.copies[0])  # its experts' copies are forgotten too
+    else:
+        assert run.ckpts == [ck] and run.persist_free == ck.commit
+        assert any(run.copies[0])
+    assert run.t == t0 + 1 and run.stats["pause"] == 1  # mid-step: the progress is kept
+
+
 def test_pec_ft_monotone_in_groups_heal_and_pause() -> None:
     """More groups: fewer cold starts and a smaller share missing while one heals; a
     longer heal or pause: less ETTR. Restart-all (G = 1) is worst while heals are short."""

@@ -36,6 +36,8 @@ __all__ = ["Hit", "ReplicaGroups"]
 class Hit:
     """What one fault did to the replica groups."""
 
+    group: int
+    """The group the fault hit."""
     cold: bool
     """Every group is down: the job restarts from its checkpoints."""
     live: bool
@@ -79,9 +81,9 @@ class ReplicaGroups:
         window = self.down[g]
         if window is not None:  # already healing: its heal starts over
             self.down[g] = (window[0], t + self.heal_s)
-            return Hit(cold=False, live=False, pause_end=t)
+            return Hit(group=g, cold=False, live=False, pause_end=t)
         if sum(w is None for w in self.down) == 1:
-            return Hit(cold=True, live=True, pause_end=t)
+            return Hit(group=g, cold=True, live=True, pause_end=t)
         end = t + self.pause_s
         if self.pauses and self.pauses[-1][1] >= t:
             self.pauses[-1] = (self.pauses[-1][0], max(self.pauses[-1][1], end))
@@ -89,7 +91,7 @@ class ReplicaGroups:
             self.pauses.append((t, end))
         self.down[g] = (end, t + self.heal_s)
         self.heals += 1
-        return Hit(cold=False, live=True, pause_end=end)
+        return Hit(group=g, cold=False, live=True, pause_end=end)
 
     def reset(self, t: float) -> None:
         """A cold start at ``t``: every healing window ends there, every group comes back."""
