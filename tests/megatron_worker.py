@@ -4,12 +4,14 @@ EP = world size) saved with the ("moepec", 1) backend and loaded with a plain
 
     python -m torch.distributed.run --nproc_per_node N tests/megatron_worker.py PHASE DIR
 
-PHASE ``save``: four saves (sync, async, sync, async) with the weights and Adam moments
-changed before each, then a fresh model and optimizer load the last folder; the loaded
+PHASE ``save``: four saves (sync, and async through the usage code of docs/megatron.md,
+which is run as written) with the weights and Adam moments changed before each, then a
+fresh model and optimizer load the last folder with the guide's load(); the loaded
 state must equal, bit for bit, the oracle: non-expert state as of the last save, each
 expert as of the last save whose documented round-robin turn (K=1: layer m saves expert
-(m + c) mod N at checkpoint c; all at c = 0) included it. PHASE ``crash``: change the
-weights, start an async save and SIGKILL the writer and the rank mid-save. PHASE
+(m + c) mod N at checkpoint c; all at c = 0) included it. PHASE ``save-crash``: the same,
+then change the weights, start an async save and SIGKILL the writer and the rank
+mid-save. PHASE
 ``resume``: the killed folder is not committed; the last committed one loads bit-exact
 (its oracle saved by ``save``), and one more save commits on top of it.
 """
@@ -21,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,8 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 import moepec.integrations.megatron as mg  # noqa: E402
 
 N_EXPERTS, N_LAYERS = 4, 2
+REPO = Path(__file__).resolve().parents[1]
+GUIDE: dict = {}
 
 
 def build(seed: int):
@@ -130,25 +135,30 @@ def make_folder(folder: str) -> None:
     dist.barrier()
 
 
+def guide() -> dict:
+    """The usage block of docs/megatron.md, run as written: its save() and load() are
+    the ones these phases call (so the guide's code is what the tests prove)."""
+    text = (REPO / "docs" / "megatron.md").read_text()
+    code = text.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/megatron.md", "exec"), namespace)
+    return namespace
+
+
 def save(model, opt, folder: str, use_async: bool, queue: AsyncCallsQueue) -> None:
-    make_folder(folder)
-    sd = sharded(model, opt)
     if use_async:
-        req = dist_checkpointing.save(sd, folder, sharded_strategy=("moepec", 1),
-                                      async_sharded_save=True)
-        queue.schedule_async_request(req)
+        root, name = os.path.split(folder)
+        GUIDE["save"](model, opt, root, int(name.removeprefix("iter_")))
         train_a_bit(model, opt, seed=999)  # the snapshot must not see this
-        queue.maybe_finalize_async_calls(blocking=True)
+        GUIDE["queue"].maybe_finalize_async_calls(blocking=True)
     else:
-        dist_checkpointing.save(sd, folder, sharded_strategy=("moepec", 1))
+        make_folder(folder)
+        dist_checkpointing.save(sharded(model, opt), folder, sharded_strategy=("moepec", 1))
 
 
 def load_and_compare(root: str, folder: str, expected: dict[str, torch.Tensor]) -> None:
     model, opt = build(seed=12345)
-    state = dist_checkpointing.load(sharded(model, opt, loading=True),
-                                    os.path.join(root, folder))
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+    GUIDE["load"](model, opt, os.path.join(root, folder))
     got = snapshot(model, opt)
     assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())[:5]
     diff = [k for k in got if not torch.equal(got[k], expected[k])]
@@ -170,9 +180,10 @@ def main() -> None:
     phase, root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
+    GUIDE.update(guide())
     queue = AsyncCallsQueue()
     model, opt = build(seed=1)
-    if phase == "save":
+    if phase in ("save", "save-crash"):
         history = []
         for i in range(4):
             train_a_bit(model, opt, seed=i)
@@ -181,11 +192,7 @@ def main() -> None:
         expected = oracle(history)
         torch.save(expected, oracle_path(root))
         load_and_compare(root, iter_name(30), expected)
-    elif phase == "crash":
-        state = dist_checkpointing.load(sharded(model, opt, loading=True),
-                                        os.path.join(root, iter_name(30)))
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+    if phase == "save-crash":  # train on, and die in the middle of the next save
         train_a_bit(model, opt, seed=77)
         make_folder(os.path.join(root, iter_name(40)))
         req = dist_checkpointing.save(sharded(model, opt), os.path.join(root, iter_name(40)),
@@ -206,6 +213,7 @@ def main() -> None:
             with open(os.path.join(root, iter_name(50), "moepec.json")) as f:
                 print("PARENT", json.load(f)["parent"], flush=True)
     queue.close()
+    GUIDE["queue"].close()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.mapping import (
     CheckpointingException,
+    ShardedObject,
     ShardedTensor,
     is_main_replica,
 )
@@ -57,6 +58,7 @@ from megatron.core.dist_checkpointing.strategies.base import (
 )
 
 from moepec.errors import MoepecError
+from moepec.keys import MANIFEST_NAME
 from moepec.recovery.flat_view import (
     StitchReport,
     Unit,
@@ -65,6 +67,7 @@ from moepec.recovery.flat_view import (
     select_units,
     stitch_report,
 )
+from moepec.state.objects import decode_object, encode_object
 from moepec.store.flat import (
     FlatManifest,
     commit,
@@ -128,19 +131,54 @@ def expert_unit(sh: ShardedTensor) -> Unit | None:
     return f"{m[1]}@{offsets[:axis]}", offsets[axis]
 
 
-def _main_shards(sharded_state_dict: Any) -> dict[str, ShardedTensor]:
-    """This rank's main-replica ShardedTensors by flat key; refuses dp_reshardable."""
-    out: dict[str, ShardedTensor] = {}
-    for sh in nested_values(sharded_state_dict):
-        if not isinstance(sh, ShardedTensor):
-            continue
+def object_unit(obj: ShardedObject) -> Unit | None:
+    """(layer, expert) of an expert's ShardedObject (its ``_extra_state``), None for any
+    other: the expert is the last offset (or in the key, for singleton shards)."""
+    offsets = tuple(obj.global_offset)
+    if m := _SINGLETON.match(obj.key):
+        return f"{m[1]}@{offsets}", int(m[2])
+    if (m := _GROUPED.match(obj.key)) and offsets:
+        return f"{m[1]}@{offsets[:-1]}", offsets[-1]
+    return None
+
+
+Shard = ShardedTensor | ShardedObject
+
+
+def _flat_key_of(x: Shard) -> str:
+    return flat_key(x) if isinstance(x, ShardedTensor) else f"object:{x.unique_key}"
+
+
+def _unit_of(x: Shard) -> Unit | None:
+    return expert_unit(x) if isinstance(x, ShardedTensor) else object_unit(x)
+
+
+def _value(x: Shard) -> torch.Tensor:
+    """What is written for a shard: its tensor, or its object as tagged JSON (no pickle;
+    moepec.state.objects)."""
+    if isinstance(x, ShardedTensor):
+        return x.data
+    return encode_object(x.data, f"ShardedObject {x.key!r}",
+                         fix="keep _extra_state and other sharded objects plain data")
+
+
+def _shards(sharded_state_dict: Any) -> dict[str, Shard]:
+    """Every ShardedTensor and ShardedObject by flat key."""
+    return {_flat_key_of(x): x for x in nested_values(sharded_state_dict)
+            if isinstance(x, (ShardedTensor, ShardedObject))}
+
+
+def _main_shards(sharded_state_dict: Any) -> dict[str, Shard]:
+    """This rank's main-replica shards by flat key; refuses dp_reshardable."""
+    out: dict[str, Shard] = {}
+    for key, sh in _shards(sharded_state_dict).items():
         if sh.key.startswith(_BUCKETS):
             raise CheckpointingException(
                 "moepec: the distributed optimizer's 'dp_reshardable' format stores flat "
                 "buckets that lose which expert a value belongs to; save with "
                 "metadata={'distrib_optim_sharding_type': 'fully_reshardable'}")
         if is_main_replica(sh.replica_id):
-            out[flat_key(sh)] = sh
+            out[key] = sh
     return out
 
 
@@ -184,18 +222,23 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
             raise ValueError(f"k_persist must be an int >= 1 (got {k_persist!r})")
         self.k_persist = k_persist
         self._pending: _Plan | None = None
+        self._head: _Plan | None = None  # the last save this process committed
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True  # as JSON in moepec's files, K of N experts' too: nothing pickled
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike
                    ) -> AsyncRequest:
         root, name = split_folder(checkpoint_dir)
         shards = _main_shards(sharded_state_dict)
-        units = {k: expert_unit(sh) for k, sh in shards.items()}
+        units = {k: _unit_of(sh) for k, sh in shards.items()}
         every: list[dict[str, Unit | None]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(every, units)
         parent = self._parent(root, name)
         plan = self._plan(root, name, every, parent)
         written = [k for k in shards if k in plan.written]
-        tensors = {k: shards[k].data for k in written}
+        tensors = {k: _value(shards[k]) for k in written}
         self._pending = plan
         folder = os.path.join(root, name)
         return AsyncRequest(write_rank, (folder, tensors, dist.get_rank()),
@@ -207,9 +250,10 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
         process, else the newest committed one (rank 0 reads, all ranks agree)."""
         box: list[Any] = [None]
         if dist.get_rank() == 0:
-            if self._pending is not None:
-                p = self._pending
-                box[0] = (p.name, p.seq, p.view)
+            known = self._pending or self._head
+            if known is not None and known.root == root and known.name != name and \
+                    (known is self._pending or _committed(root, known.name)):
+                box[0] = (known.name, known.seq, known.view)  # no need to read it again
             else:
                 found = scan(root)
                 if name in found.manifests:
@@ -260,6 +304,7 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
             self._pending = None
         if box[0] is not None:
             raise CheckpointingException(box[0])
+        self._head = plan
 
 
 def _commit(plan: _Plan) -> None:
@@ -269,8 +314,11 @@ def _commit(plan: _Plan) -> None:
     if set(items) != plan.written:
         raise MoepecError(f"the ranks wrote {len(items)} items, the plan has "
                           f"{len(plan.written)}")
-    for folder in set(plan.view.values()) - {plan.name}:
-        read_manifest(plan.root, folder)  # CheckpointError: that save never committed
+    gone = sorted(f for f in set(plan.view.values()) - {plan.name}
+                  if not _committed(plan.root, f))
+    if gone:
+        raise MoepecError(f"its view needs {', '.join(gone)}, which is not committed (an "
+                          f"earlier save failed or was deleted)")
     commit(plan.root, FlatManifest(
         name=plan.name, seq=plan.seq, step=plan.step, parent=plan.parent, items=items,
         view=plan.view, experts={k: plan.experts[k] for k in plan.view if k in plan.experts},
@@ -279,10 +327,19 @@ def _commit(plan: _Plan) -> None:
              plan.name, len(items), len(plan.saved))
 
 
+def _committed(root: str, name: str) -> bool:
+    """Whether folder ``name`` of ``root`` has its manifest (the commit rule)."""
+    return os.path.exists(os.path.join(root, name, MANIFEST_NAME))
+
+
 class MoepecLoadStrategy(LoadShardedStrategy):
     """Loads a moepec folder: every requested shard from the folder its view names
     (each expert's newest copy), checksums verified. All ranks call ``load``; each
     reads only its own shards; no collective."""
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != BACKEND:
@@ -304,8 +361,7 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         root, name = split_folder(checkpoint_dir)
         head = read_manifest(root, name)
         manifests = {name: head} | {n: read_manifest(root, n) for n in head.needs()}
-        shards = {flat_key(sh): sh for sh in nested_values(sharded_state_dict)
-                  if isinstance(sh, ShardedTensor)}
+        shards = _shards(sharded_state_dict)
         missing = [k for k in shards if k not in head.view]
         if missing:
             raise MoepecError(f"{root}/{name} has no shard {missing[0]!r:.160} (and "
@@ -320,9 +376,11 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         report = stitch_report(head, {n: m.step for n, m in manifests.items()})
         _last_report[:] = [report]
         log.info("moepec: loaded %s", report.summary())
-        loaded = {id(sh): _into(sh, targets[k]) for k, sh in shards.items()}
+        loaded = {id(sh): _into(sh, targets[k]) if isinstance(sh, ShardedTensor)
+                  else decode_object(targets[k], f"{sources[k]}:{k}")
+                  for k, sh in shards.items()}
         return dict_list_map_inplace(
-            lambda x: loaded[id(x)] if isinstance(x, ShardedTensor) else x,
+            lambda x: loaded[id(x)] if isinstance(x, (ShardedTensor, ShardedObject)) else x,
             sharded_state_dict)
 
     def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike) -> Any:

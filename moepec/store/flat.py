@@ -89,8 +89,8 @@ class FlatManifest:
     format: str = FORMAT
 
     def needs(self) -> list[str]:
-        """The other folders this one's view reads from, oldest sequence first is not
-        known here: sorted by name."""
+        """The other folders this one's view reads from, sorted by name (their sequence
+        numbers are in their own manifests)."""
         return sorted(set(self.view.values()) - {self.name})
 
     def to_json(self) -> dict[str, Any]:
