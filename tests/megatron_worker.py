@@ -18,6 +18,7 @@ mid-save. PHASE
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -71,6 +72,11 @@ def build(seed: int):
                     opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
     opt = megatron_shims.fp32_optimizer(adam, OptimizerConfig(optimizer="adam", lr=1e-2),
                                         init_state)
+    if os.environ.get("MOEPEC_TEST_SINGLETON") == "1":
+        # The run's own choice of sharded keys: one key per (layer, expert), for every
+        # sharded_state_dict() call (the guide's code included).
+        model.sharded_state_dict = functools.partial(
+            model.sharded_state_dict, metadata={"singleton_local_shards": True})
     return model, opt
 
 

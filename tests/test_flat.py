@@ -42,6 +42,9 @@ def test_rotation_saves_every_expert_within_ceil_n_over_k():
                 assert all(c - s < math.ceil(4 / k) for s in seen.values()), (k, c, seen)
     # K=1: layer m (sorted) saves expert (m + c) mod N at checkpoint c
     assert select_units(layers, 3, 1) == {("a@(0,)", 3), ("b@(1,)", 0)}
+    # layer names sort numbers by value: layers.2 is layer 1, layers.10 layer 2
+    named = {"l.10": 4, "l.2": 4, "l.1": 4}
+    assert select_units(named, 0, 1) == {("l.1", 0), ("l.2", 1), ("l.10", 2)}
 
 
 def test_keys_to_write_and_the_view():

@@ -1,6 +1,6 @@
 """Megatron-Core's dist_checkpointing with the ("moepec", 1) backend
 (moepec.integrations.megatron): a real MoE GPTModel (SequentialMLP) under torchrun, EP 1
-and EP 2, saved K=1 of N=4 experts per layer, loaded back by a plain
+(singleton keys) and EP 2 (the expert axis), saved K=1 of N=4 experts per layer, loaded back by a plain
 ``dist_checkpointing.load`` bit-exact against an oracle built from the documented
 rotation (tests/megatron_worker.py); a save killed mid-write leaves the last committed
 folder loadable; ``moepec verify`` names the folders each view needs."""
@@ -29,9 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "megatron_worker.py"
 
 
-def torchrun(nproc: int, phase: str, root: Path) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, phase: str, root: Path, singleton: bool = False
+             ) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "MOEPEC_TEST_SINGLETON": "1" if singleton else "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(nproc), str(WORKER), phase, str(root)]
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
@@ -50,20 +52,23 @@ def test_expert_identity_from_the_sharded_state_dict():
     opt = ShardedTensor.from_rank_offsets(  # its Adam moment: the same expert
         "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight", t,
         (0, 1, 2), (1, 3, 4), prepend_axis_num=2)
-    single = ShardedTensor.from_rank_offsets(  # singleton_local_shards
-        "decoder.layers.mlp.experts.3.linear_fc1.weight", t, (0, 1, 2), prepend_axis_num=1)
+    single = ShardedTensor.from_rank_offsets(  # singleton_local_shards: layers not stacked
+        "decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight", t)
     shared = ShardedTensor.from_rank_offsets(
         "decoder.layers.mlp.shared_experts.linear_fc1.weight", t, (0, 1, 2),
         prepend_axis_num=1)
     assert mg.expert_unit(seq) == ("decoder.layers.mlp@(1,)", 3)
     assert mg.expert_unit(opt) == mg.expert_unit(seq)
-    assert mg.expert_unit(single) == ("decoder.layers.mlp@(1,)", 3)
+    assert mg.expert_unit(single) == ("decoder.layers.1.mlp.experts@()", 3)
     assert mg.expert_unit(shared) is None
     extra = ShardedObject("decoder.layers.mlp.experts.experts.linear_fc1._extra_state", None,
                           (2, 4), (1, 3))
     attn = ShardedObject("decoder.layers.self_attention.linear_proj._extra_state", None,
                          (2,), (1,))
     assert mg.object_unit(extra) == mg.expert_unit(seq) and mg.object_unit(attn) is None
+    single_extra = ShardedObject(
+        "decoder.layers.1.mlp.experts.experts.3.linear_fc1._extra_state", None, (1,), (0,))
+    assert mg.object_unit(single_extra) == mg.expert_unit(single)
     bucket = ShardedTensor.from_rank_offsets(
         "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32).param",
         torch.zeros(4))
@@ -72,8 +77,9 @@ def test_expert_identity_from_the_sharded_state_dict():
 
 
 @pytest.mark.slow
-def test_ep1_partial_saves_load_stitched_bit_exact(tmp_path):
-    proc = torchrun(1, "save", tmp_path)
+def test_ep1_singleton_keys_partial_saves_load_stitched_bit_exact(tmp_path):
+    # metadata={'singleton_local_shards': True}: one key per (layer, expert)
+    proc = torchrun(1, "save", tmp_path, singleton=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ok_lines(proc) == ["rank 0 OK iter_0000030 iter_0000030: 6 expert(s) from older "
                               "folders (oldest from step 0); lost expert-steps 120"]

@@ -115,10 +115,10 @@ def expert_unit(sh: ShardedTensor) -> Unit | None:
     prefix before ``experts`` with the offsets of the axes before the expert axis."""
     key = _OPTIM_PREFIX.sub("", sh.key)
     offsets = tuple(sh.global_offset)
+    if m := _SINGLETON.match(key):  # singleton_local_shards: the expert is in the key
+        return f"{m[1]}@{offsets[:sh.prepend_axis_num]}", int(m[2])
     if m := _SEQUENTIAL.match(key):  # SequentialMLP: the expert axis is prepended last
         axis = sh.prepend_axis_num - 1
-    elif m := _SINGLETON.match(key):  # singleton_local_shards: the expert is in the key
-        return f"{m[1]}@{offsets[:sh.prepend_axis_num]}", int(m[2])
     elif m := _GROUPED.match(key):  # GroupedMLP's factories: the first local axis
         axis = sh.prepend_axis_num
     else:
@@ -133,10 +133,11 @@ def expert_unit(sh: ShardedTensor) -> Unit | None:
 
 def object_unit(obj: ShardedObject) -> Unit | None:
     """(layer, expert) of an expert's ShardedObject (its ``_extra_state``), None for any
-    other: the expert is the last offset (or in the key, for singleton shards)."""
+    other: the expert is the last offset (or in the key, for singleton shards, whose
+    last offset is a placeholder 0 of 1)."""
     offsets = tuple(obj.global_offset)
     if m := _SINGLETON.match(obj.key):
-        return f"{m[1]}@{offsets}", int(m[2])
+        return f"{m[1]}@{offsets[:-1]}", int(m[2])
     if (m := _GROUPED.match(obj.key)) and offsets:
         return f"{m[1]}@{offsets[:-1]}", offsets[-1]
     return None

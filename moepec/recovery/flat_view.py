@@ -4,7 +4,8 @@ writes, the view it commits, what a stitched load lost, and verify of a save dir
 An *expert unit* is ``(layer, expert)``: ``layer`` a string naming one MoE layer (the
 framework's key prefix and the layer's offsets), ``expert`` its global index. A save
 writes every non-expert key and, for each layer, K of its N experts in staggered
-round-robin order (``policy.selection.sequential_pick``: layer m, checkpoint c starts at
+round-robin order (``policy.selection.sequential_pick``: layer m (the m-th layer name
+in natural order: numbers by value), checkpoint c starts at
 expert (m + c*K) mod N, so every expert is saved at least every ceil(N/K) checkpoints);
 a key the parent's view lacks is always written. Pure except :func:`verify_root`, which
 reads the save directory.
@@ -12,6 +13,7 @@ reads the save directory.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -27,11 +29,17 @@ def select_units(experts_per_layer: Mapping[str, int], index: int, k: int) -> se
     (all of them when ``k`` >= N). ``experts_per_layer`` must be the same on every rank
     (the union over ranks), so all ranks pick alike."""
     out: set[Unit] = set()
-    for m, layer in enumerate(sorted(experts_per_layer)):
+    for m, layer in enumerate(sorted(experts_per_layer, key=_natural)):
         n = experts_per_layer[layer]
         taken, _ = sequential_pick((m + index * k) % n, n, k)
         out.update((layer, e) for e in taken)
     return out
+
+
+def _natural(name: str) -> list[str | int]:
+    """Sort key that orders numbers by value (``layers.2`` before ``layers.10``): layer m
+    of the rotation is the m-th layer in this order."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def keys_to_write(units: Mapping[str, Unit | None], parent_view: Mapping[str, str] | None,
