@@ -23,11 +23,12 @@ view names the sibling folders that hold older expert copies; ``load`` stitches 
 expert's newest copy and reports the lost expert-steps (:func:`last_load_report`);
 ``moepec verify SAVE_DIR`` says which folders each one still needs.
 
-Megatron's own parts stay Megatron's: the common state (``common.pt``) and
-``ShardedObject`` s are written and read by its ``torch`` common strategy (read with
-``torch.load``, weights_only by default in torch >= 2.6), and ``metadata.json`` (backend
-and version) is written after moepec's manifest. A load must use the sharding the save
-used (same TP/PP; EP may change for SequentialMLP, whose shards are per expert).
+``ShardedObject`` s (e.g. ``_extra_state``) are stored as tagged JSON
+(``moepec.state.objects``), an expert's with its expert. Megatron's own parts stay
+Megatron's: the common state (``common.pt``, written and read by its ``torch`` common
+strategy with ``torch.load``, weights_only by default in torch >= 2.6), and
+``metadata.json`` (backend and version), written after moepec's manifest. A load must use the sharding the save
+used (same TP, PP and EP: shards are matched by their exact offsets, no resharding).
 """
 
 from __future__ import annotations
