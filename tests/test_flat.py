@@ -21,6 +21,7 @@ from moepec.recovery.flat_view import (
 from moepec.store.flat import (
     FlatManifest,
     commit,
+    is_flat_root,
     read_keys,
     read_manifest,
     read_records,
@@ -80,6 +81,10 @@ def test_commit_stitch_verify_and_trust(tmp_path):
     m1 = _save(tmp_path, "iter_0000010", 1, "iter_0000000", {"d": a + 1},
                {"d": "iter_0000010", "e": "iter_0000000"}, experts)
     (tmp_path / "iter_0000020" / "moepec-r0").mkdir(parents=True)  # a killed save
+    other = tmp_path / "plain-root" / "ckpt-000001-step00000001-abc"
+    other.mkdir(parents=True)
+    (other / "moepec.json").write_text("{}")  # a CheckpointManager root is not flat
+    assert is_flat_root(str(tmp_path)) and not is_flat_root(str(tmp_path / "plain-root"))
     found = scan(str(tmp_path))
     assert list(found.manifests) == ["iter_0000000", "iter_0000010"]
     assert found.uncommitted == ["iter_0000020"] and found.head.name == "iter_0000010"

@@ -295,10 +295,12 @@ def _moepec_folders(root: str) -> list[str]:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    # Rank 0's subfolder (made first) or record marks a flat folder; a moepec.json alone
+    # does not (every moepec checkpoint folder has one).
     return [e.name for e in entries if e.is_dir(follow_symlinks=False)
             and FOLDER_RE.match(e.name)
-            and (os.path.exists(os.path.join(e.path, MANIFEST_NAME))
-                 or os.path.isdir(os.path.join(e.path, rank_dir(0))))]
+            and (os.path.isdir(os.path.join(e.path, rank_dir(0)))
+                 or os.path.exists(os.path.join(e.path, _record_name(0))))]
 
 
 def scan(root: str) -> FlatRoot:
