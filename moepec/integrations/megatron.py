@@ -252,20 +252,26 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
         process, else the newest committed one (rank 0 reads, all ranks agree)."""
         box: list[Any] = [None]
         if dist.get_rank() == 0:
-            known = self._pending or self._head
-            if known is not None and known.root == root and known.name != name and \
-                    (known is self._pending or _committed(root, known.name)):
-                box[0] = (known.name, known.seq, known.view)  # no need to read it again
-            else:
-                found = scan(root)
-                if name in found.manifests:
-                    box[0] = f"moepec: {root}/{name} is a committed checkpoint; save into a new folder"
-                elif (head := found.head) is not None:
-                    box[0] = (head.name, head.seq, dict(head.view))
+            try:  # whatever happens, the other ranks must hear of it (they wait below)
+                box[0] = self._read_parent(root, name)
+            except OSError as exc:
+                box[0] = f"moepec: {root} cannot be read ({exc})"
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], str):
             raise CheckpointingException(box[0])
         return box[0]
+
+    def _read_parent(self, root: str, name: str) -> tuple[str, int, dict[str, str]] | str | None:
+        """Rank 0: the parent as :meth:`_parent` returns it, or an error message."""
+        known = self._pending or self._head
+        if known is not None and known.root == root and known.name != name and \
+                (known is self._pending or _committed(root, known.name)):
+            return known.name, known.seq, known.view  # no need to read it again
+        found = scan(root)
+        if name in found.manifests:
+            return f"moepec: {root}/{name} is a committed checkpoint; save into a new folder"
+        head = found.head
+        return (head.name, head.seq, dict(head.view)) if head is not None else None
 
     def _plan(self, root: str, name: str, every: list[dict[str, Unit | None]],
               parent: tuple[str, int, dict[str, str]] | None) -> _Plan:
@@ -299,7 +305,7 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
         if dist.get_rank() == 0:
             try:
                 _commit(plan)
-            except (MoepecError, OSError) as exc:
+            except (MoepecError, OSError, ValueError) as exc:  # every rank must hear it
                 box[0] = f"moepec: {plan.root}/{plan.name} not committed: {exc}"
         dist.broadcast_object_list(box, src=0)
         if self._pending is plan:
