@@ -71,7 +71,10 @@ def _add_verify(p: argparse.ArgumentParser) -> None:
 
 def _run_verify(args: argparse.Namespace) -> int:
     from moepec.recovery.offline import verify_path
+    from moepec.store.flat import is_flat_root
 
+    if is_flat_root(args.path):  # a save directory of flat checkpoints (Megatron-Core)
+        return _run_verify_flat(args.path)
     bar = tqdm(total=0, unit="item", desc="verifying", disable=not sys.stderr.isatty())
 
     def progress(done: int, total: int) -> None:
@@ -95,6 +98,23 @@ def _run_verify(args: argparse.Namespace) -> int:
     print(f"{status}: {res.checked} item(s) checked, {len(res.bad)} bad, "
           f"{len(res.damaged_manifests)} damaged manifest(s), {res.views} retained view(s) "
           f"checked, {len(res.broken_views)} broken")
+    return 0 if res.ok else 1
+
+
+def _run_verify_flat(path: str) -> int:
+    """``moepec verify`` of a save directory with one folder per iteration: each folder's
+    items, and which sibling folders each view still needs."""
+    from moepec.recovery.flat_view import verify_root
+
+    res = verify_root(path)
+    for line in res.lines():
+        print(line)
+    if not res.needs and not res.damaged:
+        print(f"no committed checkpoint under {path}")
+    status = "OK" if res.ok else "FAILED"
+    print(f"{status}: {res.checked} item(s) checked, {len(res.bad)} bad, "
+          f"{len(res.damaged)} damaged manifest(s), {len(res.needs)} folder(s) checked, "
+          f"{len(res.broken)} cannot be loaded")
     return 0 if res.ok else 1
 
 

@@ -1,0 +1,228 @@
+"""torchrun worker for tests/test_megatron.py: a Megatron-Core MoE GPTModel (SequentialMLP,
+EP = world size) saved with the ("moepec", 1) backend and loaded with a plain
+``dist_checkpointing.load``.
+
+    python -m torch.distributed.run --nproc_per_node N tests/megatron_worker.py PHASE DIR
+
+PHASE ``save``: four saves (sync, and async through the usage code of docs/megatron.md,
+which is run as written) with the weights and Adam moments changed before each, then a
+fresh model and optimizer load the last folder with the guide's load(); the loaded
+state must equal, bit for bit, the oracle: non-expert state as of the last save, each
+expert as of the last save whose documented round-robin turn (K=1: layer m saves expert
+(m + c) mod N at checkpoint c; all at c = 0) included it. PHASE ``save-crash``: the same,
+then change the weights, start an async save and SIGKILL the writer and the rank
+mid-save. PHASE
+``resume``: the killed folder is not committed; the last committed one loads bit-exact
+(its oracle saved by ``save``), and one more save commits on top of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import megatron_shims  # noqa: E402
+
+megatron_shims.install()
+
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+import moepec.integrations.megatron as mg  # noqa: E402
+
+N_EXPERTS, N_LAYERS = 4, 2
+REPO = Path(__file__).resolve().parents[1]
+GUIDE: dict = {}
+
+
+def build(seed: int):
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=N_LAYERS, hidden_size=16, num_attention_heads=2,
+        num_moe_experts=N_EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=8,
+        ffn_hidden_size=32, moe_token_dispatcher_type="allgather",
+        use_cpu_initialization=True, add_bias_linear=False)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(num_experts=N_EXPERTS), vocab_size=32,
+                     max_sequence_length=8)
+    # Two groups as Megatron's get_megatron_optimizer makes them (its identifier keys).
+    groups = [{"params": [p for n, p in model.named_parameters() if (".experts." in n) == e],
+               "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": e,
+               "is_decoupled_lr": False} for e in (False, True)]
+    adam = torch.optim.Adam(groups, lr=1e-2)
+
+    def init_state(opt, config=None):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if len(opt.state[p]) == 0:
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+    opt = megatron_shims.fp32_optimizer(adam, OptimizerConfig(optimizer="adam", lr=1e-2),
+                                        init_state)
+    if os.environ.get("MOEPEC_TEST_SINGLETON") == "1":
+        # The run's own choice of sharded keys: one key per (layer, expert), for every
+        # sharded_state_dict() call (the guide's code included).
+        model.sharded_state_dict = functools.partial(
+            model.sharded_state_dict, metadata={"singleton_local_shards": True})
+    return model, opt
+
+
+def sharded(model, opt, loading: bool = False) -> dict:
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": opt.sharded_state_dict(model_sd, is_loading=loading)}
+
+
+def train_a_bit(model, opt, seed: int) -> None:
+    """What a training step does to the state (the forward does not run on CPU: the
+    router moves weights to CUDA): new gradients, one Adam step."""
+    for name, p in model.named_parameters():
+        # Replicated (non-expert) state stays equal across data-parallel ranks, as after
+        # a gradient all-reduce; each rank's experts get their own gradients.
+        rank = dist.get_rank() if expert_of(name) else 0
+        g = torch.Generator().manual_seed(seed * 100 + rank)
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.optimizer.step()
+
+
+def expert_of(name: str) -> tuple[int, int] | None:
+    """(MoE layer, global expert) of a SequentialMLP parameter name."""
+    parts = name.split(".")
+    if "local_experts" not in parts:
+        return None
+    layer = int(parts[parts.index("layers") + 1])
+    local = int(parts[parts.index("local_experts") + 1])
+    per_rank = N_EXPERTS // dist.get_world_size()
+    return layer, ps.get_expert_model_parallel_rank() * per_rank + local
+
+
+def snapshot(model, opt) -> dict[str, torch.Tensor]:
+    """Every tensor of the training state by a stable name (weights and Adam moments)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"w:{name}"] = p.detach().clone()
+        for k, v in opt.optimizer.state.get(p, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                out[f"{k}:{name}"] = v.detach().clone()
+    return out
+
+
+def oracle(history: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The stitched state after len(history) saves, from the documented rotation."""
+    last = len(history) - 1
+    out = {}
+    for key in history[last]:
+        unit = expert_of(key.split(":", 1)[1])
+        c = last
+        if unit is not None:
+            while c > 0 and (unit[0] + c) % N_EXPERTS != unit[1]:
+                c -= 1
+        out[key] = history[c][key]
+    return out
+
+
+def make_folder(folder: str) -> None:
+    """Megatron's save needs the folder to exist (Megatron-LM's save_checkpoint makes it)."""
+    if dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+    dist.barrier()
+
+
+def guide() -> dict:
+    """The usage block of docs/megatron.md, run as written: its save() and load() are
+    the ones these phases call (so the guide's code is what the tests prove)."""
+    text = (REPO / "docs" / "megatron.md").read_text()
+    code = text.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/megatron.md", "exec"), namespace)
+    return namespace
+
+
+def save(model, opt, folder: str, use_async: bool, queue: AsyncCallsQueue) -> None:
+    if use_async:
+        root, name = os.path.split(folder)
+        GUIDE["save"](model, opt, root, int(name.removeprefix("iter_")))
+        train_a_bit(model, opt, seed=999)  # the snapshot must not see this
+        GUIDE["queue"].maybe_finalize_async_calls(blocking=True)
+    else:
+        make_folder(folder)
+        dist_checkpointing.save(sharded(model, opt), folder, sharded_strategy=("moepec", 1))
+
+
+def load_and_compare(root: str, folder: str, expected: dict[str, torch.Tensor]) -> None:
+    model, opt = build(seed=12345)
+    GUIDE["load"](model, opt, os.path.join(root, folder))
+    got = snapshot(model, opt)
+    assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())[:5]
+    diff = [k for k in got if not torch.equal(got[k], expected[k])]
+    assert not diff, f"rank {dist.get_rank()}: {len(diff)} differ, e.g. {diff[:3]}"
+    report = mg.last_load_report()
+    assert report is not None and report.folder == folder
+    print(f"rank {dist.get_rank()} OK {folder} {report.summary()}", flush=True)
+
+
+def iter_name(i: int) -> str:
+    return f"iter_{i:07d}"
+
+
+def oracle_path(root: str) -> str:
+    return os.path.join(root, f"oracle-r{dist.get_rank()}.pt")
+
+
+def main() -> None:
+    phase, root = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
+    GUIDE.update(guide())
+    queue = AsyncCallsQueue()
+    model, opt = build(seed=1)
+    if phase in ("save", "save-crash"):
+        history = []
+        for i in range(4):
+            train_a_bit(model, opt, seed=i)
+            history.append(snapshot(model, opt))
+            save(model, opt, os.path.join(root, iter_name(i * 10)), i % 2 == 1, queue)
+        expected = oracle(history)
+        torch.save(expected, oracle_path(root))
+        load_and_compare(root, iter_name(30), expected)
+    if phase == "save-crash":  # train on, and die in the middle of the next save
+        train_a_bit(model, opt, seed=77)
+        make_folder(os.path.join(root, iter_name(40)))
+        req = dist_checkpointing.save(sharded(model, opt), os.path.join(root, iter_name(40)),
+                                      sharded_strategy=("moepec", 1), async_sharded_save=True)
+        queue.schedule_async_request(req)
+        writer = queue.async_calls[-1].async_caller.process  # Megatron's forked writer
+        started = os.path.join(root, iter_name(40), f"moepec-r{dist.get_rank()}")
+        deadline = time.monotonic() + 30
+        while not os.path.isdir(started) and time.monotonic() < deadline:
+            time.sleep(0.001)  # kill it once it writes (it may be done: still uncommitted)
+        os.kill(writer.pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif phase == "resume":
+        expected = torch.load(oracle_path(root), weights_only=True)
+        load_and_compare(root, iter_name(30), expected)
+        save(model, opt, os.path.join(root, iter_name(50)), True, queue)
+        if dist.get_rank() == 0:
+            with open(os.path.join(root, iter_name(50), "moepec.json")) as f:
+                print("PARENT", json.load(f)["parent"], flush=True)
+    queue.close()
+    GUIDE["queue"].close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

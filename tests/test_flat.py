@@ -1,0 +1,123 @@
+"""Flat checkpoints (moepec.store.flat, moepec.recovery.flat_view) without any framework:
+the rotation, the view, the commit rule and the trust rules of the format the Megatron
+backend writes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from moepec.errors import CheckpointError, ManifestError
+from moepec.recovery.flat_view import (
+    keys_to_write,
+    next_view,
+    select_units,
+    stitch_report,
+    verify_root,
+)
+from moepec.store.flat import (
+    FlatManifest,
+    commit,
+    is_flat_root,
+    read_keys,
+    read_manifest,
+    read_records,
+    scan,
+    write_rank,
+)
+
+
+def test_rotation_saves_every_expert_within_ceil_n_over_k():
+    layers = {"a@(0,)": 4, "b@(1,)": 4}
+    for k in (1, 2, 3):
+        seen = {u: -1 for lay, n in layers.items() for u in ((lay, e) for e in range(n))}
+        for c in range(12):
+            picked = select_units(layers, c, k)
+            assert all(sum(1 for u in picked if u[0] == lay) == k for lay in layers)
+            for u in picked:
+                seen[u] = c
+            if c >= math.ceil(4 / k) - 1:  # no unit older than ceil(N/K) checkpoints
+                assert all(c - s < math.ceil(4 / k) for s in seen.values()), (k, c, seen)
+    # K=1: layer m (sorted) saves expert (m + c) mod N at checkpoint c
+    assert select_units(layers, 3, 1) == {("a@(0,)", 3), ("b@(1,)", 0)}
+    # layer names sort numbers by value: layers.2 is layer 1, layers.10 layer 2
+    named = {"l.10": 4, "l.2": 4, "l.1": 4}
+    assert select_units(named, 0, 1) == {("l.1", 0), ("l.2", 1), ("l.10", 2)}
+
+
+def test_keys_to_write_and_the_view():
+    units = {"dense": None, "e0": ("l", 0), "e1": ("l", 1), "new": ("l", 1)}
+    assert keys_to_write(units, None, set()) == list(units)  # first save: everything
+    parent = {"dense": "s0", "e0": "s0", "e1": "s0"}
+    assert keys_to_write(units, parent, {("l", 0)}) == ["dense", "e0", "new"]
+    view = next_view(parent, "s1", units, ["dense", "e0", "new"])
+    assert view == {"dense": "s1", "e0": "s1", "e1": "s0", "new": "s1"}
+    with pytest.raises(ValueError):
+        next_view(parent, "s1", [*units, "lost"], ["dense"])
+
+
+def _save(root, name, seq, parent, tensors, view, experts):
+    folder = root / name
+    folder.mkdir()
+    write_rank(str(folder), tensors, 0)
+    items = read_records(str(folder), 1)
+    m = FlatManifest(name=name, seq=seq, step=seq * 10, parent=parent, items=items,
+                     view=view, experts=experts, experts_saved=[], k_persist=1,
+                     world_size=1)
+    commit(str(root), m)
+    return m
+
+
+def test_commit_stitch_verify_and_trust(tmp_path):
+    a, b = torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.int64)
+    experts = {"e": ("l", 0)}
+    m0 = _save(tmp_path, "iter_0000000", 0, None, {"d": a, "e": b},
+               {"d": "iter_0000000", "e": "iter_0000000"}, experts)
+    with pytest.raises(CheckpointError, match="never overwrites"):
+        commit(str(tmp_path), m0)
+    m1 = _save(tmp_path, "iter_0000010", 1, "iter_0000000", {"d": a + 1},
+               {"d": "iter_0000010", "e": "iter_0000000"}, experts)
+    (tmp_path / "iter_0000020" / "moepec-r0").mkdir(parents=True)  # a killed save
+    other = tmp_path / "plain-root" / "ckpt-000001-step00000001-abc"
+    other.mkdir(parents=True)
+    (other / "moepec.json").write_text("{}")  # a CheckpointManager root is not flat
+    assert is_flat_root(str(tmp_path)) and not is_flat_root(str(tmp_path / "plain-root"))
+    found = scan(str(tmp_path))
+    assert list(found.manifests) == ["iter_0000000", "iter_0000010"]
+    assert found.uncommitted == ["iter_0000020"] and found.head.name == "iter_0000010"
+    targets = {"d": torch.empty(2, 3), "e": torch.empty(4, dtype=torch.int64)}
+    assert read_keys(str(tmp_path), found.manifests, m1.view, targets) == []
+    assert torch.equal(targets["d"], a + 1) and torch.equal(targets["e"], b)
+    report = stitch_report(m1, {n: m.step for n, m in found.manifests.items()})
+    assert report.stale == {("l", 0): 0} and report.lost_expert_steps == 10
+    res = verify_root(str(tmp_path))
+    assert res.ok and res.needs["iter_0000010"] == ["iter_0000000"], res.lines()
+    # one flipped byte: its checksum fails, and the view that needs it cannot be loaded
+    data = next((tmp_path / "iter_0000000" / "moepec-r0").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    res = verify_root(str(tmp_path))
+    assert not res.ok and res.bad == ["iter_0000000:e"]
+    assert any(b.startswith("iter_0000010:") for b in res.broken)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("view", {"d": "../outside"}, "plain folder name"),
+    ("format", "moepec-flat/2", "format"),
+    ("items", {"d": {"shape": [2], "dtype": "float32", "nbytes": 8, "rank": 0,
+                     "file": "../x", "offset": 0, "length": 8}}, "file"),
+])
+def test_a_bad_manifest_is_refused_in_one_line(tmp_path, field, value, match):
+    m = _save(tmp_path, "iter_0000000", 0, None, {"d": torch.zeros(2)},
+              {"d": "iter_0000000"}, {})
+    data = m.to_json()
+    data[field] = value
+    path = tmp_path / "iter_0000000" / "moepec.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=match):
+        read_manifest(str(tmp_path), "iter_0000000")
+    assert "iter_0000000" in scan(str(tmp_path)).damaged
