@@ -26,11 +26,12 @@ LAYERS = {
     "policy": 1,
     "state": 2,
     "store": 3,
-    "recovery": 4,
-    "manager": 5,
-    "__init__": 6, "__main__": 10,
+    "ram": 4,
+    "recovery": 5,
+    "manager": 6,
+    "__init__": 7, "__main__": 11,
     # the app
-    "models": 7, "train": 8, "integrations": 8, "bench": 9, "cli": 10,
+    "models": 8, "train": 9, "integrations": 9, "bench": 10, "cli": 11,
 }
 
 

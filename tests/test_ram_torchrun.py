@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from moepec.ram.shm import DEFAULT_DIR, job_name
 from moepec.recovery.offline import verify_path
-from moepec.store.shm import DEFAULT_DIR, job_name
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -44,15 +44,8 @@ from moepec.manager.restore import RestoreContext, RestoreOutcome, RestoreReport
 from moepec.manager.routing import RoutingCounter
 from moepec.policy.plt import PLTLedger, dynamic_k
 from moepec.policy.selection import Selector, select_two_tier
-from moepec.recovery.records import write_recovery
-from moepec.recovery.stitch import Tier
-from moepec.state.catalog import StateCatalog
-from moepec.state.experts import ExpertSpec, describe, discover, structure_of
-from moepec.state.shares import CheckpointKeys
-from moepec.store.manifest import CheckpointMeta
-from moepec.store.persist import Persister
-from moepec.store.replica import Replicator, node_id, ring_peers
-from moepec.store.shm import (
+from moepec.ram.replica import Replicator, node_id, ring_peers
+from moepec.ram.shm import (
     DEFAULT_DIR,
     SlotsInUse,
     SlotStore,
@@ -60,7 +53,14 @@ from moepec.store.shm import (
     check_budget,
     root_identity,
 )
-from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
+from moepec.ram.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
+from moepec.recovery.records import write_recovery
+from moepec.recovery.stitch import Tier
+from moepec.state.catalog import StateCatalog
+from moepec.state.experts import ExpertSpec, describe, discover, structure_of
+from moepec.state.shares import CheckpointKeys
+from moepec.store.manifest import CheckpointMeta
+from moepec.store.persist import Persister
 from moepec.store.storage import Storage, committed_manifests, no_gc
 
 log = logging.getLogger(__name__)

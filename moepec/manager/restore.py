@@ -35,6 +35,7 @@ from moepec.errors import (
 )
 from moepec.keys import parse_key
 from moepec.policy.plt import PLTLedger
+from moepec.ram.snapshot import Snapshot
 from moepec.recovery.records import lost_since, read_recoveries
 from moepec.recovery.stitch import Recovered, Source, Tier, lost_tokens, recover
 from moepec.recovery.views import StoredViews, same_runs, usable_manifests
@@ -42,7 +43,6 @@ from moepec.state.catalog import StateCatalog
 from moepec.state.experts import structure_mismatches
 from moepec.store import manifest as mf
 from moepec.store.manifest import CheckpointMeta, Item, Manifest
-from moepec.store.snapshot import Snapshot
 from moepec.store.storage import Committed, Storage
 
 log = logging.getLogger(__name__)

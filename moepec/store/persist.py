@@ -17,8 +17,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from moepec.errors import CheckpointError, FencedError, PersistError
@@ -28,10 +29,22 @@ from moepec.keys import checkpoint_name
 from moepec.store import manifest as mf
 from moepec.store.checksum import tensor_checksum
 from moepec.store.manifest import CheckpointMeta, Item, Manifest
-from moepec.store.snapshot import Snapshot
 from moepec.store.storage import Storage, committed_manifests
 
 log = logging.getLogger(__name__)
+
+
+class Snapshot(Protocol):
+    """What the persist worker reads of a RAM snapshot (:class:`moepec.ram.snapshot.Snapshot`
+    is one): the storage tier sits below the RAM tier and names only these fields."""
+
+    seq: int
+    step: int
+    tensors: dict[str, torch.Tensor]
+    persist_keys: frozenset[str]
+    meta: CheckpointMeta | None
+    done: threading.Event
+    error: BaseException | None
 
 
 def root_cause(exc: BaseException) -> BaseException:

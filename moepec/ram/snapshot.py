@@ -7,7 +7,7 @@ buffer): one being filled, one being persisted, and the newest complete one
 kept for recovery from RAM.
 
 With ``CheckpointConfig(ram_dir=...)`` the buffers are slots in node-local shared
-memory (:mod:`moepec.store.shm`) that outlive the process: a snapshot's slot is
+memory (:mod:`moepec.ram.shm`) that outlive the process: a snapshot's slot is
 committed (header written last) once its copy is complete, and a restarted worker
 loads the committed slots of its rank (``RamTier.recovered``).
 
@@ -32,8 +32,8 @@ import torch
 
 from moepec.errors import CheckpointError
 from moepec.hooks import FaultHooks
+from moepec.ram.shm import Slot, SlotHeader, SlotStore
 from moepec.store.manifest import CheckpointMeta
-from moepec.store.shm import Slot, SlotHeader, SlotStore
 
 log = logging.getLogger(__name__)
 
