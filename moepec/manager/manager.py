@@ -9,7 +9,7 @@ Per checkpoint (``step`` when due), on the training thread:
 ``wait_for_snapshot`` must be called before ``optimizer.step()``: it blocks only
 if the copy of the previous checkpoint has not finished, so weights are never
 mutated under a copy. ``restore`` stitches the newest view (RAM where the
-process survived, else storage) with :func:`moepec.manager.restore.restore_state` and
+process survived, else storage) with :func:`moepec.recovery.restore.restore_state` and
 applies its outcome. ``close`` waits for the persist in flight.
 """
 
@@ -40,7 +40,6 @@ from moepec.hooks import FaultHooks
 from moepec.keys import parse_checkpoint_name
 from moepec.manager.claim import RootClaim
 from moepec.manager.config import AUTO, BusyPolicy, CheckpointConfig, PecScope
-from moepec.manager.restore import RestoreContext, RestoreOutcome, RestoreReport, restore_state
 from moepec.manager.routing import RoutingCounter
 from moepec.policy.plt import PLTLedger, dynamic_k
 from moepec.policy.selection import Selector, select_two_tier
@@ -55,6 +54,7 @@ from moepec.ram.shm import (
 )
 from moepec.ram.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
 from moepec.recovery.records import write_recovery
+from moepec.recovery.restore import RestoreContext, RestoreOutcome, RestoreReport, restore_state
 from moepec.recovery.stitch import Tier
 from moepec.state.catalog import StateCatalog
 from moepec.state.experts import ExpertSpec, describe, discover, structure_of

@@ -2,7 +2,7 @@
 try, each base's lineage and the keys its view requires.
 
 One definition for both readers of a view: the manager's restore (which adds the RAM
-tier on top, ``moepec.manager.restore``) and the offline export (``recovery.offline``),
+tier on top, ``moepec.recovery.restore``) and the offline export (``recovery.offline``),
 so ``moepec export`` writes exactly the state ``CheckpointManager.restore()`` loads.
 """
 
