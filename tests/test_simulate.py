@@ -131,6 +131,132 @@ def test_ettr_grows_with_mtbf_and_pec_writes_less() -> None:
     assert pec.bytes_per_rank_per_day < 0.4 * full.bytes_per_rank_per_day
 
 
+# ------------------------------------------------------- pec-ft: replica groups on torchft
+
+def _ft_run(groups: int, failures: Failures, days: float, track_plt: bool = False,
+            name: str = "pec-ft"):
+    """pec-ft on a model whose checkpoints cost nothing: ETTR = 1 without faults."""
+    shape = ModelShape(name="small", expert_params=8 * 10**6, non_expert_params=2 * 10**6,
+                       n_moe_layers=4, n_experts=8, top_k=1)
+    return simulate(shape, Cluster(gpus=8, d2h_bw=1e18), strategy(name, 32, 1, None, groups),
+                    Timing(iteration_s=0.5, fixed_block_s=0.0, commit_s=0.0), failures,
+                    days=days, sim_layers=1, track_plt=track_plt)
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_pec_ft_loses_the_pause_and_a_share_of_the_heal_per_fault(groups: int) -> None:
+    """Faults far apart (never two groups down): nothing rolls back, PEC loses nothing,
+    and each fault costs pause + (heal - pause) / G of the run's time (the survivors stand
+    still for the pause, then train without the healing group until it rejoins)."""
+    pause, heal = 1.0, 2.0
+    res = _ft_run(groups, Failures(mtbf_s=3600, heal_s=heal, ft_pause_s=pause), days=1,
+                  track_plt=True)
+    assert res.failures > 20 and res.heals == res.failures and res.cold_starts == 0
+    assert res.recomputed_steps == 0 and res.plt == 0 and res.restart_s == 0
+    assert res.ft_pause_s == pytest.approx(res.failures * pause)
+    assert res.reduced_width_s == pytest.approx(res.failures * (heal - pause) / groups)
+    want = 1 - res.failures * (pause + (heal - pause) / groups) / res.wall_s
+    assert res.ettr == pytest.approx(want, abs=1e-5)  # the last step's fraction
+
+
+def test_pec_ft_with_one_group_is_pec() -> None:
+    """G = 1: every fault is a cold start, handled exactly as pec handles it."""
+    failures = Failures(mtbf_s=1800, detect_s=60, restart_s=240)
+    ft, pec = (_ft_run(1, failures, days=1, track_plt=True, name=n) for n in ("pec-ft", "pec"))
+    assert ft.heals == 0 and ft.cold_starts > 30 and ft.plt > 0
+    for name in ("ettr", "plt", "recomputed_steps", "restart_s", "failures", "cold_starts"):
+        assert getattr(ft, name) == getattr(pec, name), name
+
+
+@pytest.mark.parametrize("heal_share", [0.2, 0.5])
+def test_pec_ft_cold_starts_when_both_groups_are_down(heal_share: float) -> None:
+    """G = 2, heals as long as a share of the MTBF: a heal ends in a cold start when the
+    other group fails before it, after any number of faults of the healing group itself:
+    q = (p / 2) / (1 - p / 2) with p = 1 - exp(-heal / MTBF)."""
+    mtbf = 600.0
+    res = _ft_run(2, Failures(mtbf_s=mtbf, detect_s=0, restart_s=0, heal_s=heal_share * mtbf),
+                  days=5)
+    p = 1 - math.exp(-heal_share)
+    assert res.heals > 400 and res.recomputed_steps > 0
+    assert res.cold_starts / res.heals == pytest.approx(p / (2 - p), rel=0.2)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_replica_groups_lost_width_equals_its_integral(seed: int) -> None:
+    """Faults close together in 4 groups (never all down): the job-seconds lost to
+    reduced width equal the integral, on a 1 ms grid, of the share of groups healing
+    at times outside every survivors' pause."""
+    from moepec.bench.replicas import ReplicaGroups
+
+    rng, groups, heal, pause = np.random.default_rng(seed), 4, 3.0, 1.0
+    peers = ReplicaGroups(groups, heal, pause, seed)
+    times = np.sort(rng.uniform(0, 6, 3))
+    hits = [peers.fault(float(t)) for t in times]
+    peers.close(20.0)
+    grid = np.arange(0, 20, 1e-3)
+    paused = np.zeros_like(grid, dtype=bool)
+    down = np.zeros_like(grid)
+    for g in range(groups):
+        windows: list[list[float]] = []  # [fault, rejoin] per heal of group g
+        for t, hit in zip(times, hits):
+            if hit.group != g:
+                continue
+            assert hit.live == (not windows or t >= windows[-1][1]) and not hit.cold
+            if hit.live:
+                windows.append([t, t + heal])
+                paused |= (grid >= t) & (grid < t + pause)
+            else:  # healing still: its heal starts over
+                windows[-1][1] = t + heal
+        for start, end in windows:
+            down += (grid >= start) & (grid < end)
+    want = float(np.sum(down * ~paused)) * 1e-3 / groups
+    assert peers.lost_width_s == pytest.approx(want, abs=0.01)
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_pec_ft_fault_aborts_the_checkpoint_being_written(live: bool) -> None:
+    """A fault in a training group while a persist runs: that checkpoint never commits
+    (its writers included the failed group) and the next write may start at once; a
+    fault in a group that was already healing changes nothing."""
+    from moepec.bench.simulate import SimRun
+
+    shape = ModelShape(name="big", expert_params=8 * 10**11, non_expert_params=2 * 10**11,
+                       n_moe_layers=4, n_experts=8, top_k=1)
+    run = SimRun(shape, Cluster(gpus=8), strategy("pec-ft", 10, 1), Timing(iteration_s=1.0),
+                 Failures(mtbf_s=3600), routing="uniform", sim_layers=1, budget=0.0375,
+                 seed=0)
+    run.step, run.t = 10, 10.0
+    run.t += run.checkpoint()
+    ck = run.ckpts[-1]
+    assert ck.commit > run.t + 60  # the write takes minutes
+    t0 = run.t
+    t_fail = t0 + 30
+    run.survive(t_fail, t_fail + 1, live=live)
+    if live:
+        assert run.ckpts == [] and run.persist_free == t_fail
+        assert not any(run.copies[0])  # its experts' copies are forgotten too
+    else:
+        assert run.ckpts == [ck] and run.persist_free == ck.commit
+        assert any(run.copies[0])
+    assert run.t == t0 + 1 and run.stats["pause"] == 1  # mid-step: the progress is kept
+
+
+def test_pec_ft_monotone_in_groups_heal_and_pause() -> None:
+    """More groups: fewer cold starts and a smaller share missing while one heals; a
+    longer heal or pause: less ETTR. Restart-all (G = 1) is worst while heals are short."""
+    f = Failures(mtbf_s=3600, heal_s=600)
+    by_groups = [_ft_run(g, f, days=20) for g in (1, 2, 4, 8)]
+    assert [r.ettr for r in by_groups] == sorted(r.ettr for r in by_groups)
+    colds = [r.cold_starts for r in by_groups]
+    assert colds == sorted(colds, reverse=True) and colds[0] > colds[1] > 0 == colds[-1]
+    by_heal = [_ft_run(2, Failures(mtbf_s=3600, heal_s=h), days=20).ettr
+               for h in (2, 60, 600, 3000)]
+    assert by_heal == sorted(by_heal, reverse=True) and by_heal[0] > by_groups[0].ettr
+    by_pause = [_ft_run(2, Failures(mtbf_s=3600, ft_pause_s=p), days=20).ettr
+                for p in (0.0, 1.1, 30.0)]
+    assert by_pause == sorted(by_pause, reverse=True) and by_pause[0] > by_pause[-1]
+
+
 def test_meta_curve_passes_through_its_points() -> None:
     assert meta_mtbf_hours(1024) == pytest.approx(7.9)
     assert meta_mtbf_hours(16384) == pytest.approx(1.8)
@@ -180,6 +306,37 @@ def test_advise_cli_fits_the_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert capsys.readouterr().out.count("\n") == 4
 
 
+def test_pec_ft_in_simulate_and_advise(capsys: pytest.CaptureFixture[str]) -> None:
+    """The flags reach the model: a long heal at 4 groups against 2; advise plans pec-ft
+    for one cold start within budget and shows the best plan without replica groups."""
+    rows = {}
+    for groups in (2, 4):
+        assert cli.main(["simulate", "--config", "gpt-125m-8e", "--gpus", "64", "--days", "2",
+                         "--mtbf-hours", "1", "--strategies", "pec,pec-ft", "--json",
+                         "--ft-groups", str(groups), "--heal-s", "600",
+                         "--ft-pause-s", "5"]) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert (res["ft_groups"], res["heal_s"], res["ft_pause_s"]) == (groups, 600, 5)
+        rows[groups] = {r["plan"]: r for r in res["rows"]}
+    pec, ft2, ft4 = rows[2]["pec"], rows[2]["pec-ft"], rows[4]["pec-ft"]
+    assert pec["cold_starts"] > 0 and pec["heals"] == 0 and rows[4]["pec"] == pec
+    assert ft2["heals"] > 0 and ft2["ft_pause_s"] == pytest.approx(5 * ft2["heals"])
+    assert ft4["cold_starts"] <= ft2["cold_starts"] < pec["cold_starts"]
+    assert pec["ettr"] < ft2["ettr"] < ft4["ettr"]
+    assert cli.main(["advise", "--config", "gpt-125m-8e", "--gpus", "8", "--mtbf-hours", "4",
+                     "--strategy", "pec-ft", "--json", "--days", "3"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    best, restart_all = res["best"], res["restart_all"]
+    assert best["settings"]["plan"]["replica_groups"] == 2 and len(res["explain"]) == 4
+    assert restart_all["settings"]["plan"]["replica_groups"] == 1
+    assert restart_all["cold_starts"] > 0 and restart_all["plt"] <= 0.0375
+    assert best["ettr"] > restart_all["ettr"] and best["ettr"] > res["baseline"]["ettr"]
+    one = plt_per_fault(8, best["settings"]["plan"]["k_persist"],
+                        best["settings"]["plan"]["interval"],
+                        round(best["productive_s"] / best["settings"]["iteration_s"]))
+    assert 0 < one <= 0.0375 and "one cold start" in res["explain"][0]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["simulate", "--hf-config", "/nonexistent/config.json"], "cannot read config.json"),
     (["simulate"], "give the model as one of"),
@@ -189,6 +346,9 @@ def test_advise_cli_fits_the_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
     (["advise", "--config", "tiny", "--budget", "2"], "budget"),
     (["simulate", "--config", "tiny", "--gpus", "0"], "gpus"),
     (["simulate", "--config", "tiny", "--calibration", "/nonexistent.json"], "calibration"),
+    (["simulate", "--config", "tiny", "--gpus", "8", "--ft-groups", "3"], "--ft-groups"),
+    (["simulate", "--config", "tiny", "--ft-groups", "0"], "--ft-groups"),
+    (["advise", "--config", "tiny", "--strategy", "pec-ft", "--heal-s", "-1"], "--heal-s"),
 ])
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                  needle: str) -> None:

@@ -16,6 +16,9 @@ from moepec.policy.plt_forecast import plt_per_fault
 
 __all__ = ["default_interval", "print_table", "run_simulations", "write_outputs"]
 
+SWEPT = ("full-sync", "full-async", "pec")
+"""The strategies of the sweeps and plots (and pec-ft where its groups divide 1,024 GPUs)."""
+
 
 def default_interval(shape: ModelShape, cluster: Cluster, timing: Timing,
                      failures: Failures, min_s: float = 60.0) -> int:
@@ -35,7 +38,8 @@ def run_simulations(shape: ModelShape, cluster: Cluster, timing: Timing, failure
     if args.k_snapshot is not None and not args.k <= args.k_snapshot <= shape.n_experts:
         raise ConfigError(f"--k-snapshot must be in {args.k}..{shape.n_experts}")
     interval = args.interval or default_interval(shape, cluster, timing, failures)
-    rows = [simulate(shape, cluster, strategy(n, interval, args.k, args.k_snapshot), timing,
+    rows = [simulate(shape, cluster, strategy(n, interval, args.k, args.k_snapshot,
+                                              args.ft_groups), timing,
                      failures, days=args.days, routing=args.routing,
                      sim_layers=args.sim_layers, budget=args.budget, seed=args.seed).as_dict()
             for n in names]
@@ -43,7 +47,9 @@ def run_simulations(shape: ModelShape, cluster: Cluster, timing: Timing, failure
             "expert_params": shape.expert_params, "n_experts": shape.n_experts,
             "n_moe_layers": shape.n_moe_layers, "gpus": cluster.gpus,
             "mtbf_hours": failures.mtbf_s / 3600, "iteration_s": timing.iteration_s,
-            "interval": interval, "k": args.k, "budget": args.budget, "rows": rows}
+            "interval": interval, "k": args.k, "budget": args.budget,
+            "ft_groups": args.ft_groups, "heal_s": failures.heal_s,
+            "ft_pause_s": failures.ft_pause_s, "rows": rows}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -53,11 +59,15 @@ def print_table(result: dict[str, Any]) -> None:
           f"{result['gpus']} GPUs, MTBF {result['mtbf_hours']:.2f} h, "
           f"{result['iteration_s']:.3f} s/step, interval {result['interval']} steps, "
           f"K={result['k']}")
-    head = ("strategy", "ETTR", "stall/ckpt s", "recomputed", "restart h", "PLT %",
-            "PLT exp %", "GB/rank/day", "faults", "K end")
+    if any(r["heals"] for r in result["rows"]):
+        print(f"pec-ft: {result['ft_groups']} replica groups, heal {result['heal_s']:g} s, "
+              f"survivors' pause {result['ft_pause_s']:g} s per fault")
+    head = ("strategy", "ETTR", "stall/ckpt s", "recomputed", "restart h", "cold starts",
+            "heal h", "PLT %", "PLT exp %", "GB/rank/day", "faults", "K end")
     table = [head] + [(
         r["plan"], f"{r['ettr']:.4f}", f"{r['stall_per_checkpoint_s']:.3f}",
-        str(r["recomputed_steps"]), f"{r['restart_s'] / 3600:.1f}", f"{100 * r['plt']:.2f}",
+        str(r["recomputed_steps"]), f"{r['restart_s'] / 3600:.1f}", str(r["cold_starts"]),
+        f"{(r['ft_pause_s'] + r['reduced_width_s']) / 3600:.2f}", f"{100 * r['plt']:.2f}",
         f"{100 * r['plt_expected']:.2f}", f"{r['bytes_per_rank_per_day'] / 1e9:.1f}",
         str(r["failures"]), str(r["k_final"])) for r in result["rows"]]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
@@ -72,16 +82,17 @@ def _sweeps(shape, cluster, timing, failures, args, interval) -> dict[str, Any]:
     """ETTR vs MTBF and vs GPUs (full-async and PEC), expected PLT vs K and interval."""
     kw = dict(days=args.days, seed=args.seed, track_plt=False)
     out: dict[str, Any] = {"mtbf": [], "gpus": [], "plt": []}
+    names = SWEPT + (("pec-ft",) if 1024 % args.ft_groups == 0 else ())
     for hours in (0.25, 0.5, 1, 2, 4, 8, 16):
         f = replace(failures, mtbf_s=hours * 3600)
         out["mtbf"].append({"mtbf_hours": hours, **{
-            n: simulate(shape, cluster, strategy(n, interval, args.k), timing, f,
-                        **kw).ettr for n in ("full-sync", "full-async", "pec")}})
+            n: simulate(shape, cluster, strategy(n, interval, args.k, groups=args.ft_groups),
+                        timing, f, **kw).ettr for n in names}})
     for gpus in (1024, 2048, 4096, 8192, 16384):
         c, f = replace(cluster, gpus=gpus), replace(failures, mtbf_s=meta_mtbf_hours(gpus) * 3600)
         out["gpus"].append({"gpus": gpus, **{
-            n: simulate(shape, c, strategy(n, interval, args.k), timing, f, **kw).ettr
-            for n in ("full-sync", "full-async", "pec")}})
+            n: simulate(shape, c, strategy(n, interval, args.k, groups=args.ft_groups), timing,
+                        f, **kw).ettr for n in names}})
     steps = max(1, round(args.days * 86400 / timing.iteration_s))
     faults = args.days * 86400 / failures.mtbf_s
     ks = sorted({min(2 ** i, shape.n_experts) for i in range(12)})
@@ -104,7 +115,7 @@ def _plot(sweeps: dict[str, Any], result: dict[str, Any], out: Path) -> list[str
                                      True)):
         rows = sweeps["mtbf" if key == "mtbf_hours" else "gpus"]
         fig, ax = plt.subplots(figsize=(6, 4))
-        for s in ("full-sync", "full-async", "pec"):
+        for s in [s for s in rows[0] if s != key]:
             ax.plot([r[key] for r in rows], [r[s] for r in rows], "o-", label=s)
         ax.set(xlabel=xlabel, ylabel="ETTR", title=f"{result['model']}, interval "
                f"{result['interval']} steps, K={result['k']}")

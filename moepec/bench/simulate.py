@@ -18,6 +18,13 @@ Cost model per checkpoint (bytes spread evenly over all ranks, a fully sharded w
   not fit in one iteration, plus ``fixed_block_s``); the write overlaps.
 A checkpoint due while the previous write is still running waits for it.
 
+Replica groups (``pec-ft``, :mod:`moepec.bench.replicas`): a fault in one of G groups
+costs the survivors ``Failures.ft_pause_s`` and the run a share 1/G of its throughput
+until the group rejoins ``Failures.heal_s`` after the fault; nothing is rolled back. A
+checkpoint being taken or written then is aborted (its writers included the failed
+group), never half-committed. Only a fault in the last live group is a cold start, the
+restart-from-checkpoint recovery above.
+
 Failures arrive as a Poisson process of mean ``mtbf_s``. ``stratified`` sampling draws
 the gaps at the exponential's quantiles, shuffled: a low-variance estimate, so that
 curves over intervals are smooth enough to locate an optimum.
@@ -30,6 +37,7 @@ import random
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from moepec.bench.replicas import ReplicaGroups
 from moepec.bench.workload import STRATEGIES, Cluster, Failures, ModelShape, Plan, Timing, strategy
 from moepec.errors import ConfigError
 from moepec.policy.plt import PLTLedger, dynamic_k
@@ -58,6 +66,14 @@ class SimResult:
     ram_recoveries: int
     bytes_per_rank_per_day: float
     k_final: int
+    cold_starts: int = 0
+    """Recoveries from checkpoints (every fault, without replica groups)."""
+    heals: int = 0
+    """Faults the survivors trained through (replica groups)."""
+    ft_pause_s: float = 0.0
+    """Seconds the survivors stood still after those faults."""
+    reduced_width_s: float = 0.0
+    """Training lost while healing groups were missing, in seconds of the whole job."""
     settings: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -102,6 +118,12 @@ class SimRun:
         self.shape, self.cluster, self.plan, self.timing = shape, cluster, plan, timing
         self.failures, self.budget = failures, budget
         self.rng = random.Random(seed + 1)
+        g = plan.replica_groups
+        if g > 1 and cluster.gpus % g:
+            raise ConfigError(f"{g} replica groups (--ft-groups) cannot split {cluster.gpus} "
+                              f"GPUs (--gpus) evenly; use a divisor of the GPUs")
+        self.peers = ReplicaGroups(g, failures.heal_s, failures.ft_pause_s, seed) \
+            if g > 1 else None
         n = shape.n_experts
         self.k = min(plan.k_persist or n, n)
         self.k_snap = min(max(plan.k_snapshot or self.k, self.k), n)
@@ -119,8 +141,9 @@ class SimRun:
         self.idx = 0
         self.ckpts: list[_Ckpt] = []
         self.from_ram = False
+        self.resume_at = 0.0  # the end of the latest stall or pause of the survivors
         self.stats = dict(checkpoints=0, stall=0.0, recomputed=0, restart=0.0, failures=0,
-                          ram=0, bytes=0.0, recoveries=0)
+                          ram=0, bytes=0.0, recoveries=0, pause=0.0)
 
     # ---------------------------------------------------------------- costs
     def _bytes(self, k: int) -> float:
@@ -197,6 +220,36 @@ class SimRun:
         self.step = new_step
         self.t = t_fail
         self.persist_free = t_fail
+
+    def survive(self, t_fail: float, pause_end: float, live: bool, stall: float = 0.0) -> None:
+        """A fault the survivors ride out (replica groups), at ``t_fail`` or during the
+        ``stall`` of the checkpoint just taken: nothing rolls back; training stands still
+        until ``pause_end``. A fault in a training group (``live``) aborts the checkpoint
+        in flight."""
+        self.stats["failures"] += 1
+        if live:
+            self._abort_after(t_fail)
+        if stall:
+            self.t += stall
+            self.stats["stall"] += stall
+            self.resume_at = max(self.resume_at, self.t)
+        # The progress of a step under way is kept and the clock slips by the time
+        # nobody trains: from the fault, or from the end of a stall or earlier pause.
+        start = max(t_fail, self.resume_at)
+        shift = max(0.0, pause_end - start)
+        self.t += shift
+        self.resume_at = max(start, pause_end)
+        self.stats["pause"] += shift
+
+    def _abort_after(self, t_fail: float) -> None:
+        """Forget the checkpoints not committed by ``t_fail`` (the selectors keep their
+        rotation: an estimate)."""
+        self.ckpts = [c for c in self.ckpts if c.commit <= t_fail]
+        if self.track:
+            for row in self.copies:
+                for hist in row:
+                    hist[:] = [h for h in hist if h[1] <= t_fail]
+        self.persist_free = min(self.persist_free, t_fail)
 
     def _account(self, base: _Ckpt, t_fail: float, ram_ok: bool) -> None:
         assert base.counts is not None and base.snap_set is not None and base.selectors
@@ -307,17 +360,31 @@ def _drive(run: SimRun, fail_times: list[float], wall: float) -> None:
                 run.step += int((wall - run.t) / it)
                 run.t = wall
                 break
-            fi = _recover(run, next_fail, fail_times, fi + 1)
+            fi = _fault(run, next_fail, fail_times, fi + 1)
             continue
         run.step += interval - run.step % interval
         run.t = t_ck
         stall = run.checkpoint()
         if run.t + stall >= next_fail:  # failed while blocked: this checkpoint is lost
             run.ckpts.pop()
-            fi = _recover(run, next_fail, fail_times, fi + 1)
+            fi = _fault(run, next_fail, fail_times, fi + 1, stall=stall)
             continue
         run.t += stall
         run.stats["stall"] += stall
+
+
+def _fault(run: SimRun, t_fail: float, fail_times: list[float], fi: int,
+           stall: float = 0.0) -> int:
+    """A fault at ``t_fail`` (during a checkpoint's ``stall`` if given): the survivors
+    train on while a replica group is left, else the job restarts from its checkpoints.
+    Returns the index of the next failure."""
+    hit = run.peers.fault(t_fail) if run.peers is not None else None
+    if hit is None or hit.cold:
+        if run.peers is not None:
+            run.peers.reset(t_fail)
+        return _recover(run, t_fail, fail_times, fi)
+    run.survive(t_fail, hit.pause_end, hit.live, stall)
+    return fi
 
 
 def _recover(run: SimRun, t_fail: float, fail_times: list[float], fi: int) -> int:
@@ -338,7 +405,11 @@ def _recover(run: SimRun, t_fail: float, fail_times: list[float], fi: int) -> in
 
 def _result(run: SimRun, wall: float, days: float) -> SimResult:
     st, p = run.stats, run.plan
-    productive = min(run.step * run.timing.iteration_s, wall)
+    narrow = 0.0
+    if run.peers is not None:
+        run.peers.close(wall)
+        narrow = run.peers.lost_width_s
+    productive = min(run.step * run.timing.iteration_s, wall) - narrow
     steps = max(1, run.step)
     k0 = min(p.k_persist or run.shape.n_experts, run.shape.n_experts)
     n, k_snap = run.shape.n_experts, min(max(p.k_snapshot or k0, k0), run.shape.n_experts)
@@ -355,6 +426,9 @@ def _result(run: SimRun, wall: float, days: float) -> SimResult:
         plt=run.ledger.plt() if run.track else 0.0, plt_expected=expected,
         ram_recoveries=st["ram"],
         bytes_per_rank_per_day=st["bytes"] / (wall / 86400), k_final=run.k,
+        cold_starts=st["recoveries"], heals=run.peers.heals if run.peers else 0,
+        ft_pause_s=st["pause"], reduced_width_s=narrow,
         settings={"plan": asdict(p), "days": days, "mtbf_s": run.failures.mtbf_s,
                   "iteration_s": run.timing.iteration_s, "gpus": run.cluster.gpus,
-                  "n_experts": n})
+                  "n_experts": n, "heal_s": run.failures.heal_s,
+                  "ft_pause_s": run.failures.ft_pause_s})

@@ -19,7 +19,9 @@ from typing import Any
 
 from moepec.errors import ConfigError
 
-__all__ = ["STRATEGIES", "Cluster", "Failures", "ModelShape", "Plan", "Timing", "strategy", "meta_mtbf_hours", "shape_from_hf", "shape_from_name"]
+__all__ = ["FT_GROUPS", "FT_HEAL_S", "FT_PAUSE_S", "STRATEGIES", "Cluster", "Failures",
+           "ModelShape", "Plan", "Timing", "strategy", "meta_mtbf_hours", "shape_from_hf",
+           "shape_from_name"]
 
 # Meta, "Revisiting Reliability in Large-Scale Machine Learning Research Clusters"
 # (Kokolis et al., arXiv 2410.21680): mean time to failure 7.9 h at 1,024 GPUs and
@@ -27,6 +29,15 @@ __all__ = ["STRATEGIES", "Cluster", "Failures", "ModelShape", "Plan", "Timing", 
 META_POINTS = ((1024, 7.9), (16384, 1.8))
 META_ALPHA = math.log(META_POINTS[0][1] / META_POINTS[1][1]) / math.log(
     META_POINTS[1][0] / META_POINTS[0][0])
+
+# Replica groups on torchft (the pec-ft strategy), measured on a 2-core CPU machine with
+# gloo and a 1 s Lighthouse heartbeat timeout: torchft 0.2.0, two groups, one SIGKILLed
+# (issue 22; `moepec bench ft` measures the same, its medians are in docs/results.md).
+# The survivors committed their next step 1.0-1.1 s after the kill and the killed group
+# rejoined, healed from the survivor, 1.9-2.2 s after it; the defaults are the slow ends.
+FT_PAUSE_S = 1.1
+FT_HEAL_S = 2.2
+FT_GROUPS = 2
 
 
 def meta_mtbf_hours(gpus: int) -> float:
@@ -219,12 +230,23 @@ class Failures:
     """Rescheduling and re-initialising the job (loading the checkpoint is extra)."""
     sampling: str = "stratified"
     """``stratified`` (quantiles of the exponential, shuffled) or ``random``."""
+    heal_s: float = FT_HEAL_S
+    """Replica groups only: from a fault to the failed group's rejoin, healed from a live
+    peer (at scale: its workers' restart, plus rescheduling a lost node, plus the state
+    transfer)."""
+    ft_pause_s: float = FT_PAUSE_S
+    """Replica groups only: what a fault in another group costs the survivors (the fault
+    to their next committed step: heartbeat timeout, new quorum, aborted step)."""
 
     def __post_init__(self) -> None:
         if not self.mtbf_s > 0:
             raise ConfigError(f"MTBF must be > 0, got {self.mtbf_s}")
         if not 0 <= self.ram_survives <= 1 or self.detect_s < 0 or self.restart_s < 0:
             raise ConfigError("need 0 <= ram_survives <= 1 and detect/restart times >= 0")
+        if not (math.isfinite(self.heal_s) and math.isfinite(self.ft_pause_s)) \
+                or self.heal_s < 0 or self.ft_pause_s < 0:
+            raise ConfigError(f"heal and survivor pause times must be finite seconds >= 0 "
+                              f"(--heal-s, --ft-pause-s), got {self.heal_s}, {self.ft_pause_s}")
         if self.sampling not in ("stratified", "random"):
             raise ConfigError(f"sampling is stratified or random, got {self.sampling!r}")
 
@@ -266,7 +288,7 @@ class Timing:
 
 
 STRATEGIES = ("full-sync", "full-async", "pec", "pec-2level", "pec-dynamic", "pec-ram",
-              "pec-ram-replica")
+              "pec-ram-replica", "pec-ft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,16 +313,25 @@ class Plan:
     """The RAM snapshot is replicated to another node: a node loss keeps it too."""
     dynamic_k: bool = False
     """Double K_persist after a recovery that leaves PLT over budget."""
+    replica_groups: int = 1
+    """Data-parallel replica groups that train on through a fault in one of them (torchft,
+    see :mod:`moepec.bench.replicas`); a cold start only when every group is down. 1: every
+    fault restarts the whole job from its checkpoints."""
 
     def __post_init__(self) -> None:
         if self.interval < 1:
             raise ConfigError(f"interval must be >= 1 step, got {self.interval}")
         if self.k_persist is not None and self.k_persist < 1:
             raise ConfigError(f"K must be >= 1, got {self.k_persist}")
+        if self.replica_groups < 1:
+            raise ConfigError(f"replica groups (--ft-groups) must be >= 1, got "
+                              f"{self.replica_groups}")
 
 
-def strategy(name: str, interval: int, k: int = 1, k_snapshot: int | None = None) -> Plan:
-    """The named strategy (see STRATEGIES) at this interval and K."""
+def strategy(name: str, interval: int, k: int = 1, k_snapshot: int | None = None,
+             groups: int = FT_GROUPS) -> Plan:
+    """The named strategy (see STRATEGIES) at this interval and K; ``groups`` is the
+    number of replica groups of ``pec-ft`` (the others restart the whole job)."""
     presets: dict[str, dict[str, Any]] = {
         "full-sync": dict(overlap=False, async_persist=False),
         "full-async": dict(overlap=False),
@@ -311,6 +342,8 @@ def strategy(name: str, interval: int, k: int = 1, k_snapshot: int | None = None
         "pec-ram": dict(k_persist=k, k_snapshot=k_snapshot, ram_tier=True),
         "pec-ram-replica": dict(k_persist=k, k_snapshot=k_snapshot, ram_tier=True,
                                 replicas=True),
+        # pec's checkpoints (spread over the ranks of all groups) serve the cold starts
+        "pec-ft": dict(k_persist=k, replica_groups=groups),
     }
     if name not in presets:
         raise ConfigError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")

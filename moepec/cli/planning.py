@@ -18,6 +18,8 @@ GB = 1e9
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
+    from moepec.bench.workload import FT_GROUPS, FT_HEAL_S, FT_PAUSE_S
+
     m = p.add_argument_group("model (one of)")
     m.add_argument("--config", default=None, help="named moepec config (see model-info)")
     m.add_argument("--hf-config", default=None, metavar="CONFIG_JSON",
@@ -60,6 +62,19 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="share of failures that keep the node's RAM (%(default)s)")
     f.add_argument("--detect-s", type=float, default=60.0, help="(%(default)s)")
     f.add_argument("--restart-s", type=float, default=240.0, help="(%(default)s)")
+    r = p.add_argument_group("replica groups (pec-ft: survivors train on, a failed group "
+                             "heals from a live peer)")
+    r.add_argument("--ft-groups", type=int, default=FT_GROUPS,
+                   help="data-parallel replica groups; a cold start only when all are down; "
+                        "1 = restart-all, as pec (%(default)s)")
+    r.add_argument("--heal-s", type=float, default=FT_HEAL_S,
+                   help="from a fault to the failed group's rejoin; at scale its restart "
+                        "time. Default: measured by `moepec bench ft` on 2 CPU cores "
+                        "(docs/results.md) (%(default)s)")
+    r.add_argument("--ft-pause-s", type=float, default=FT_PAUSE_S,
+                   help="what a fault costs the surviving groups (to their next committed "
+                        "step). Default: measured by `moepec bench ft` with a 1 s heartbeat "
+                        "timeout (%(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--days", type=float, default=7.0, help="wall time simulated (%(default)s)")
     o.add_argument("--budget", type=float, default=0.0375, help="PLT budget (%(default)s)")
@@ -128,8 +143,12 @@ def inputs_of(args: argparse.Namespace):
     hours = args.mtbf_hours if args.mtbf_hours is not None else (
         args.mtbf_gpu_hours / args.gpus if args.mtbf_gpu_hours is not None
         else meta_mtbf_hours(args.gpus))
+    if args.ft_groups < 1 or args.gpus % args.ft_groups:
+        raise ConfigError(f"--ft-groups must be >= 1 and divide --gpus {args.gpus} into "
+                          f"equal replica groups, got {args.ft_groups}")
     failures = Failures(mtbf_s=hours * 3600, ram_survives=args.ram_survives,
-                        detect_s=args.detect_s, restart_s=args.restart_s)
+                        detect_s=args.detect_s, restart_s=args.restart_s,
+                        heal_s=args.heal_s, ft_pause_s=args.ft_pause_s)
     return shape, cluster, timing, failures
 
 
@@ -171,6 +190,9 @@ def _add_advise(p: argparse.ArgumentParser) -> None:
                    help="shortest interval considered, seconds (%(default)s)")
     p.add_argument("--no-ram-tier", action="store_true",
                    help="recover from storage only (no RAM tier)")
+    p.add_argument("--strategy", choices=("pec", "pec-ft"), default="pec",
+                   help="pec: every fault restarts the job from its checkpoints; pec-ft: "
+                        "--ft-groups replica groups train on (%(default)s)")
 
 
 def _run_advise(args: argparse.Namespace) -> int:
@@ -179,7 +201,7 @@ def _run_advise(args: argparse.Namespace) -> int:
     shape, cluster, timing, failures = inputs_of(args)
     adv = advise(shape, cluster, timing, failures, budget=args.budget, days=args.days,
                  ram_tier=not args.no_ram_tier, min_interval_s=args.min_interval_s,
-                 seed=args.seed)
+                 seed=args.seed, groups=args.ft_groups if args.strategy == "pec-ft" else 1)
     out = dict(adv.as_dict(), model=shape.name, gpus=cluster.gpus,
                mtbf_hours=failures.mtbf_s / 3600, iteration_s=timing.iteration_s)
     if args.out:
