@@ -209,14 +209,14 @@ def test_library_modules_and_functions_stay_small():
 
 
 def test_the_size_check_catches_a_large_module_and_function(tmp_path):
-    import shutil
-
-    copy = tmp_path / "moepec"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    tree = tmp_path / "moepec"
+    for folder in ("store", "bench"):
+        (tree / folder).mkdir(parents=True)
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
-    (copy / "store" / "big.py").write_text("def f():\n" + body + "\n" * MAX_MODULE_LINES)
-    (copy / "bench" / "big.py").write_text("def f():\n" + body)  # the app: not checked
-    bad = size_violations(copy)
+    (tree / "store" / "big.py").write_text("def f():\n" + body + "\n" * MAX_MODULE_LINES)
+    (tree / "store" / "fits.py").write_text("def f():\n" + body[:-len("    x49 = 49\n")])
+    (tree / "bench" / "big.py").write_text("def f():\n" + body)  # the app: not checked
+    bad = size_violations(tree)
     assert len(bad) == 2 and all("store/big.py" in b for b in bad), bad
 
 

@@ -10,7 +10,9 @@ Per checkpoint (``step`` when due), on the training thread:
 if the copy of the previous checkpoint has not finished, so weights are never
 mutated under a copy. ``restore`` stitches the newest view (RAM where the
 process survived, else storage) with :func:`moepec.recovery.restore.restore_state` and
-applies its outcome. ``close`` waits for the persist in flight.
+applies its outcome. ``close`` waits for the persist in flight. Its parts: the
+schedule of experts and K (``schedule``), the snapshot builder (``snapshots``), the
+RAM tier's placement (``ram_setup``), the callbacks' records (``reporting``).
 """
 
 from __future__ import annotations

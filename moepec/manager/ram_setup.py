@@ -76,7 +76,7 @@ class RamSetup:
         return RamChoice(ram_dir=ram_dir, tier=tier, replicator=replicator)
 
     def open_slots(self, ram_dir: str, root: str, peers: tuple[int, int] | None
-                    ) -> tuple[SlotStore | None, SlotStore | None]:
+                   ) -> tuple[SlotStore | None, SlotStore | None]:
         """This rank's slot store (and its predecessor's replicas), or (None, None) on
         every rank when another live process of this host holds some rank's slots (a
         second run into the same root, as in a takeover while the old run lives): the
