@@ -43,6 +43,6 @@ def __getattr__(name: str):
         from moepec.manager.manager import CheckpointManager
         return CheckpointManager
     if name == "RestoreReport":
-        from moepec.manager.restore import RestoreReport
+        from moepec.recovery.outcome import RestoreReport
         return RestoreReport
     raise AttributeError(f"module 'moepec' has no attribute {name!r}")

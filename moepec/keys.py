@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,6 +67,18 @@ def parse_key(key: str) -> KeyInfo:
         _, layer, expert, part, _ = key.split("/", 4)
         return KeyInfo(key=key, layer=int(layer), expert=int(expert), part=part)
     return KeyInfo(key=key, layer=None, expert=None, part=key.split("/", 1)[0])
+
+
+_KEY_RE = re.compile(r"^(?:(?:model|optim|objects)/|experts/\d{1,6}/\d{1,6}/(?:model|optim)/)"
+                     r"[^\x00]+$")
+"""The grammar above as one expression (checked for every key of every manifest)."""
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def is_state_key(key: str) -> bool:
+    """Whether ``key`` follows the state-key grammar (cached: the manifests of a root
+    repeat the same keys)."""
+    return bool(_KEY_RE.match(key))
 
 
 def expert_key(layer: int, expert: int, part: str, rest: str) -> str:
@@ -141,6 +153,20 @@ def seq_of(name: str) -> int:
     parsed = parse_checkpoint_name(name)
     assert parsed is not None, name
     return parsed.seq
+
+
+def next_seq(names: Iterable[str]) -> int:
+    """The sequence number after every checkpoint name's in ``names`` (other names are
+    ignored; 0 when there is none)."""
+    seqs = [p.seq for p in map(parse_checkpoint_name, names) if p is not None]
+    return max(seqs, default=-1) + 1
+
+
+def newest(names: Iterable[str]) -> str | None:
+    """The valid checkpoint name with the highest sequence number (ties: name_order), or
+    None."""
+    names = list(names)
+    return max(names, key=name_order) if names else None
 
 
 def name_order(name: str) -> CheckpointName:

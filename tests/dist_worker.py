@@ -188,7 +188,7 @@ def train_worker(rank: int, world: int, store: str, out: str, ep: int, layout: s
                 for p in model.parameters():
                     p.add_(1.0)
             report = mgr.restore()
-            result.update(step=report.step, tier=report.tier, keys_from=report.keys_from,
+            result.update(step=report.step, tier=report.tier, units_from=report.units_from,
                           plt=report.plt, lost=report.lost)
             torch.save(expert_state(model, opt, ep_rank, n_local),
                        Path(out) / f"restored-r{rank}.pt")

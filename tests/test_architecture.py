@@ -26,11 +26,12 @@ LAYERS = {
     "policy": 1,
     "state": 2,
     "store": 3,
-    "recovery": 4,
-    "manager": 5,
-    "__init__": 6, "__main__": 10,
+    "ram": 4,
+    "recovery": 5,
+    "manager": 6,
+    "__init__": 7, "__main__": 11,
     # the app
-    "models": 7, "train": 8, "integrations": 8, "bench": 9, "cli": 10,
+    "models": 8, "train": 9, "integrations": 9, "bench": 10, "cli": 11,
 }
 
 
@@ -173,6 +174,52 @@ def test_the_checks_catch_a_violating_import(tmp_path, source, rule):
         assert any("moepec.store.checksum" in c for c in cycles(g))
 
 
+# -- sizes: a library module stays under 450 lines, a function under 50 --------------
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 50
+NOT_LIBRARY = ("train", "cli", "bench", "models")
+"""The app's packages, which the size rule leaves alone (integrations/ is held to it)."""
+
+
+def size_violations(root: Path = ROOT) -> list[str]:
+    """Library modules over MAX_MODULE_LINES lines and functions (methods, nested ones)
+    over MAX_FUNCTION_LINES, counted from the ``def`` line to the last line of the body."""
+    bad = []
+    for name, path in modules(root).items():
+        if layer_of(name) in NOT_LIBRARY:
+            continue
+        text = path.read_text()
+        rel = path.relative_to(root.parent)
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            bad.append(f"{rel}: {n} lines (at most {MAX_MODULE_LINES}: split it by idea)")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    bad.append(f"{rel}:{node.lineno}: {node.name}() is {length} lines (at "
+                               f"most {MAX_FUNCTION_LINES}: split it into named steps)")
+    return bad
+
+
+def test_library_modules_and_functions_stay_small():
+    """STYLE.md: a module does one thing; no library module over 450 lines, no function
+    over 50 (moepec/ minus the app's train/, cli/, bench/, models/)."""
+    bad = size_violations()
+    assert not bad, "too large:\n" + "\n".join(bad)
+
+
+def test_the_size_check_catches_a_large_module_and_function(tmp_path):
+    tree = tmp_path / "moepec"
+    for folder in ("store", "bench"):
+        (tree / folder).mkdir(parents=True)
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tree / "store" / "big.py").write_text("def f():\n" + body + "\n" * MAX_MODULE_LINES)
+    (tree / "store" / "fits.py").write_text("def f():\n" + body[:-len("    x49 = 49\n")])
+    (tree / "bench" / "big.py").write_text("def f():\n" + body)  # the app: not checked
+    bad = size_violations(tree)
+    assert len(bad) == 2 and all("store/big.py" in b for b in bad), bad
+
+
 # -- the app uses only the public contract ------------------------------------------
 REPO = ROOT.parent
 APP_SOURCES = ("moepec/train", "moepec/bench", "moepec/cli", "moepec/integrations",
@@ -304,7 +351,7 @@ def test_the_app_uses_only_the_public_api():
 @pytest.mark.parametrize("source", [
     "def f(manager):\n    manager.persister.wait_idle()\n",
     "def f(manager):\n    return len(manager.events)\n",
-    "def f(manager):\n    return manager._blocked\n",
+    "def f(manager):\n    return manager._reporter\n",
     "from moepec.store import persist\npersist.fault_hook = print\n",
     "import moepec.store.storage\nmoepec.store.storage.no_gc = None\n",
     "from moepec.store import storage\nsetattr(storage, 'no_gc', None)\n",

@@ -46,7 +46,7 @@ def test_ram_recovery_is_fresher_than_storage(tmp_path):
             p.add_(1.0)
     report = mgr.restore()
     assert report.tier == "ram" and report.step == 7
-    assert report.keys_from.get("ram", 0) > 0
+    assert report.units_from.get("ram", 0) > 0
     # non-expert state is exactly step 7's
     now = full_state(model, opt)
     assert torch.equal(now["model/embed.weight"], saved[7]["model/embed.weight"])

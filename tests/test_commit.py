@@ -24,8 +24,9 @@ from moepec.errors import (
     StructureMismatchError,
 )
 from moepec.recovery.offline import read_view
+from moepec.store.committed import committed_manifests
 from moepec.store.manifest import FORMAT
-from moepec.store.storage import Storage, committed_manifests
+from moepec.store.storage import Storage
 from moepec.train.faults import corrupt_item
 from tests.toy import Counter, full_state, make, run_loop
 

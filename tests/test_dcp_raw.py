@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from moepec import CheckpointConfig
 from moepec.errors import CheckpointError, ConfigError
 from moepec.store.checksum import checksum_matches, tensor_checksum
+from moepec.store.dcp_planner import ROOT_KEY, KeySavePlanner
 from moepec.store.dcp_raw import (
     RAW_DESCRIPTOR,
     RawFileSystemReader,
@@ -22,9 +23,9 @@ from moepec.store.dcp_raw import (
     RawFsspecReader,
     RawFsspecWriter,
 )
-from moepec.store.manifest import Item
+from moepec.store.items import Item
 from moepec.store.persist import root_cause
-from moepec.store.storage import _ROOT, Storage, _SavePlanner
+from moepec.store.storage import Storage
 
 # These tests call stock dcp.save / dcp.load themselves, in one process: torch's
 # single-process notice is theirs (moepec's own calls stay quiet: the last test).
@@ -154,8 +155,8 @@ def test_bad_serialization_is_rejected(tmp_path):
 
 
 def _plan_of(state) -> SavePlan:
-    planner = _SavePlanner()
-    planner.set_up_planner({_ROOT: state}, is_coordinator=True)
+    planner = KeySavePlanner()
+    planner.set_up_planner({ROOT_KEY: state}, is_coordinator=True)
     return planner.create_local_plan()
 
 
@@ -163,8 +164,8 @@ def test_planner_refuses_a_key_written_by_two_ranks():
     a = _plan_of({"k": torch.ones(2)})
     b = _plan_of({"k": torch.ones(2)})
     with pytest.raises(AssertionError):
-        _SavePlanner().create_global_plan([a, b])
-    plans, md = _SavePlanner().create_global_plan([a, _plan_of({"j": torch.ones(3)})])
+        KeySavePlanner().create_global_plan([a, b])
+    plans, md = KeySavePlanner().create_global_plan([a, _plan_of({"j": torch.ones(3)})])
     assert set(md.state_dict_metadata) == {"k", "j"} and len(plans) == 2
 
 

@@ -131,7 +131,7 @@ def test_ram_recovery_across_ranks(tmp_path):
                          "sharded", None, True)
     ok(results)
     assert {r["step"] for r in results} == {5}
-    assert all(r["tier"] == "ram" and r["keys_from"].get("ram", 0) > 0 for r in results)
+    assert all(r["tier"] == "ram" and r["units_from"].get("ram", 0) > 0 for r in results)
     hist = {r: torch.load(out / f"hist-r{r}-s5.pt") for r in range(2)}
     for r in range(2):
         restored = torch.load(out / f"restored-r{r}.pt")
@@ -151,7 +151,7 @@ def test_restarted_rank_uses_storage_survivor_serves_its_ram(tmp_path):
     # base: the newest committed checkpoint (rank 1 lost its share of the RAM snapshot)
     assert {r["step"] for r in results} == {7} and {r["tier"] for r in results} == {"storage"}
     # ...but rank 0's surviving RAM copies of that step supply experts storage lacks
-    assert all(r["keys_from"].get("ram", 0) > 0 for r in results)
+    assert all(r["units_from"].get("ram", 0) > 0 for r in results)
     a, b = (torch.load(out / f"restored-r{r}.pt") for r in range(2))
     assert all(torch.equal(a[k], b[k]) for k in a)
     hist = torch.load(out / "hist-r0-s7.pt")

@@ -332,7 +332,7 @@ def _lost_ram(rank: int, world: int, expert_dim: int, ckpt: str, out: str) -> di
     if rank == 0:
         torch.save(state, Path(out) / "lost-ram-restored.pt")
     return {"tier": report.tier, "step": report.step, "sources": report.sources,
-            "keys_from": report.keys_from}
+            "units_from": report.units_from}
 
 
 def _killed_save(rank: int, world: int, ckpt: str, counter) -> None:
@@ -472,7 +472,7 @@ def _check_manifest_rules(ckpt: Path) -> None:
 def test_chunk_keys_and_views() -> None:
     from moepec.keys import chunk_key
     from moepec.state.chunks import overlap
-    from moepec.store.manifest import updated_view
+    from moepec.store.lineage import updated_view
 
     assert chunk_key("model/w", (0, 0), (7, 5), (7, 5)) == "model/w"
     key = chunk_key("optim/w/exp_avg", (4, 0), (3, 5), (7, 5))
@@ -586,10 +586,10 @@ def _save_and_restore(tmp_path: Path, world: int, expert_dim: int
     # per rank (dim 0), rank 0's are at the newest step, served from its RAM.
     lost = [r["lost_ram"] for r in saved]
     assert all(r["step"] == 1 for r in lost)
-    assert lost[1]["keys_from"].get("ram", 0) == 0 and lost[1]["keys_from"]["storage"] > 0
+    assert lost[1]["units_from"].get("ram", 0) == 0 and lost[1]["units_from"]["storage"] > 0
     lost_sources = merged(r["sources"] for r in lost)
     if expert_dim == 0:
-        assert lost[0]["keys_from"].get("ram", 0) > 0
+        assert lost[0]["units_from"].get("ram", 0) > 0
         mine = list(lost[0]["sources"])  # at step 1: from RAM, or storage's copy of it
         assert mine and all(lost_sources[k]["step"] == 1 for k in mine)
         assert any(lost_sources[k]["tier"] == "ram" for k in mine)

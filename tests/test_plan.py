@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moepec.errors import ConfigError
-from moepec.policy.plan import MODES, Item, SavePlan, expected_expert_load, make_plan
+from moepec.policy.plan import MODES, PlanItem, WritePlan, expected_expert_load, make_plan
 
 
 @st.composite
@@ -23,13 +23,13 @@ def workloads(draw, max_ranks: int = 8):
     for g in range(draw(st.integers(0, 10))):
         for t in range(draw(st.integers(1, 4))):
             size = draw(st.integers(0, 1000))
-            items.append(Item(key=f"dense.{g}.{t}", nbytes=size, holders=everyone, layer=g))
+            items.append(PlanItem(key=f"dense.{g}.{t}", nbytes=size, holders=everyone, layer=g))
     for layer in range(draw(st.integers(0, 3))):
         for e in draw(st.sets(st.integers(0, 7), max_size=3)):
             holders = tuple(r for r in everyone if r % ep == e % ep)
             for t in range(draw(st.integers(1, 3))):
                 size = draw(st.integers(0, 300))
-                items.append(Item(key=f"moe.{layer}.{e}.{t}", nbytes=size, holders=holders,
+                items.append(PlanItem(key=f"moe.{layer}.{e}.{t}", nbytes=size, holders=holders,
                                   layer=layer, expert=e))
     return items, world
 
@@ -72,7 +72,7 @@ def test_adaptive_greedy_bound(workload):
 @given(st.integers(2, 3), st.lists(st.integers(1, 100), min_size=1, max_size=7))
 def test_adaptive_within_four_thirds_of_optimal(world, sizes):
     """LPT (Graham): makespan <= (4/3 - 1/(3m)) * optimum; optimum by brute force."""
-    items = [Item(key=f"k{i}", nbytes=s, holders=tuple(range(world)))
+    items = [PlanItem(key=f"k{i}", nbytes=s, holders=tuple(range(world)))
              for i, s in enumerate(sizes)]
     got = max(make_plan(items, world, "adaptive").bytes_per_rank())
     best = min(
@@ -97,11 +97,11 @@ def test_sharded_keeps_layer_groups_together(workload):
 def test_worked_example_small():
     both = (0, 1)
     items = [
-        Item(key="emb", nbytes=100, holders=both, layer=0),
-        Item(key="attn0", nbytes=70, holders=both, layer=1),
-        Item(key="attn1", nbytes=30, holders=both, layer=2),
-        Item(key="e0.w1", nbytes=20, holders=(0,), layer=0, expert=0),  # EP: rank 0 only
-        Item(key="e0.w2", nbytes=20, holders=(0,), layer=0, expert=0),
+        PlanItem(key="emb", nbytes=100, holders=both, layer=0),
+        PlanItem(key="attn0", nbytes=70, holders=both, layer=1),
+        PlanItem(key="attn1", nbytes=30, holders=both, layer=2),
+        PlanItem(key="e0.w1", nbytes=20, holders=(0,), layer=0, expert=0),  # EP: rank 0 only
+        PlanItem(key="e0.w2", nbytes=20, holders=(0,), layer=0, expert=0),
     ]
     base = make_plan(items, 2, "baseline")
     assert base.bytes_per_rank() == (240, 0) and base.max_over_mean() == 2.0
@@ -121,11 +121,11 @@ BYTES_PER_PARAM = 16  # bf16 weight + fp32 master + Adam exp_avg + exp_avg_sq
 MOE_LAYERS = list(range(1, LAYERS, 2))  # every other FFN is MoE: 12 MoE layers
 
 
-def gpt_moe_dense(world: int) -> list[Item]:
+def gpt_moe_dense(world: int) -> list[PlanItem]:
     h, everyone = HIDDEN, tuple(range(world))
 
     def item(key, params, group):
-        return Item(key=key, nbytes=params * BYTES_PER_PARAM, holders=everyone, layer=group)
+        return PlanItem(key=key, nbytes=params * BYTES_PER_PARAM, holders=everyone, layer=group)
 
     items = [item("wte", VOCAB * h, 0), item("wpe", SEQ * h, 0), item("ln_f", 2 * h, 0)]
     for b in range(LAYERS):
@@ -139,14 +139,14 @@ def gpt_moe_dense(world: int) -> list[Item]:
     return items
 
 
-def gpt_moe_experts(world: int, ep: int, checkpoint: int) -> list[Item]:
+def gpt_moe_experts(world: int, ep: int, checkpoint: int) -> list[PlanItem]:
     """Expert items one checkpoint saves with sequential K=1 (layer m: (m + c) mod 8)."""
     items = []
     for m, b in enumerate(MOE_LAYERS):
         e = (m + checkpoint) % N_EXPERTS
         holders = tuple(r for r in range(world) if r % ep == e * ep // N_EXPERTS)
         for w in ("w1", "w2"):
-            items.append(Item(key=f"b{b}.experts.{e}.{w}", nbytes=4 * HIDDEN * HIDDEN * 16,
+            items.append(PlanItem(key=f"b{b}.experts.{e}.{w}", nbytes=4 * HIDDEN * HIDDEN * 16,
                               holders=holders, layer=m, expert=e))
     return items
 
@@ -184,22 +184,22 @@ def test_gpt_moe_dp2_adaptive_is_balanced(ep):
 
 
 def test_plan_is_frozen_and_picklable():
-    plan = make_plan([Item(key="a", nbytes=1, holders=(0, 1))], 2, "sharded")
+    plan = make_plan([PlanItem(key="a", nbytes=1, holders=(0, 1))], 2, "sharded")
     with pytest.raises(TypeError):
         plan.assignment["a"] = 1  # type: ignore[index]
     with pytest.raises(AttributeError):
         plan.mode = "baseline"  # type: ignore[misc]
     assert pickle.loads(pickle.dumps(plan)) == plan
-    assert isinstance(plan, SavePlan) and plan.max_over_mean() == 2.0
+    assert isinstance(plan, WritePlan) and plan.max_over_mean() == 2.0
 
 
 def test_bad_input_names_the_fix():
-    ok = Item(key="a", nbytes=1, holders=(1, 0, 1))
+    ok = PlanItem(key="a", nbytes=1, holders=(1, 0, 1))
     assert ok.holders == (0, 1)
     with pytest.raises(ConfigError, match="one of"):
         make_plan([ok], 2, "greedy")
     with pytest.raises(ConfigError, match="holder"):
-        Item(key="b", nbytes=1, holders=())
+        PlanItem(key="b", nbytes=1, holders=())
     with pytest.raises(ConfigError, match="world_size"):
         make_plan([ok], 1, "baseline")
     with pytest.raises(ConfigError, match="duplicate"):

@@ -20,8 +20,9 @@ import torch
 
 from moepec import CheckpointConfig, CheckpointManager, ConfigError, FaultHooks
 from moepec.cli.main import main
-from moepec.store.manifest import CheckpointMeta
-from moepec.store.shm import admissible, job_name
+from moepec.ram.jobs import job_name
+from moepec.ram.shm import admissible
+from moepec.store.meta import CheckpointMeta
 from moepec.store.storage import Storage
 from tests.toy import Counter, full_state, make, run_loop
 

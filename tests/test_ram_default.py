@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moepec import CheckpointConfig, CheckpointManager, ConfigError
-from moepec.store.shm import DEFAULT_DIR, job_name
+from moepec.ram.jobs import DEFAULT_DIR, job_name
 from tests.toy import Counter, full_state, make, run_loop
 
 

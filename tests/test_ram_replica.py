@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, tmp: str, phase: str) -> None:
     report = mgr.restore()
     saved = torch.load(tmp_path / f"saved-{rank}.pt", weights_only=True)
     now = full_state(model, opt)
-    out.update(tier=report.tier, step=report.step, keys_from=report.keys_from,
+    out.update(tier=report.tier, step=report.step, units_from=report.units_from,
                equal=now.keys() == saved.keys() and all(torch.equal(now[k], saved[k])
                                                         for k in now),
                position=counter.position)
@@ -72,6 +72,6 @@ def test_lost_node_restores_its_shares_from_the_replica_on_another_node(tmp_path
     restored = _spawn(tmp_path, "restore")
     for r in restored:
         assert (r["tier"], r["step"], r["position"]) == ("ram", 7, 8), r
-        assert set(r["keys_from"]) == {"ram"} and r["equal"], r
+        assert set(r["units_from"]) == {"ram"} and r["equal"], r
     # a clean close removed every slot and replica
     assert not any(p.is_file() for p in tmp_path.glob("shm-n*/**/*"))

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from moepec.ram.jobs import DEFAULT_DIR, job_name
 from moepec.recovery.offline import verify_path
-from moepec.store.shm import DEFAULT_DIR, job_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def test_restarted_workers_restore_from_shared_memory(tmp_path):
     recoveries = [r for r in recs if r.get("event") == "recovery"]
     assert [(r["step"], r["tier"]) for r in recoveries] == [(15, "ram"), (23, "ram")]
     # every expert came from RAM, nothing lost (PLT at K_snapshot = N is 0)
-    assert all(r["keys_from"] == {"ram": r["keys_from"]["ram"]} for r in recoveries)
+    assert all(r["units_from"] == {"ram": r["units_from"]["ram"]} for r in recoveries)
     assert [r["plt"] for r in recoveries] == [0.0, 0.0]
     # persist on failure: step 15 was only in RAM; the restarted workers committed it
     assert re.fullmatch(r"ckpt-000001-step00000015-[0-9a-f]{12}", recoveries[0]["persisted"])
@@ -122,8 +122,8 @@ def test_a_lost_node_restores_from_its_replica_under_two_torchrun_agents(tmp_pat
     # comes after these two and is not checked)
     assert [(r["step"], r["tier"]) for r in recoveries[:2]] in (
         [(7, "ram"), (11, "storage")], [(7, "ram"), (15, "storage")]), recoveries
-    assert set(recoveries[0]["keys_from"]) == {"ram"} and recoveries[0]["plt"] == 0.0
-    assert set(recoveries[1]["keys_from"]) == {"storage"}
+    assert set(recoveries[0]["units_from"]) == {"ram"} and recoveries[0]["plt"] == 0.0
+    assert set(recoveries[1]["units_from"]) == {"storage"}
     # rank 0 alone served every key: its own shares and rank 1's replica
     assert "keys survive on 1 rank(s)" in "".join(p.stdout for p in procs)
     # bit-exact from RAM: the steps trained again after it repeat their losses exactly

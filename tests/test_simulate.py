@@ -20,8 +20,8 @@ from moepec.bench.workload import (
     shape_from_hf,
 )
 from moepec.cli import main as cli
-from moepec.policy.outlook import plt_outlook, plt_per_fault
 from moepec.policy.plt import expected_plt_sequential
+from moepec.policy.plt_forecast import plt_outlook, plt_per_fault
 
 MIXTRAL = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -70,8 +70,8 @@ def test_outlook_names_the_k_and_interval_that_fit() -> None:
 def test_trainer_warns_at_start_when_over_budget(caplog: pytest.LogCaptureFixture,
                                                  tmp_path: Path) -> None:
     from moepec.manager.config import CheckpointConfig
+    from moepec.train.checkpointing import log_plt_outlook
     from moepec.train.config import TrainConfig
-    from moepec.train.wiring import log_plt_outlook
 
     cfg = TrainConfig(config="small", steps=200,
                       checkpoint=CheckpointConfig(path=str(tmp_path), interval=32))

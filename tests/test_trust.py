@@ -152,7 +152,7 @@ def _falls_back(root, saved, newest: str, caplog, warning: str) -> None:
 
 
 def test_a_bad_item_entry_is_never_used_and_restore_falls_back(tmp_path, caplog):
-    # Restore checks a manifest's entries when it first uses them (store.manifest.Items):
+    # Restore checks a manifest's entries when it first uses them (store.items.Items):
     # a bad entry of the newest checkpoint's non-expert state must send the restore to the
     # older base, never into a read of what that entry claims.
     root = tmp_path / "c"

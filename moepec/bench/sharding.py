@@ -35,7 +35,7 @@ import torch
 
 from moepec.models.configs import get_config
 from moepec.models.gpt_moe import GPTMoE
-from moepec.policy.plan import MODES, Item, expected_expert_load, make_plan
+from moepec.policy.plan import MODES, PlanItem, expected_expert_load, make_plan
 from moepec.policy.selection import Selector
 
 PAPER_REDUCTION = 0.769
@@ -60,10 +60,10 @@ def model_items(config: str, world: int, ep: int):
             for e in range(cfg.n_experts):
                 holders = tuple(r for r in everyone if r % ep == e // n_local)
                 experts.setdefault((layer, e), []).extend(
-                    Item(key=f"experts/{layer}/{e}/{name}/{c}", nbytes=per_expert,
+                    PlanItem(key=f"experts/{layer}/{e}/{name}/{c}", nbytes=per_expert,
                          holders=holders, layer=layer, expert=e) for c in range(ADAM_COPIES))
         else:
-            dense.extend(Item(key=f"{name}/{c}", nbytes=p.numel() * 4, holders=everyone,
+            dense.extend(PlanItem(key=f"{name}/{c}", nbytes=p.numel() * 4, holders=everyone,
                               layer=block) for c in range(ADAM_COPIES))
     return cfg, dense, experts
 
@@ -116,7 +116,7 @@ def computed_case(config: str, world: int, ep: int, k: int) -> dict:
 PLANS = (*MODES, "adaptive-replan")
 
 
-def _lower_bound(items: list[Item], world: int) -> float:
+def _lower_bound(items: list[PlanItem], world: int) -> float:
     """No plan can make the busiest rank lighter than this: the mean, the largest item,
     or the bytes a rank must write because it is the only holder."""
     forced = [0] * world

@@ -12,7 +12,7 @@ from moepec.bench.advise import young_daly_steps
 from moepec.bench.simulate import simulate, strategy
 from moepec.bench.workload import Cluster, Failures, ModelShape, Timing, meta_mtbf_hours
 from moepec.errors import ConfigError
-from moepec.policy.outlook import plt_per_fault
+from moepec.policy.plt_forecast import plt_per_fault
 
 __all__ = ["default_interval", "print_table", "run_simulations", "write_outputs"]
 

@@ -40,8 +40,8 @@ from typing import Any
 from moepec.bench.replicas import ReplicaGroups
 from moepec.bench.workload import STRATEGIES, Cluster, Failures, ModelShape, Plan, Timing, strategy
 from moepec.errors import ConfigError
-from moepec.policy.outlook import plt_per_fault
 from moepec.policy.plt import PLTLedger, dynamic_k
+from moepec.policy.plt_forecast import plt_per_fault
 from moepec.policy.selection import Selector, select_two_tier
 
 __all__ = ["STRATEGIES", "Failures", "Plan", "SimResult", "SimRun", "Timing", "simulate",
@@ -323,7 +323,7 @@ def simulate(shape: ModelShape, cluster: Cluster, plan: Plan, timing: Timing,
     """Simulate ``days`` of wall time of one strategy; returns its :class:`SimResult`.
 
     ``track_plt=False`` skips the ledger (PLT stays 0; ``plt_expected`` still comes from
-    :mod:`moepec.policy.outlook`), which lets whole checkpoint cycles be skipped: fast.
+    :mod:`moepec.policy.plt_forecast`), which lets whole checkpoint cycles be skipped: fast.
 
     Pure computation (no I/O). Raises ConfigError for invalid inputs.
     """

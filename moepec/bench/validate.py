@@ -68,7 +68,8 @@ def _train(out: Path, ckpt: Path, args, faults: str | None) -> dict:
 
 
 def _routing_shares(ckpt: Path) -> list[list[float]]:
-    from moepec.store.storage import Storage, committed_manifests
+    from moepec.store.committed import committed_manifests
+    from moepec.store.storage import Storage
 
     found = committed_manifests(Storage(str(ckpt)))
     last = list(found.manifests.values())[-1]

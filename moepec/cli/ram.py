@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moepec.store.shm import DEFAULT_DIR, list_jobs, remove_job
+from moepec.ram.jobs import DEFAULT_DIR, list_jobs, remove_job
 
 
 def _add_ram(p: argparse.ArgumentParser) -> None:

@@ -1,1 +1,1 @@
-"""The one object a training loop talks to: CheckpointConfig, CheckpointManager, restore."""
+"""The one object a training loop talks to: CheckpointConfig, CheckpointManager."""

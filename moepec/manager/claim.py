@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from moepec.errors import CheckpointError, LeaseError
+from moepec.errors import CheckpointError, FencedError, LeaseError
 from moepec.store.lease import Lease
 from moepec.store.storage import Storage
 
@@ -64,6 +64,15 @@ class RootClaim:
         unless this run still holds the root's lease (any thread)."""
         if self.lease is not None:
             self.lease.check()
+
+    def holds(self) -> bool:
+        """Rank 0: whether this run still holds the root's lease (a fenced run writes
+        nothing there, not even a recovery record)."""
+        try:
+            self.check()
+        except FencedError:
+            return False
+        return True
 
     def release(self) -> None:
         if self.lease is not None:

@@ -10,7 +10,7 @@ from typing import Any
 from moepec.errors import ConfigError, check_choice
 from moepec.policy.plan import WriteMode
 from moepec.policy.selection import Selection
-from moepec.store.manifest import Serialization
+from moepec.store.items import Serialization
 
 AUTO = "auto"
 """``CheckpointConfig.ram_dir="auto"``: shared memory when it exists and fits."""

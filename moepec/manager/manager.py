@@ -9,15 +9,15 @@ Per checkpoint (``step`` when due), on the training thread:
 ``wait_for_snapshot`` must be called before ``optimizer.step()``: it blocks only
 if the copy of the previous checkpoint has not finished, so weights are never
 mutated under a copy. ``restore`` stitches the newest view (RAM where the
-process survived, else storage) with :func:`moepec.manager.restore.restore_state` and
-applies its outcome. ``close`` waits for the persist in flight.
+process survived, else storage) with :func:`moepec.recovery.restore.restore_state` and
+applies its outcome. ``close`` waits for the persist in flight. Its parts: the
+schedule of experts and K (``schedule``), the snapshot builder (``snapshots``), the
+RAM tier's placement (``ram_setup``), the callbacks' records (``reporting``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,40 +28,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moepec.errors import (
-    CheckpointError,
-    ConfigError,
-    ExpertDiscoveryError,
-    FencedError,
-    PersistError,
-)
+from moepec.errors import CheckpointError, PersistError
 from moepec.events import CheckpointEvent, CommitRecord, SnapshotRecord
 from moepec.hooks import FaultHooks
-from moepec.keys import parse_checkpoint_name
+from moepec.keys import next_seq
 from moepec.manager.claim import RootClaim
-from moepec.manager.config import AUTO, BusyPolicy, CheckpointConfig, PecScope
-from moepec.manager.restore import RestoreContext, RestoreOutcome, RestoreReport, restore_state
+from moepec.manager.config import BusyPolicy, CheckpointConfig, PecScope
+from moepec.manager.layout import Layout, destroy_groups, find_experts
+from moepec.manager.ram_setup import RamSetup
+from moepec.manager.reporting import Reporter
 from moepec.manager.routing import RoutingCounter
-from moepec.policy.plt import PLTLedger, dynamic_k
-from moepec.policy.selection import Selector, select_two_tier
+from moepec.manager.schedule import ExpertSchedule
+from moepec.manager.snapshots import SnapshotBuilder
+from moepec.policy.plt import PLTLedger
+from moepec.ram.shm import admissible
+from moepec.ram.snapshot import BufferPool, Snapshot, Snapshotter
+from moepec.recovery.outcome import RestoreContext, RestoreOutcome, RestoreReport
 from moepec.recovery.records import write_recovery
+from moepec.recovery.restore import persist_on_failure, restore_state
 from moepec.recovery.stitch import Tier
 from moepec.state.catalog import StateCatalog
-from moepec.state.experts import ExpertSpec, describe, discover, structure_of
-from moepec.state.shares import CheckpointKeys
-from moepec.store.manifest import CheckpointMeta
+from moepec.state.checkpoint_keys import CheckpointKeys
+from moepec.state.experts import ExpertSpec, structure_of
+from moepec.store.committed import committed_manifests
 from moepec.store.persist import Persister
-from moepec.store.replica import Replicator, node_id, ring_peers
-from moepec.store.shm import (
-    DEFAULT_DIR,
-    SlotsInUse,
-    SlotStore,
-    admissible,
-    check_budget,
-    root_identity,
-)
-from moepec.store.snapshot import BufferPool, RamTier, Snapshot, Snapshotter
-from moepec.store.storage import Storage, committed_manifests, no_gc
+from moepec.store.storage import Storage, no_gc
 
 log = logging.getLogger(__name__)
 
@@ -92,75 +83,39 @@ class CheckpointManager:
                  on_commit: Callable[[CommitRecord], None] | None = None,
                  hooks: FaultHooks | None = None) -> None:
         self.config = config
-        self._on_checkpoint, self._on_snapshot = on_checkpoint, on_snapshot
+        self._reporter = Reporter(on_checkpoint, on_snapshot)
         self._on_commit, self._hooks = on_commit, hooks
-        self._init_layout(expert_parallel)
-        self._init_state(model, optimizer, extra_state, expert_spec)
+        self._init_state(model, optimizer, extra_state, expert_spec, expert_parallel)
         self._init_tiers()
-        self._k_persist = config.k_persist
-        self._k_snapshot = config.k_snapshot
-        self.k_history: list[list[int]] = [[-1, self.k_persist]]
-        self.persist_selector = Selector.create(self.n_experts, config.selection)
-        self.ram_selector = Selector.create(self.n_experts, config.selection)
-        self.ledger = PLTLedger.create(self.n_experts)
+        self.schedule = ExpertSchedule(self.n_experts, config)
+        self._builder = SnapshotBuilder(config, self.catalog, self.keys, self.schedule,
+                                        self.structure, self.rank, self.world_size)
         self.routing = RoutingCounter(self.n_experts, self.distributed)
-        self._index = 0
-        self._covered: tuple[str | None, bool] = (None, False)
-        self.seq = _next_seq(self.storage.list_checkpoints())
-        self._copying: CheckpointEvent | None = None
-        """The checkpoint whose RAM snapshot is in flight (its SnapshotRecord is due)."""
-        self._copy_wait = 0.0
-        """Seconds the loop waited so far for that snapshot."""
+        self.seq = next_seq(n for n, _ in self.storage.list_checkpoints())
         self._last_step = -1
         self.restores: list[RestoreReport] = []
-        self._blocked = 0.0
         self._closed = False
 
-    def _init_layout(self, expert_parallel: tuple[int, int] | None) -> None:
-        """Ranks and the expert-parallel layout (checked against the process group)."""
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
-        self.ep_rank, self.ep_size = expert_parallel or (0, 1)
-        if self.ep_size > 1 and (self.world_size % self.ep_size
-                                 or self.ep_rank != self.rank % self.ep_size):
-            raise ConfigError(
-                f"expert_parallel={expert_parallel} on rank {self.rank} of {self.world_size}: "
-                f"ep_size must divide the world size and ep_rank must be rank % ep_size "
-                f"(EP groups are contiguous ranks)")
-
     def _init_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    extra_state: Mapping[str, Any] | None, spec: ExpertSpec | None) -> None:
-        """Find the experts and catalogue the training state."""
-        config = self.config
-        self.emap = discover(model, spec)
-        # Global expert counts: a rank holds n_local of them per layer under EP.
-        self.n_experts = tuple(n * self.ep_size for n in self.emap.n_experts)
-        if not self.n_experts:
-            found = describe(self.emap)
-            if config.experts_required:
-                raise ExpertDiscoveryError(
-                    f"{found}\nto checkpoint this model in full on purpose, pass "
-                    f"CheckpointConfig(require_experts=False)")
-            log.warning("%s\nrequire_experts=False: every checkpoint will be a full one", found)
-        elif self.emap.ragged and self.ep_size > 1:
-            raise ConfigError("ExpertSpec(ragged=True) does not work with expert parallelism; "
-                              "run without expert_parallel")
-        elif config.k_snapshot > min(self.n_experts):
-            raise ConfigError(
-                f"k_snapshot={config.k_snapshot} (and k_persist={config.k_persist}) must be "
-                f"<= the experts per MoE layer ({min(self.n_experts)})")
+                    extra_state: Mapping[str, Any] | None, spec: ExpertSpec | None,
+                    expert_parallel: tuple[int, int] | None) -> None:
+        """Ranks and the expert-parallel layout; find the experts and catalogue the
+        training state."""
+        layout = Layout.current(expert_parallel)
+        self.distributed, self.rank, self.world_size = (layout.distributed, layout.rank,
+                                                        layout.world_size)
+        self.ep_rank, self.ep_size = layout.ep_rank, layout.ep_size
+        self.emap, self.n_experts = find_experts(model, spec, self.config, self.ep_size)
         self.catalog = StateCatalog(model, optimizer, self.emap, extra_state,
                                     ep_rank=self.ep_rank, ep_size=self.ep_size)
         self.structure = structure_of(model, self.emap, self.ep_size)
-        self.keys = CheckpointKeys(self.catalog, pec_scope=config.pec_scope, rank=self.rank,
-                                   world_size=self.world_size, ep_size=self.ep_size,
-                                   write_mode=config.write_mode)
+        self.keys = CheckpointKeys(self.catalog, pec_scope=self.config.pec_scope,
+                                   rank=self.rank, world_size=self.world_size,
+                                   ep_size=self.ep_size, write_mode=self.config.write_mode)
 
     def _init_tiers(self) -> None:
         """Storage, the RAM snapshotter and the persist worker."""
         config = self.config
-        self._config_dict = config.to_dict()  # written into every manifest
         self.storage = Storage(config.path, config.storage_options, config.serialization)
         self._init_run()
         # A dedicated group for the persist worker: its collectives never interleave
@@ -168,117 +123,17 @@ class CheckpointManager:
         # except on a dedicated group).
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
                        if self.distributed else None)
-        slots = held = peers = None
-        ram_dir = self._ram_dir()
-        if ram_dir is not None:
-            peers = self._replica_peers()
-            root = root_identity(self.storage.url, self.storage.local)
-            if config.ram_dir != AUTO:  # checked by _ram_dir when chosen automatically
-                check_budget(self._ram_need_bytes(peers), config.ram_budget_bytes, ram_dir,
-                             root)
-            slots, held = self._open_slots(ram_dir, root, peers)
-            if slots is None:
-                ram_dir = peers = None
-        self.ram_dir = ram_dir
+        ram = RamSetup(config, self.storage, self.catalog, self.rank, self.world_size,
+                       self.distributed).build(self._hooks)
+        self.ram_dir = ram.ram_dir
         """Where this manager's RAM snapshots live (None: in the process)."""
-        self.ram_tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s,
-                                slots=slots, replicas=held, hooks=self._hooks)
-        self.replicator = None
-        if peers:
-            self.replicator = Replicator(slots, held, succ=peers[0], pred=peers[1],
-                                         timeout_s=config.timeout_s,
-                                         release=self.ram_tier.release)
-            self.ram_tier.on_complete = self.replicator.submit
+        self.ram_tier, self.replicator = ram.tier, ram.replicator
         self.persister = Persister(self.storage, run_id=self.run_id, rank=self.rank,
                                    world_size=self.world_size, group=self._group,
                                    background=config.async_persist, timeout_s=config.timeout_s,
                                    keep_last=config.keep_last, release=self.ram_tier.release,
                                    guard=lambda: self.root_claim.check(),
                                    hooks=self._hooks, on_commit=self._on_commit)
-
-    def _open_slots(self, ram_dir: str, root: str, peers: tuple[int, int] | None
-                    ) -> tuple[SlotStore | None, SlotStore | None]:
-        """This rank's slot store (and its predecessor's replicas), or (None, None) on
-        every rank when another live process of this host holds some rank's slots (a
-        second run into the same root, as in a takeover while the old run lives): the
-        tier is then in the process, with one warning. Collective when distributed."""
-        slots = held = None
-        busy = None
-        try:
-            slots = SlotStore(ram_dir, root=root, rank=self.rank, world_size=self.world_size)
-            if peers:
-                held = SlotStore(ram_dir, root=root, rank=peers[1],
-                                 world_size=self.world_size, replica=True)
-        except SlotsInUse as exc:
-            busy = str(exc)
-        except OSError as exc:
-            raise ConfigError(f"cannot keep RAM snapshots in ram_dir={ram_dir!r} ({exc}); use "
-                              f"a writable folder on a shared-memory filesystem such as "
-                              f"/dev/shm/moepec, or ram_dir=None") from exc
-        if self.distributed:
-            reasons: list[Any] = [None] * self.world_size
-            dist.all_gather_object(reasons, busy)
-            busy = next((f"rank {r}: {b}" for r, b in enumerate(reasons) if b), None)
-        if busy is None:
-            return slots, held
-        for store in (slots, held):
-            if store is not None:
-                store.close(unlink=False)
-        if self.rank == 0:
-            log.warning("RAM tier: in-process buffers (%s)", busy)
-        return None, None
-
-    def _ram_dir(self) -> str | None:
-        """The folder of the shared-memory RAM tier, or None for in-process buffers.
-        ``ram_dir="auto"``: DEFAULT_DIR when shared memory exists and the tier fits its
-        budget, else None; one info line (local rank 0) says which and why."""
-        chosen = self.config.ram_dir
-        if chosen != AUTO:
-            return chosen
-        shm = os.path.dirname(DEFAULT_DIR)
-        why = None
-        if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
-            why = f"no writable shared memory at {shm}; a restarted worker recovers from storage"
-        else:
-            try:
-                check_budget(self._ram_need_bytes(None), self.config.ram_budget_bytes, shm,
-                             root_identity(self.storage.url, self.storage.local))
-            except ConfigError as exc:
-                why = f"shared memory is too small: {str(exc).split(';')[0]}"
-        if self.distributed:  # one tier for all ranks: the restore protocol meets over it
-            whys: list[Any] = [None] * self.world_size
-            dist.all_gather_object(whys, why)
-            why = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), None)
-        if self.rank == 0:
-            if why is None:
-                log.info("RAM tier: shared memory in %s (survives worker restarts; "
-                         "ram_dir=None keeps it in the process)", DEFAULT_DIR)
-            else:
-                log.info("RAM tier: in-process buffers (%s)", why)
-        return DEFAULT_DIR if why is None else None
-
-    def _replica_peers(self) -> tuple[int, int] | None:
-        """(successor, predecessor) on the ring over nodes when RAM slots are replicated,
-        else None. Collective when distributed (the node ids are gathered)."""
-        if not self.distributed or self.config.ram_replicas == 0:
-            if self.config.ram_replicas:
-                raise ConfigError("ram_replicas=1 needs ranks on several nodes")
-            return None
-        nodes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(nodes, node_id())
-        if len(set(nodes)) < 2 and self.config.ram_replicas is None:
-            return None
-        return ring_peers(nodes, self.rank)
-
-    def _ram_need_bytes(self, peers: tuple[int, int] | None) -> int:
-        """Shared memory the tier may take on this node: three slots per local rank (twice
-        that with replicas), a full snapshot's share being about 1/world of the model with
-        Adam's two moments (optimizer state may not exist yet), whole for one rank."""
-        model = sum(t.numel() * t.element_size()
-                    for t in self.catalog.model.state_dict().values())
-        per_copy = model * (3 if self.catalog.optimizer is not None else 1)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return 3 * -(-per_copy // self.world_size) * (2 if peers else 1) * local
 
     def _init_run(self) -> None:
         """This run's id and its claim on the root (the lease: taken at the first save or
@@ -333,26 +188,18 @@ class CheckpointManager:
             self.root_claim.claim()
         self._finish_snapshot()
         counts = self.routing.take()
-        for tracker in (self.ledger, self.persist_selector, self.ram_selector):
-            tracker.observe(counts)
+        self.schedule.observe(counts)
         persist, pending_error = self._may_persist(step)
         # The persister is idle here whenever this checkpoint is to be persisted, so the
-        # committed view is current: while it lacks an expert (the first checkpoint of a
-        # run, or every one after failed persists), the checkpoint is a full one.
-        full = (persist and not self._storage_has_all_experts()) or (
-            self.config.full_every > 0 and self._index % self.config.full_every == 0)
-        snap, sources = self._take(step, full, persist)
+        # committed view is current.
+        full = self._builder.is_full(persist, self.persister.head, self.persister.head_view)
+        snap, sources = self._builder.take(step, self.seq, full, persist, run_id=self.run_id,
+                                           runs=self.runs)
         self.ram_tier.start(snap, sources)
-        nbytes = sum(t.numel() * t.element_size() for t in sources.values())
-        self._copying, self._copy_wait = CheckpointEvent(
-            step=step, seq=self.seq, full=full, persist=persist,
-            experts_snapshot=tuple(snap.snapshot_experts),
-            experts_persist=None if snap.persist_experts is None else tuple(snap.persist_experts),
-            k_persist=self.k_persist, k_snapshot=self.k_snapshot, snapshot_bytes=nbytes,
-            blocked_s=0.0), 0.0
-        started = self._copying
+        started = self._reporter.started(snap, sources, full=full, persist=persist,
+                                         k=(self.k_persist, self.k_snapshot))
         self.seq += 1
-        self._index += 1
+        self.schedule.index += 1
         self._last_step = step
         copied = None
         if not self.config.async_snapshot:
@@ -361,11 +208,9 @@ class CheckpointManager:
             if persist:
                 self.persister.submit(snap)
         finally:
-            blocked = time.perf_counter() - t0
-            self._blocked += blocked
-            self._notify(self._on_checkpoint, dataclasses.replace(started, blocked_s=blocked))
+            self._reporter.checkpoint(started, time.perf_counter() - t0)
             if copied is not None:
-                self._notify(self._on_snapshot, copied)
+                self._reporter.snapshot(copied)
         if pending_error is not None:
             raise pending_error
 
@@ -382,7 +227,7 @@ class CheckpointManager:
         # handled (the run failed), they stay for the restarted worker.
         clean = sys.exc_info()[0] is None
         try:
-            self._record_copy(self.ram_tier.finish())
+            self._reporter.copied(self.ram_tier.finish())
         finally:
             try:
                 if self.replicator is not None:
@@ -391,20 +236,9 @@ class CheckpointManager:
                 self.persister.close()
             finally:
                 self.root_claim.release()
-                self._destroy_groups()
-
-    def _destroy_groups(self) -> None:
-        """Leave the process groups this manager created (after their threads stopped)."""
-        groups = [self._group] + ([self.replicator.group] if self.replicator else [])
-        self._group = None
-        if not (dist.is_available() and dist.is_initialized()):
-            return  # the default group went first: it took every subgroup with it
-        for group in groups:
-            if group is not None:
-                try:
-                    dist.destroy_process_group(group)
-                except Exception as exc:  # noqa: BLE001 - exiting anyway; say what stays
-                    log.debug("could not destroy a checkpoint process group: %s", exc)
+                groups = [self._group] + ([self.replicator.group] if self.replicator else [])
+                self._group = None
+                destroy_groups(groups)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -428,12 +262,22 @@ class CheckpointManager:
     @property
     def k_persist(self) -> int:
         """Experts per MoE layer written to storage at each checkpoint (now)."""
-        return self._k_persist
+        return self.schedule.k_persist
 
     @property
     def k_snapshot(self) -> int:
         """Experts per MoE layer copied to RAM at each checkpoint (now)."""
-        return self._k_snapshot
+        return self.schedule.k_snapshot
+
+    @property
+    def k_history(self) -> list[list[int]]:
+        """[step, K_persist] at each change of K_persist (as the manifests record it)."""
+        return self.schedule.k_history
+
+    @property
+    def ledger(self) -> PLTLedger:
+        """The PLT ledger of this run's lineage (lost tokens so far)."""
+        return self.schedule.ledger
 
     def set_k(self, k_persist: int, k_snapshot: int | None = None) -> None:
         """Save ``k_persist`` experts per layer to storage (``k_snapshot``, by default the
@@ -443,14 +287,7 @@ class CheckpointManager:
         Training thread, every rank with the same values. Raises ConfigError unless
         1 <= k_persist <= k_snapshot <= the experts per MoE layer.
         """
-        k_snapshot = max(self._k_snapshot, k_persist) if k_snapshot is None else k_snapshot
-        top = min(self.n_experts, default=0)
-        if not 1 <= k_persist <= k_snapshot <= top:
-            raise ConfigError(f"set_k({k_persist}, {k_snapshot}): need 1 <= k_persist <= "
-                              f"k_snapshot <= {top} (the experts per MoE layer)")
-        if k_persist != self._k_persist:
-            self.k_history.append([self._last_step, k_persist])
-        self._k_persist, self._k_snapshot = k_persist, k_snapshot
+        self.schedule.set_k(k_persist, k_snapshot, self._last_step)
 
     @property
     def ram(self) -> Snapshot | None:
@@ -489,7 +326,7 @@ class CheckpointManager:
     @property
     def blocked_seconds(self) -> float:
         """Total time the training loop spent blocked in step() and wait_for_snapshot()."""
-        return self._blocked
+        return self._reporter.blocked
 
     # -- restore ----------------------------------------------------------------
     def restore(self) -> RestoreReport | None:
@@ -509,7 +346,7 @@ class CheckpointManager:
 
     def _restore(self, t0: float) -> RestoreReport | None:
         found = committed_manifests(self.storage)
-        self.seq = max(self.seq, _next_seq(found.listing))
+        self.seq = max(self.seq, next_seq(n for n, _ in found.listing))
         head = found.manifests.get(found.newest) if found.manifests else None
         ram = self.ram_tier.recovered(
             lambda meta: admissible(meta, head.meta if head is not None else None))
@@ -522,35 +359,25 @@ class CheckpointManager:
         self._apply(outcome)
         base = outcome.base
         kept = self.ram_tier.settle(base.seq, keep=base.tier == Tier.RAM)
-        persisted = self._persist_on_failure(kept, found)
-        report = RestoreReport(step=base.step, checkpoint=base.name, tier=str(base.tier),
-                               sources=outcome.sources, lost=outcome.lost,
-                               plt=self.ledger.plt(), warnings=outcome.warnings,
-                               seconds=time.perf_counter() - t0, keys_from=outcome.keys_from)
-        if self.rank == 0 and self._holds_root():
+        persisted = persist_on_failure(kept, found, persister=self.persister,
+                                       ram_tier=self.ram_tier, distributed=self.distributed,
+                                       paused=bool(self.root_claim.paused))
+        report = outcome.report(plt=self.ledger.plt(), seconds=time.perf_counter() - t0,
+                                persisted_on_failure=persisted)
+        if self.rank == 0 and self.root_claim.holds():
             write_recovery(self.storage, report, base_seq=base.seq, next_seq=self.seq,
                            k_persist=self.k_persist)
-        report.persisted_on_failure = persisted
         self.restores.append(report)
         log.info("restored step %d from %s (%s); lost %d token assignments, PLT %.4f%%",
                  report.step, report.checkpoint, report.tier, report.lost_total,
                  100 * report.plt)
         return report
 
-    def _holds_root(self) -> bool:
-        """Rank 0: whether this run still holds the root's lease (a fenced run writes
-        nothing there, not even a recovery record)."""
-        try:
-            self.root_claim.check()
-        except FencedError:
-            return False
-        return True
-
     def _drain(self) -> None:
         """Finish the snapshot and persist in flight before restoring; their errors are
         logged (the restore is what matters now)."""
         try:
-            self._record_copy(self.ram_tier.finish())
+            self._reporter.copied(self.ram_tier.finish())
         except CheckpointError as exc:
             log.warning("discarding the snapshot in progress: %s", exc)
         self.persister.wait_idle()
@@ -575,53 +402,17 @@ class CheckpointManager:
         self.catalog.load(outcome.values)
         self.keys.invalidate()  # restored optimizer state may be new tensors
         meta = outcome.base.meta
-        self.ledger = outcome.ledger
-        self.persist_selector.load_state_dict(meta.selectors["persist"])
-        self.ram_selector.load_state_dict(meta.selectors["ram"])
-        self._k_persist, self._k_snapshot = meta.k_persist, meta.k_snapshot
-        self.k_history = [list(x) for x in meta.k_history]
+        self.schedule.resume(meta, outcome.ledger)
         # This run continues the base's lineage of runs (restore stitches only within it).
-        self.runs = [r for r in meta.runs if r != self.run_id][-63:] + [self.run_id]
-        self._index = meta.index + 1
-        self._adjust_k(meta.step)
+        self.runs = meta.runs_continued_by(self.run_id)
+        self.schedule.adjust_k(meta.step, self.rank)
         if outcome.base.tier == Tier.STORAGE and self.ram is not None \
                 and self.ram.seq > meta.seq:
             self.ram_tier.drop()  # a snapshot of the abandoned future
         self.persister.set_head(outcome.head)
         self.seq = max(self.seq, meta.seq + 1)  # a RAM base may be newer than any folder
-        self._covered = (None, False)  # recomputed from the restored head at the next save
+        self._builder.forget_coverage()  # recomputed from the restored head at the next save
         self.routing.reset()
-
-    def _persist_on_failure(self, snap: Snapshot | None, found: Any) -> str | None:
-        """Persist the RAM base a previous worker left in shared memory if storage lacks
-        it (it was due for storage and its worker died first), before training resumes,
-        so a second fault cannot lose it. All ranks (they agree on doing it); returns the
-        checkpoint name committed, or None."""
-        due = (snap is not None and snap.origin == "shm" and snap.persist_experts is not None
-               and not any(mf_seq >= snap.seq for mf_seq in
-                           (m.seq for m in found.manifests.values())))
-        if self.distributed:
-            flag = torch.tensor([1 if due else 0], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            due = bool(flag.item())
-        if not due or self.root_claim.paused:
-            return None
-        assert snap is not None
-        # Written under this run's name: the dead worker's unfinished folder of the same
-        # snapshot (another run's name) is left to retention, never written into.
-        name = self.persister.name_of(snap)
-        self.ram_tier.hold(snap)  # the persist worker's reference, released when written
-        t0 = time.perf_counter()
-        self.persister.submit(snap)
-        self.persister.wait_idle()
-        try:
-            self.persister.check()
-        except CheckpointError as exc:
-            log.warning("could not persist the RAM snapshot of step %d: %s", snap.step, exc)
-            return None
-        log.info("persisted RAM snapshot of step %d (only in RAM when its worker died) as %s "
-                 "in %.2fs", snap.step, name, time.perf_counter() - t0)
-        return name
 
     # -- internals --------------------------------------------------------------
     def _finish_snapshot(self, notify: bool = True) -> SnapshotRecord | None:
@@ -630,10 +421,8 @@ class CheckpointManager:
             return None
         t0 = time.perf_counter()
         snap = self.ram_tier.finish()
-        waited = time.perf_counter() - t0
-        self._blocked += waited
-        self._copy_wait += waited
-        return self._record_copy(snap, notify)
+        self._reporter.waited(time.perf_counter() - t0)
+        return self._reporter.copied(snap, notify)
 
     def _may_persist(self, step: int) -> tuple[bool, CheckpointError | None]:
         """Whether this checkpoint goes to storage, and an earlier persist's error (which
@@ -654,116 +443,5 @@ class CheckpointManager:
                 f"checkpoints are paused, the snapshot stays in RAM: {self.root_claim.paused}")
         return pending_error is None, pending_error
 
-    def _take(self, step: int, full: bool, persist: bool
-              ) -> tuple[Snapshot, dict[str, torch.Tensor]]:
-        """Choose the experts and build this checkpoint's snapshot: objects and buffers
-        captured now, the live tensors to copy returned beside it."""
-        # Objects (RNG, scheduler, loader, hyper-parameters) change during the next
-        # forward: captured now, on the training thread, and first, so that a state that
-        # cannot be stored (ConfigError) leaves the selectors as they were. Rank 0 writes
-        # them (the write plan), so only it pays for serialising them.
-        objects = self.catalog.capture_objects() if self.rank == 0 else {}
-        if full:
-            snap_sel = [tuple(range(n)) for n in self.n_experts]
-            persist_sel = snap_sel
-        else:
-            snap_sel, persist_sel = select_two_tier(self.persist_selector, self.ram_selector,
-                                                    self.k_persist, self.k_snapshot)
-        self.ram_selector.commit(snap_sel, self._index)
-        if persist:
-            self.persist_selector.commit(persist_sel, self._index)
-        snap_keys = self.keys.keys_for(snap_sel)
-        mine = self.keys.mine(snap_keys)
-        mine_set = set(mine)
-        persist_keys = self.keys.keys_for(persist_sel) if persist else []
-        persist_experts = [tuple(p) for p in persist_sel] if persist else None
-        snap = Snapshot(seq=self.seq, step=step, tensors={},
-                        snapshot_experts=[tuple(s) for s in snap_sel],
-                        persist_experts=persist_experts,
-                        persist_keys=frozenset(k for k in persist_keys if k in mine_set),
-                        meta=self._meta(step, full, snap_sel, persist_experts),
-                        refs=2 if persist else 1, all_keys=snap_keys)
-        # Buffers change during the next forward too: cloned now.
-        snap.tensors.update({k: v for k, v in objects.items() if k in mine_set})
-        sources = {k: self.keys.live(k) for k in mine if not k.startswith("objects/")}
-        for k in [k for k in sources if k.startswith("model/") and k[6:] in self.catalog.buffers]:
-            snap.tensors[k] = sources.pop(k).clone()
-        return snap, sources
-
-    def _meta(self, step: int, full: bool, snap_sel: Sequence[Sequence[int]],
-              persist_experts: Sequence[Sequence[int]] | None) -> CheckpointMeta:
-        return CheckpointMeta(
-            step=step, seq=self.seq, index=self._index, time=time.time(),
-            structure=self.structure, config=self._config_dict,
-            k_persist=self.k_persist, k_snapshot=self.k_snapshot, full=full,
-            pec_scope=str(self.config.pec_scope), selection=str(self.config.selection),
-            experts_saved=[list(p) for p in (persist_experts or [])],
-            experts_snapshot=[list(s) for s in snap_sel],
-            counts=self.ledger.counts(), ledger=self.ledger.state_dict(),
-            plt=self.ledger.plt(),
-            selectors={"persist": self.persist_selector.state_dict(),
-                       "ram": self.ram_selector.state_dict()},
-            k_history=[list(x) for x in self.k_history],
-            world_size=self.world_size, write_mode=str(self.config.write_mode),
-            run_id=self.run_id, runs=list(self.runs))
-
-    def _storage_has_all_experts(self) -> bool:
-        """Whether the committed view holds a copy of every expert this rank owns."""
-        head = self.persister.head
-        if self._covered[0] != head or head is None:
-            self._covered = (head, head is not None and self.catalog.covers_owned_experts(
-                self.persister.head_view, self.config.pec_scope != PecScope.OPTIMIZER))
-        return self._covered[1]
-
-    def _record_copy(self, snap: Snapshot | None, notify: bool = True) -> SnapshotRecord | None:
-        """The SnapshotRecord of a finished snapshot this manager started (delivered to
-        ``on_snapshot`` when ``notify``, else returned); None for any other."""
-        started = self._copying
-        if snap is None or started is None or started.seq != snap.seq:
-            return None
-        self._copying = None
-        record = SnapshotRecord(step=started.step, seq=started.seq,
-                                snapshot_bytes=started.snapshot_bytes,
-                                copy_s=snap.copy_seconds, wait_s=self._copy_wait)
-        if not notify:
-            return record
-        self._notify(self._on_snapshot, record)
-        return None
-
-    @staticmethod
-    def _notify(callback: Callable[[Any], None] | None, record: Any) -> None:
-        """Deliver ``record``; an observer's error is logged, never raised."""
-        if callback is not None:
-            try:
-                callback(record)
-            except Exception:  # noqa: BLE001 - an observer must not fail the checkpoint
-                log.exception("checkpoint callback %r failed", callback)
-
-    def _adjust_k(self, step: int) -> None:
-        """Dynamic K after a recovery (policy.plt.dynamic_k), when configured; without it,
-        a warning when the recovery left PLT over the budget."""
-        if not self.n_experts:
-            return
-        if not self.config.dynamic_k:
-            if self.ledger.plt() > self.config.plt_budget and self.rank == 0:
-                log.warning("PLT is %.2f%% after this recovery, over the budget %.2f%%, and "
-                            "dynamic K is off: set CheckpointConfig(dynamic_k=True) "
-                            "(moepec train --dynamic-k), or save more experts per checkpoint "
-                            "(k_persist) or checkpoint more often (interval)",
-                            100 * self.ledger.plt(), 100 * self.config.plt_budget)
-            return
-        plt = self.ledger.plt()
-        new = dynamic_k(self.k_persist, plt, self.config.plt_budget, min(self.n_experts),
-                        self.config.dynamic_k_down)
-        if new != self.k_persist:
-            log.info("dynamic K: PLT %.3f%% vs budget %.3f%%: K_persist %d -> %d", 100 * plt,
-                     100 * self.config.plt_budget, self.k_persist, new)
-            self._k_persist = new
-            self._k_snapshot = max(self._k_snapshot, new)
-            self.k_history.append([step, new])
 
 
-def _next_seq(listing: Sequence[tuple[str, bool]]) -> int:
-    """The sequence number after every checkpoint folder's, committed or not."""
-    seqs = [parse_checkpoint_name(n)[0] for n, _ in listing]
-    return max(seqs, default=-1) + 1

@@ -2,7 +2,7 @@
 
 Every item (a tensor, or a group of tensors saved under one key) is replicated on its
 ``holders`` and must be written by exactly one of them. :func:`make_plan` is a pure,
-deterministic function, so every rank computes the same frozen :class:`SavePlan` from
+deterministic function, so every rank computes the same frozen :class:`WritePlan` from
 the same inputs without a collective. No I/O, no torch.
 
 Modes
@@ -48,7 +48,7 @@ MODES: tuple[str, ...] = tuple(m.value for m in WriteMode)
 
 
 @dataclass(frozen=True, slots=True)
-class Item:
+class PlanItem:
     """One unit of checkpoint data and the ranks that hold an identical replica of it."""
 
     key: str
@@ -72,7 +72,7 @@ class Item:
 
 
 @dataclass(frozen=True, slots=True)
-class SavePlan:
+class WritePlan:
     """Which rank writes each key. Frozen; identical on every rank."""
 
     mode: str
@@ -95,7 +95,7 @@ class SavePlan:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # mappingproxy does not pickle; rebuild from plain dicts.
-        return (SavePlan, (self.mode, self.world_size, dict(self.assignment), dict(self.nbytes)))
+        return (WritePlan, (self.mode, self.world_size, dict(self.assignment), dict(self.nbytes)))
 
     def keys_for(self, rank: int) -> tuple[str, ...]:
         """Keys ``rank`` writes, in plan order."""
@@ -119,9 +119,9 @@ def _least_loaded(holders: tuple[int, ...], loads: list[float]) -> int:
     return min(holders, key=lambda r: (loads[r], r))
 
 
-def _spread_experts(items: Iterable[Item], loads: list[float], out: dict[str, int]) -> None:
+def _spread_experts(items: Iterable[PlanItem], loads: list[float], out: dict[str, int]) -> None:
     """Each expert's tensors, biggest first, to its least-loaded replica; updates loads."""
-    by_expert: dict[tuple[int, int], list[Item]] = {}
+    by_expert: dict[tuple[int, int], list[PlanItem]] = {}
     for item in items:
         assert item.expert is not None
         layer = item.layer if item.layer is not None else -1
@@ -133,7 +133,7 @@ def _spread_experts(items: Iterable[Item], loads: list[float], out: dict[str, in
             loads[rank] += item.nbytes
 
 
-def _check_items(items: Sequence[Item], world_size: int) -> None:
+def _check_items(items: Sequence[PlanItem], world_size: int) -> None:
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     seen: set[str] = set()
@@ -148,13 +148,47 @@ def _check_items(items: Sequence[Item], world_size: int) -> None:
             )
 
 
+def _sharded(items: Sequence[PlanItem], world_size: int) -> dict[str, int]:
+    """``sharded``: experts spread, non-expert items in groups (a layer, or one key) of
+    the same holders, the largest group first to the least loaded holder."""
+    out: dict[str, int] = {}
+    _spread_experts([i for i in items if i.expert is not None], [0.0] * world_size, out)
+    groups: dict[tuple[Any, ...], list[PlanItem]] = {}
+    for item in (i for i in items if i.expert is None):
+        ident = ("layer", item.layer) if item.layer is not None else ("key", item.key)
+        groups.setdefault((*ident, item.holders), []).append(item)
+    loads = [0.0] * world_size
+    ordered = sorted(groups.items(), key=lambda g: (-sum(i.nbytes for i in g[1]), str(g[0])))
+    for (*_, holders), members in ordered:
+        rank = _least_loaded(holders, loads)
+        for item in members:
+            out[item.key] = rank
+            loads[rank] += item.nbytes
+    return out
+
+
+def _adaptive(items: Sequence[PlanItem], world_size: int,
+              expected_expert_load: Sequence[float] | None) -> dict[str, int]:
+    """``adaptive``: experts spread, then each non-expert item, largest first, to the
+    holder least loaded by the expected expert load (else this checkpoint's)."""
+    out: dict[str, int] = {}
+    actual = [0.0] * world_size
+    _spread_experts([i for i in items if i.expert is not None], actual, out)
+    loads = list(expected_expert_load) if expected_expert_load is not None else actual
+    for item in sorted((i for i in items if i.expert is None), key=lambda i: (-i.nbytes, i.key)):
+        rank = _least_loaded(item.holders, loads)
+        out[item.key] = rank
+        loads[rank] += item.nbytes
+    return out
+
+
 def make_plan(
-    items: Sequence[Item],
+    items: Sequence[PlanItem],
     world_size: int,
     mode: str,
     *,
     expected_expert_load: Sequence[float] | None = None,
-) -> SavePlan:
+) -> WritePlan:
     """The save plan of ``items`` over ``world_size`` ranks in ``mode`` (see module doc).
 
     Pure and deterministic: call it on every rank with the same arguments. Every item
@@ -169,33 +203,13 @@ def make_plan(
             f"expected_expert_load needs one value per rank ({world_size}), "
             f"got {len(expected_expert_load)}"
         )
-    experts = [i for i in items if i.expert is not None]
-    dense = [i for i in items if i.expert is None]
-    out: dict[str, int] = {}
     if mode == "baseline":
         out = {i.key: i.holders[0] for i in items}
     elif mode == "sharded":
-        _spread_experts(experts, [0.0] * world_size, out)
-        groups: dict[tuple[Any, ...], list[Item]] = {}
-        for item in dense:
-            ident = ("layer", item.layer) if item.layer is not None else ("key", item.key)
-            groups.setdefault((*ident, item.holders), []).append(item)
-        loads = [0.0] * world_size
-        ordered = sorted(groups.items(), key=lambda g: (-sum(i.nbytes for i in g[1]), str(g[0])))
-        for (*_, holders), members in ordered:
-            rank = _least_loaded(holders, loads)
-            for item in members:
-                out[item.key] = rank
-                loads[rank] += item.nbytes
+        out = _sharded(items, world_size)
     else:
-        actual = [0.0] * world_size
-        _spread_experts(experts, actual, out)
-        loads = list(expected_expert_load) if expected_expert_load is not None else actual
-        for item in sorted(dense, key=lambda i: (-i.nbytes, i.key)):
-            rank = _least_loaded(item.holders, loads)
-            out[item.key] = rank
-            loads[rank] += item.nbytes
-    return SavePlan(
+        out = _adaptive(items, world_size, expected_expert_load)
+    return WritePlan(
         mode=mode,
         world_size=world_size,
         assignment={i.key: out[i.key] for i in items},
@@ -204,7 +218,7 @@ def make_plan(
 
 
 def expected_expert_load(
-    expert_items_per_checkpoint: Sequence[Sequence[Item]], world_size: int
+    expert_items_per_checkpoint: Sequence[Sequence[PlanItem]], world_size: int
 ) -> list[float]:
     """Mean expert bytes each rank writes per checkpoint, over the checkpoints given.
 

@@ -1,1 +1,2 @@
-"""Reading checkpoints back: stitching views, recovery records, offline inspect/verify/export."""
+"""Reading checkpoints back: the restore procedure, stitching views, recovery records,
+offline inspect/verify/export."""

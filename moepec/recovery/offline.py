@@ -16,12 +16,14 @@ from typing import Any
 import torch
 
 from moepec.errors import CheckpointError, ManifestError
-from moepec.keys import parse_checkpoint_name, parse_key, split_chunk
+from moepec.keys import newest, parse_checkpoint_name, parse_key, split_chunk
 from moepec.recovery.stitch import read_verified, storage_source
 from moepec.recovery.views import Fallback, fallbacks, recover_stored
-from moepec.store import manifest as mf
-from moepec.store.manifest import DTYPE_SIZES, Manifest
-from moepec.store.storage import Storage, committed_manifests, single_process_dcp
+from moepec.store.committed import committed_manifests
+from moepec.store.items import DTYPE_SIZES
+from moepec.store.lineage import lineage, view_age
+from moepec.store.manifest import Manifest
+from moepec.store.storage import Storage, single_process_dcp
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ def inspect_path(path: str, storage_options: dict | None = None) -> dict[str, An
     out: dict[str, Any] = {"path": path, "checkpoints": rows, "head": head}
     if head:
         m = found.manifests[head]
-        out["view_age"] = mf.view_age(m)
+        out["view_age"] = view_age(m)
         out["structure"] = m.meta.structure["experts"]
         out["full_bytes"] = _full_bytes(m, found.manifests)
     return out
@@ -133,12 +135,12 @@ def verify_path(path: str, storage_options: dict | None = None,
 def retained_heads(manifests: Mapping[str, Manifest]) -> list[str]:
     """The views retention keeps (the newest ``keep_last`` of the newest lineage, with the
     keep_last the newest checkpoint was saved with)."""
-    head = mf.newest(manifests)
+    head = newest(manifests)
     if head is None:
         return []
     keep = manifests[head].meta.config.get("keep_last", 1)
     keep = keep if isinstance(keep, int) and keep >= 1 else 1
-    return mf.lineage(manifests, head)[:keep]
+    return lineage(manifests, head)[:keep]
 
 
 def _check_views(manifests: Mapping[str, Manifest], bad: set[str], res: VerifyResult) -> None:

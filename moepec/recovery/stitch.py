@@ -28,7 +28,9 @@ from moepec.errors import CorruptCheckpointError, ManifestError, NoCheckpointErr
 from moepec.keys import parse_key
 from moepec.state.objects import decode_object
 from moepec.store.checksum import checksum_matches
-from moepec.store.manifest import CheckpointMeta, Item, Manifest
+from moepec.store.items import Item
+from moepec.store.manifest import Manifest
+from moepec.store.meta import CheckpointMeta
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +175,7 @@ def _fetch(src: Source, keys: Sequence[str], target: Target | None, check: bool
 
 def _listed(src: Source, key: str) -> bool:
     """``src`` lists ``key`` with a valid entry (a manifest's entries are checked on
-    first use: store.manifest.Items)."""
+    first use: store.items.Items)."""
     if key not in src.keys:
         return False
     try:

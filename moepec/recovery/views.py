@@ -2,7 +2,7 @@
 try, each base's lineage and the keys its view requires.
 
 One definition for both readers of a view: the manager's restore (which adds the RAM
-tier on top, ``moepec.manager.restore``) and the offline export (``recovery.offline``),
+tier on top, ``moepec.recovery.restore``) and the offline export (``recovery.offline``),
 so ``moepec export`` writes exactly the state ``CheckpointManager.restore()`` loads.
 """
 
@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from moepec.errors import NoCheckpointError
 from moepec.keys import parse_key
 from moepec.recovery.stitch import Recovered, Source, Tier, recover, storage_source
-from moepec.store import manifest as mf
+from moepec.store.committed import Committed
+from moepec.store.lineage import lineage
 from moepec.store.manifest import Manifest
-from moepec.store.storage import Committed, Storage
+from moepec.store.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def same_runs(base: Source, chain: list[Source]) -> list[Source]:
     """The copies of ``chain`` taken by runs of the base's lineage: a checkpoint another
     run wrote into the same root (a second writer, a copied folder) is never stitched in.
     A run continues a lineage by restoring from it (or taking over its lease)."""
-    runs = set(base.meta.runs) | {base.meta.run_id}
+    runs = base.meta.run_lineage
     kept = [s for s in chain if s.meta.run_id in runs]
     for s in chain:
         if s.meta.run_id not in runs:
@@ -62,7 +63,7 @@ class StoredViews:
 
     def chain(self, head: str) -> list[Source]:
         """``head`` and its committed ancestors, newest first (every run's)."""
-        return [self.sources[n] for n in mf.lineage(self.manifests, head)]
+        return [self.sources[n] for n in lineage(self.manifests, head)]
 
     def lineage_of(self, base: Source) -> list[Source]:
         """The sources that may supply copies to ``base``, newest first."""

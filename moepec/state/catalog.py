@@ -28,23 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from moepec.errors import ConfigError, CorruptCheckpointError, StructureMismatchError
+from moepec.errors import ConfigError, StructureMismatchError
 from moepec.keys import EXPERT_PREFIX, OBJECT_PREFIX, chunk_key, expert_key, parse_key, split_chunk
 from moepec.state import chunks
 from moepec.state.chunks import Block, Layout
 from moepec.state.experts import ExpertMap, canonical_expert_name, expert_slice
-from moepec.state.objects import decode_object, encode_object
-from moepec.state.rng import check_rng_state, rng_state, set_rng_state
+from moepec.state.object_state import ObjectState
 
 log = logging.getLogger(__name__)
-
-EXTRA_PREFIX = f"{OBJECT_PREFIX}extra/"
-_GROUPS_FIX = "keep the optimizer's param_groups hyper-parameters plain data"
-
-
-def _extra_where(name: str) -> str:
-    return f"extra_state[{name!r}] state_dict()"
-
 
 class StateCatalog:
     """Keys of the whole training state, and access to their live tensors.
@@ -70,13 +61,9 @@ class StateCatalog:
                         self._full_of_canon[canonical_expert_name(lay, short, g)] = full
         self.optimizer = optimizer
         self.emap = emap
-        self.extra_state = dict(extra_state or {})
-        for name, obj in self.extra_state.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise ConfigError(
-                    f"extra_state[{name!r}] ({type(obj).__name__}) has no state_dict()/"
-                    f"load_state_dict(); pass objects that do, or wrap it")
-            _check_storable(name, obj)
+        self.objects = ObjectState(optimizer, extra_state)
+        """The small objects (RNG, optimizer hyper-parameters, extra_state)."""
+        self.extra_state = self.objects.extra_state
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         self._name_of = {id(p): n for n, p in self.params.items()}
         self.buffers = {n: b for n, b in model.state_dict(keep_vars=True).items()
@@ -170,11 +157,7 @@ class StateCatalog:
         return meta[2] if meta is not None else None
 
     def object_keys(self) -> list[str]:
-        keys = ["objects/rng"]
-        if self.optimizer is not None:
-            keys.append("objects/optim_groups")
-        keys += [f"objects/extra/{n}" for n in self.extra_state]
-        return keys
+        return self.objects.keys()
 
     def owns(self, layer: int, expert: int) -> bool:
         """Whether this rank holds global expert ``expert`` of ``layer`` (any part of it,
@@ -345,17 +328,9 @@ class StateCatalog:
 
     def capture_objects(self) -> dict[str, torch.Tensor]:
         """Encode every object key now (training thread, at snapshot time: the objects
-        change during the next step). Raises ConfigError, naming the entry, the key path
-        and the type, for a value moepec does not store."""
-        out = {"objects/rng": encode_object(rng_state(), "the RNG state")}
-        if self.optimizer is not None:
-            groups = [{k: v for k, v in g.items() if k != "params"}
-                      for g in self.optimizer.param_groups]
-            out["objects/optim_groups"] = encode_object(groups, "optimizer.param_groups",
-                                                        _GROUPS_FIX)
-        for name, obj in self.extra_state.items():
-            out[f"{EXTRA_PREFIX}{name}"] = encode_object(obj.state_dict(), _extra_where(name))
-        return out
+        change during the next step). Raises ConfigError for a value moepec does not
+        store (ObjectState.capture)."""
+        return self.objects.capture()
 
     def read_target(self, key: str) -> torch.Tensor | None:
         """The live tensor a restore may read ``key`` into in place, or None (objects,
@@ -408,7 +383,7 @@ class StateCatalog:
         Every object is decoded and checked before anything is written, so a malformed
         one (CorruptCheckpointError) or a mismatched optimizer (StructureMismatchError)
         leaves the live state untouched."""
-        objects = {k: self._decode(k, v) for k, v in values.items()
+        objects = {k: self.objects.decode(k, v) for k, v in values.items()
                    if k.startswith(OBJECT_PREFIX)}
         plain, pieces = chunks.assembly(values, self._target)
         with torch.no_grad():
@@ -422,51 +397,9 @@ class StateCatalog:
                     if dst.data_ptr() != src.data_ptr():
                         dst.copy_(src)
         for key, obj in objects.items():
-            self._apply_object(key, obj)
+            self.objects.apply(key, obj)
 
     # -- helpers ---------------------------------------------------------------
-    def _decode(self, key: str, value: torch.Tensor) -> Any:
-        """A saved object, decoded (no code runs) and checked against this catalogue."""
-        obj = decode_object(value, key)
-        if key == "objects/rng":
-            return check_rng_state(obj, key)
-        if key == "objects/optim_groups":
-            return self._check_groups(obj, key)
-        if key.startswith(EXTRA_PREFIX):
-            if not isinstance(obj, dict):
-                raise CorruptCheckpointError(
-                    f"checkpoint item {key!r} holds a {type(obj).__name__}, not the dict a "
-                    f"state_dict() returns; the item is damaged")
-            return obj
-        raise CorruptCheckpointError(f"checkpoint item {key!r} is an object this moepec does "
-                                     f"not know; the manifest is damaged or from a newer moepec")
-
-    def _check_groups(self, groups: Any, key: str) -> list[dict[str, Any]]:
-        if type(groups) is not list or not all(
-                type(g) is dict and "params" not in g and all(type(k) is str for k in g)
-                for g in groups):
-            raise CorruptCheckpointError(
-                f"checkpoint item {key!r} is not a list of hyper-parameter dicts; the item "
-                f"is damaged")
-        if self.optimizer is not None and len(groups) != len(self.optimizer.param_groups):
-            raise StructureMismatchError(
-                f"checkpoint has {len(groups)} optimizer param groups, the optimizer "
-                f"has {len(self.optimizer.param_groups)}; build the optimizer as "
-                f"when the checkpoint was saved")
-        return groups
-
-    def _apply_object(self, key: str, obj: Any) -> None:
-        if key == "objects/rng":
-            set_rng_state(obj)
-        elif key == "objects/optim_groups":
-            if self.optimizer is not None:
-                for group, saved in zip(self.optimizer.param_groups, obj):
-                    _update_group(group, saved)
-        else:
-            name = key[len(EXTRA_PREFIX):]
-            if name in self.extra_state:
-                self.extra_state[name].load_state_dict(obj)
-
     def _optim_items(self):
         if self.optimizer is None:
             return
@@ -492,29 +425,3 @@ class StateCatalog:
             return False
         state = self._state(pname).get(sk)
         return state is not None and tuple(state.shape) == tuple(self.params[pname].shape)
-
-
-def _update_group(group: dict[str, Any], saved: Mapping[str, Any]) -> None:
-    """Set a param group's hyper-parameters; a tensor one (a tensor ``lr``) is copied into
-    in place, keeping its device and identity (fused and captured optimizers hold it)."""
-    for k, v in saved.items():
-        live = group.get(k)
-        if isinstance(live, torch.Tensor) and isinstance(v, torch.Tensor) \
-                and live.shape == v.shape:
-            with torch.no_grad():
-                live.copy_(v)
-        else:
-            group[k] = v
-
-
-def _check_storable(name: str, obj: Any) -> None:
-    """Refuse an extra_state entry whose state_dict() moepec cannot store, when the
-    manager is built rather than at the first checkpoint. A state_dict() that fails
-    now (state not ready yet) is checked at capture instead."""
-    try:
-        state = obj.state_dict()
-    except Exception as exc:  # noqa: BLE001 - user code; capture_objects checks again
-        log.debug("extra_state[%r].state_dict() failed at construction (%s); checked "
-                  "at the first checkpoint", name, exc)
-        return
-    encode_object(state, _extra_where(name))

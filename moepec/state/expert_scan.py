@@ -25,6 +25,7 @@ Pure: reads the module tree, changes nothing, no I/O.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -148,7 +149,6 @@ def _stacked_candidates(path: str, attr: str, direct: list, named: bool, shared:
     """The direct parameters of one module: taken as stacked experts, refused, or nothing."""
     prefix = _prefix_of(path)
     anchors = {n: p.shape[0] for n, p in direct if p.dim() >= 3}
-    small = [(n, p) for n, p in direct if p.dim() < 3]
 
     def cand(items, n_experts: int, taken: bool, why: str) -> Candidate:
         # An experts module's layer is its parent; a module holding [E, ...] tensors of its
@@ -165,16 +165,31 @@ def _stacked_candidates(path: str, attr: str, direct: list, named: bool, shared:
     if not named:
         if not anchors:
             return []
-        routers = router_outputs(parent) | router_outputs(mod)
-        sizes = set(anchors.values())
-        items = [(n, p) for n, p in direct if n in anchors]
-        if len(sizes) == 1 and sizes <= routers:
-            e = sizes.pop()
-            return [cand(items, e, True, f"[E, ...] tensors agreeing on E={e} beside a "
-                                         f"router with {e} outputs")]
-        return [cand(items, 0, False,
-                     f"[E, ...] tensors (dim 0: {sorted(sizes)}) outside an experts module "
-                     f"and with no router of that many outputs beside them")]
+        return _beside_router(direct, anchors, router_outputs(parent) | router_outputs(mod),
+                              cand)
+    return _in_experts_module(path, attr, direct, anchors, ragged, cand)
+
+
+def _beside_router(direct: list, anchors: dict[str, int], routers: set[int],
+                   cand: Callable[..., Candidate]) -> list[Candidate]:
+    """[E, ...] tensors outside an experts module: taken when they agree on E and a
+    router with E outputs sits beside them."""
+    sizes = set(anchors.values())
+    items = [(n, p) for n, p in direct if n in anchors]
+    if len(sizes) == 1 and sizes <= routers:
+        e = sizes.pop()
+        return [cand(items, e, True, f"[E, ...] tensors agreeing on E={e} beside a "
+                                     f"router with {e} outputs")]
+    return [cand(items, 0, False,
+                 f"[E, ...] tensors (dim 0: {sorted(sizes)}) outside an experts module "
+                 f"and with no router of that many outputs beside them")]
+
+
+def _in_experts_module(path: str, attr: str, direct: list, anchors: dict[str, int],
+                       ragged: bool, cand: Callable[..., Candidate]) -> list[Candidate]:
+    """The direct parameters of an experts module: the [E, ...] ones (E agreed, or
+    ragged) are the experts, the rest non-expert state. Raises ExpertDiscoveryError when
+    they disagree on E and ``ragged`` is off."""
     if not anchors:
         return [cand(direct, 0, False,
                      f"only 1-D/2-D tensors in the experts module {attr!r}: nothing shows "
@@ -194,7 +209,7 @@ def _stacked_candidates(path: str, attr: str, direct: list, named: bool, shared:
     out = [cand(members, e, True,
                 f"experts module {attr!r}: [E, ...] tensors agree on E={e}"
                 + (f" (ragged: dim 0 in {sorted(sizes)})" if len(sizes) > 1 else ""))]
-    rest = [(n, p) for n, p in small if n not in names]
+    rest = [(n, p) for n, p in direct if p.dim() < 3 and n not in names]
     if rest:
         out.append(cand(rest, 0, False, f"dim 0 differs from the experts' E={e} (or a "
                                          f"scalar): non-expert state"))

@@ -1,1 +1,1 @@
-"""The two tiers and the commit: RAM snapshots, DCP storage on fsspec, manifests, persist."""
+"""The storage tier and the commit: DCP storage on fsspec, manifests, the lease, persist."""

@@ -15,10 +15,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from moepec.errors import CheckpointError, FencedError, PersistError
@@ -27,11 +28,31 @@ from moepec.hooks import FaultHooks
 from moepec.keys import checkpoint_name
 from moepec.store import manifest as mf
 from moepec.store.checksum import tensor_checksum
-from moepec.store.manifest import CheckpointMeta, Item, Manifest
-from moepec.store.snapshot import Snapshot
-from moepec.store.storage import Storage, committed_manifests
+from moepec.store.committed import committed_manifests
+from moepec.store.items import Item
+from moepec.store.lineage import to_delete, updated_view
+from moepec.store.manifest import Manifest
+from moepec.store.meta import CheckpointMeta
+from moepec.store.storage import Storage
 
 log = logging.getLogger(__name__)
+
+
+class Snapshot(Protocol):
+    """What the persist worker reads of a RAM snapshot (:class:`moepec.ram.snapshot.Snapshot`
+    is one): the storage tier sits below the RAM tier and names only these fields."""
+
+    tensors: dict[str, torch.Tensor]
+    persist_keys: frozenset[str]
+    meta: CheckpointMeta
+    done: threading.Event
+    error: BaseException | None
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -82,9 +103,9 @@ class Persister:
         self.timeout_s = timeout_s
         self.keep_last = keep_last
         self.release = release
-        self.head: str | None = None
-        self.head_view: dict[str, str] = {}
-        self.head_ancestors: list[str] = []
+        self._head: Manifest | None = None
+        """The committed checkpoint the next persist continues (one reference: the training
+        thread reads its name and view while the worker may replace it)."""
         self.records: list[PersistRecord] = []
         self.hooks = hooks or FaultHooks()
         """Fault-injection seams (moepec.hooks.PERSIST_POINTS)."""
@@ -103,12 +124,26 @@ class Persister:
     def busy(self) -> bool:
         return not self._idle.is_set()
 
+    @property
+    def head(self) -> str | None:
+        """The name of the committed checkpoint the next persist continues, or None."""
+        head = self._head
+        return head.name if head is not None else None
+
+    @property
+    def head_view(self) -> Mapping[str, str]:
+        """That checkpoint's view ({} when there is none)."""
+        head = self._head
+        return head.view if head is not None else {}
+
     def set_head(self, manifest: Manifest | None) -> None:
         """The committed checkpoint the next persist continues (None: start a new lineage).
-        Called by the worker after a commit and by the manager after a restore."""
-        self.head = manifest.name if manifest else None
-        self.head_view = dict(manifest.view) if manifest else {}
-        self.head_ancestors = list(manifest.ancestors) if manifest else []
+        Called by the worker after a commit and by the manager after a restore. Raises
+        ManifestError when its view cannot be read (it is read now, not by a later
+        persist)."""
+        if manifest is not None:
+            manifest.view.keys()
+        self._head = manifest
 
     def submit(self, snap: Snapshot) -> None:
         """Persist ``snap`` (inline or in the background). Caller checked ``busy`` and
@@ -253,9 +288,13 @@ class Persister:
         bytes_per_rank = [0] * self.world_size
         for item in items.values():
             bytes_per_rank[item.rank] += item.nbytes
-        ancestors = (self.head_ancestors + [self.head])[-mf.MAX_ANCESTORS:] if self.head else []
-        return Manifest(meta=meta, name=name, parent=self.head, ancestors=ancestors,
-                        keys=items, view=mf.updated_view(self.head_view, name, items),
+        head = self._head
+        ancestors = ((list(head.ancestors) + [head.name])[-mf.MAX_ANCESTORS:]
+                     if head is not None else [])
+        parent = head.name if head is not None else None
+        view = updated_view(head.view if head is not None else None, name, items)
+        return Manifest(meta=meta, name=name, parent=parent, ancestors=ancestors,
+                        keys=items, view=view,
                         bytes_per_rank=bytes_per_rank, bytes=sum(bytes_per_rank),
                         committed_at=time.time(), serialization=self.storage.serialization)
 
@@ -325,6 +364,6 @@ class Persister:
             log.warning("retention deletes nothing: a newer moepec wrote checkpoints here")
             return
         self._known = found.manifests  # committed manifests never change
-        for name in mf.to_delete(found.manifests, found.uncommitted, self.keep_last):
+        for name in to_delete(found.manifests, found.uncommitted, self.keep_last):
             log.info("retention deletes %s", name)
             self.storage.delete(name)

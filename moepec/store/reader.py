@@ -2,7 +2,7 @@
 
 No DCP ``.metadata`` (a pickle) is read and nothing is unpickled: each item's data file,
 offset, length and encoding come from the validated JSON manifest
-(:class:`moepec.store.manifest.Item`). Raw items are read straight into their target
+(:class:`moepec.store.items.Item`). Raw items are read straight into their target
 tensors; ``torch_save`` items (stock DCP framing) are decoded with
 ``torch.load(weights_only=True)``. Items of one file are read in offset order through
 one open file, so a restore that stitches a view from many checkpoints makes one
@@ -32,7 +32,7 @@ import torch
 from moepec.errors import CheckpointError, CorruptCheckpointError
 from moepec.store.checksum import checksum_matches, stored_matches, tensor_bytes
 from moepec.store.dcp_raw import read_exact
-from moepec.store.manifest import Encoding, Item
+from moepec.store.items import Encoding, Item
 
 
 def confined(root: str, *parts: str, local: bool) -> str:

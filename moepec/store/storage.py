@@ -24,7 +24,6 @@ import contextlib
 import gc
 import json
 import logging
-import math
 import os
 import threading
 import warnings
@@ -39,41 +38,23 @@ import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.default_planner import (
-    DefaultSavePlanner,
-    _validate_global_plan,
-    create_default_global_save_plan,
-)
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
 
-from moepec.errors import CheckpointError, ManifestError, ManifestFormatError, check_choice
+from moepec.errors import CheckpointError, ManifestError, check_choice
 from moepec.keys import (
-    CHUNK_MARK,
     MANIFEST_NAME,
-    chunk_key,
     is_legacy_name,
     parse_checkpoint_name,
-    split_chunk,
 )
 from moepec.store import dcp_raw
 from moepec.store import manifest as mf
+from moepec.store.dcp_planner import ROOT_KEY, KeySavePlanner, keys_of
 from moepec.store.dcp_raw import (
     RAW_DESCRIPTOR,
     RawFileSystemWriter,
     RawFsspecWriter,
 )
-from moepec.store.manifest import Encoding, Item, Manifest, Serialization, newest
+from moepec.store.items import Encoding, Item, Serialization
+from moepec.store.manifest import Manifest
 from moepec.store.reader import CAN_MAP, confined, map_items, read_items
 
 log = logging.getLogger(__name__)
@@ -160,11 +141,11 @@ class Storage:
                 url, sync_files=False, overwrite=True, **self.options)
         distributed = dist.is_available() and dist.is_initialized()
         with contextlib.nullcontext() if distributed else single_process_dcp():
-            metadata = dcp.save({_ROOT: dict(tensors)}, storage_writer=writer,
-                                planner=_SavePlanner(),
+            metadata = dcp.save({ROOT_KEY: dict(tensors)}, storage_writer=writer,
+                                planner=KeySavePlanner(),
                                 process_group=process_group if distributed else None,
                                 no_dist=not distributed)
-        keys = _keys_of(metadata)
+        keys = keys_of(metadata)
         return {keys[index]: Location(
             info.relative_path, info.offset, info.length,
             Encoding.RAW if RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None)
@@ -335,48 +316,6 @@ class Storage:
         return total
 
 
-@dataclass(slots=True)
-class Committed:
-    """What a checkpoint root holds, as read by :func:`committed_manifests`."""
-
-    manifests: dict[str, Manifest]
-    """Committed checkpoints whose manifest reads and validates, oldest first."""
-    damaged: dict[str, ManifestError | CheckpointError]
-    """Committed checkpoints whose manifest cannot be used, with the reason."""
-    uncommitted: list[str]
-    """Checkpoint folders without a manifest (never to be read)."""
-    listing: list[tuple[str, bool]]
-    """(name, committed) of every checkpoint folder, oldest first."""
-
-    @property
-    def newest(self) -> str | None:
-        return newest(self.manifests)
-
-    def newer_format(self) -> ManifestFormatError | None:
-        """A manifest written by a newer moepec, if any: nothing may act as if it were
-        absent (restoring or retaining past it would lose its progress)."""
-        return next((e for e in self.damaged.values() if isinstance(e, ManifestFormatError)),
-                    None)
-
-
-def committed_manifests(storage: Storage, known: Mapping[str, Manifest] | None = None,
-                        views: bool = False) -> Committed:
-    """Read and validate every committed manifest under ``storage``'s root: the one reader
-    that restore, retention, inspect, verify and export use.
-
-    ``known`` holds manifests read before (a committed manifest never changes), which are
-    not read again. ``views``: read every view now (offline tools), so a damaged view file
-    makes its manifest damaged; otherwise a view is read on first use (a restore reads
-    one). Never raises for a damaged manifest: it is listed in ``damaged``.
-    Reads only; any rank may call it, on any thread.
-    """
-    listing = storage.list_checkpoints()
-    out = Committed(manifests={}, damaged={}, uncommitted=[], listing=listing)
-    with no_gc():
-        _read_committed(storage, listing, known, views, out)
-    return out
-
-
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
     """No garbage collection inside: parsing manifests (and restoring from them) allocates
@@ -433,133 +372,6 @@ def single_process_dcp() -> Iterator[None]:
 _quiet_lock = threading.Lock()
 _quiet_users = [0]
 """Threads inside :func:`single_process_dcp` (the filter is process-wide, so is this)."""
-
-
-def _read_committed(storage: Storage, listing: list[tuple[str, bool]],
-                    known: Mapping[str, Manifest] | None, views: bool, out: Committed) -> None:
-    for name, is_committed in listing:
-        if not is_committed:
-            out.uncommitted.append(name)
-        elif known is not None and name in known:
-            out.manifests[name] = known[name]
-        else:
-            try:
-                manifest = storage.read_manifest(name)
-            except CheckpointError as exc:
-                out.damaged[name] = exc
-                continue
-            if manifest.name != name:  # a copied or renamed folder: its data is elsewhere
-                out.damaged[name] = ManifestError(
-                    f"{storage.url}/{name}: the manifest names checkpoint {manifest.name!r}")
-                continue
-            try:
-                if views and isinstance(manifest.view, mf.StoredView):
-                    manifest.view.load()
-            except ManifestError as exc:
-                out.damaged[name] = exc
-            else:
-                out.manifests[name] = manifest
-
-
-_ROOT = "moepec"
-"""Storage.write hands dcp.save ``{_ROOT: tensors}``; _SavePlanner unwraps it."""
-
-
-class _SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, cut to what moepec's flat dict of tensors needs.
-
-    - A chunk key (``<key>#<offsets>+<shape>:<global shape>``, moepec.keys) is written as
-      a DCP shard: a SHARD write item of fqn ``<key>`` at its global offsets. The
-      ``.metadata`` then describes each sharded tensor once, with the chunks of all ranks,
-      as DCP's own DTensor saves do, so a stock ``dcp.load`` reshards it onto any layout.
-      Any other key is one whole tensor of that name.
-    - ``dcp.save`` wraps every top-level key in a logging and Stateful check (~20 us per
-      key, 12 ms per checkpoint of 600 items). It gets one key, ``_ROOT``, and this
-      planner plans the dict under it, as if the dict had been passed directly (nothing
-      to flatten: it is flat already).
-    - The global plan skips DCP's index-hint rewrite, which copies every write item twice
-      (~40 us per item). The hint only speeds up finding a chunk among a tensor's chunks;
-      a read matches an index by name and offsets.
-    Ranks' keys are disjoint by construction (moepec.state.shares); a whole tensor written
-    by two ranks still fails here (DCP's global plan refuses a second whole-tensor item),
-    and so do the chunks of a tensor that do not tile it exactly (overlap, gap, out of
-    bounds).
-
-    Rank roles as in DCP: every rank calls ``set_up_planner``, ``create_local_plan`` and
-    ``resolve_data`` (from its writer, on the calling thread); the coordinator calls
-    ``create_global_plan``.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._chunk_keys: dict[tuple[str, tuple[int, ...]], str] = {}
-
-    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
-                       is_coordinator: bool = False) -> None:
-        super().set_up_planner(state_dict[_ROOT], storage_meta, is_coordinator)
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for key, tensor in self.state_dict.items():
-            base, chunk = split_chunk(key) if CHUNK_MARK in key else (key, None)
-            if chunk is None:
-                kind, offsets, size = WriteItemType.TENSOR, [0] * tensor.dim(), tensor.size()
-            else:
-                kind, offsets, size = WriteItemType.SHARD, chunk[0], chunk[2]
-                if tuple(tensor.shape) != chunk[1]:
-                    raise CheckpointError(f"{key}: the tensor is {list(tensor.shape)}, its "
-                                          f"key names a {list(chunk[1])} chunk")
-                self._chunk_keys[(base, chunk[0])] = key
-            offsets = torch.Size(offsets)
-            items.append(WriteItem(
-                index=MetadataIndex(base, offsets), type=kind,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=tensor.size()),
-                    properties=TensorProperties.create_from_tensor(tensor),
-                    size=torch.Size(size))))
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        key = self._chunk_keys.get((index.fqn, tuple(index.offset or ())))
-        return self.state_dict[key] if key is not None else self.state_dict[index.fqn]
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
-        plans, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)
-        # DCP's check finds chunks out of bounds and overlapping ones (a sweep, not all
-        # pairs); its volume check runs only across several plans, so it is done here.
-        errors = [e for e in _validate_global_plan(plans, metadata) if "invalid fill" not in e]
-        for key, md in metadata.state_dict_metadata.items():
-            chunks = getattr(md, "chunks", None)
-            held = sum(math.prod(c.sizes) for c in chunks) if chunks is not None else 0
-            if chunks is not None and held != md.size.numel():
-                errors.append(f"the chunks of {key} hold {held} of its {md.size.numel()} "
-                              f"elements")
-        if errors:
-            raise CheckpointError(f"the items written do not tile their tensors: {errors[0]}"
-                                  f" ({len(errors)} problems); moepec writes each block of a "
-                                  f"tensor once")
-        self.global_plan, self.metadata = plans, metadata
-        return plans, metadata
-
-
-def _keys_of(metadata: Metadata) -> dict[MetadataIndex, str]:
-    """The moepec key of every written item: its fqn, or the chunk key of a shard (a
-    tensor written in several chunks, told apart by their offsets)."""
-    out = {}
-    sizes: dict[str, dict[tuple[int, ...], torch.Size]] = {}
-    for index in metadata.storage_data:
-        md = metadata.state_dict_metadata[index.fqn]
-        chunks = getattr(md, "chunks", None)
-        if not chunks or len(chunks) == 1:
-            out[index] = index.fqn
-            continue
-        of = sizes.get(index.fqn)
-        if of is None:
-            of = sizes[index.fqn] = {tuple(c.offsets): c.sizes for c in chunks}
-        offsets = tuple(index.offset)
-        out[index] = chunk_key(index.fqn, offsets, of[offsets], md.size)
-    return out
 
 
 _PACKAGES = {"s3": "moepec[s3] (s3fs)", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",

@@ -16,7 +16,7 @@ from moepec.train.data import check_vocab
 
 
 # The trainer's own closed choices live here, beside the field that holds them: the
-# modules that act on them (trainer, wiring) import this one, so defining them there
+# modules that act on them (trainer, checkpointing) import this one, so defining them there
 # would make this module import them back.
 class Device(StrEnum):
     """Where a rank trains."""

@@ -32,6 +32,13 @@ from tqdm import tqdm
 
 from moepec.errors import ConfigError, DataError
 from moepec.train import dist
+from moepec.train.checkpointing import (
+    MetricsWriter,
+    checkpoint_record,
+    close_manager,
+    persist_guard,
+    recovery_record,
+)
 from moepec.train.config import TrainConfig, TrainResult
 from moepec.train.setup import Run, setup
 
@@ -45,13 +52,6 @@ from moepec.train.steps import (  # noqa: F401
     optimizer_step,
     param_digest,
     train_step,
-)
-from moepec.train.wiring import (
-    MetricsWriter,
-    checkpoint_record,
-    close_manager,
-    persist_guard,
-    recovery_record,
 )
 
 __all__ = ["StepResult", "TrainConfig", "TrainResult", "build_optimizer", "build_scheduler",

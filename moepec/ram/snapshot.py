@@ -7,7 +7,7 @@ buffer): one being filled, one being persisted, and the newest complete one
 kept for recovery from RAM.
 
 With ``CheckpointConfig(ram_dir=...)`` the buffers are slots in node-local shared
-memory (:mod:`moepec.store.shm`) that outlive the process: a snapshot's slot is
+memory (:mod:`moepec.ram.shm`) that outlive the process: a snapshot's slot is
 committed (header written last) once its copy is complete, and a restarted worker
 loads the committed slots of its rank (``RamTier.recovered``).
 
@@ -32,8 +32,8 @@ import torch
 
 from moepec.errors import CheckpointError
 from moepec.hooks import FaultHooks
-from moepec.store.manifest import CheckpointMeta
-from moepec.store.shm import Slot, SlotHeader, SlotStore
+from moepec.ram.shm import Slot, SlotHeader, SlotStore
+from moepec.store.meta import CheckpointMeta
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +65,16 @@ class BufferPool:
 class Snapshot:
     """A copy of one step's planned state in host RAM, plus what the manifest needs."""
 
-    seq: int
-    step: int
     tensors: dict[str, torch.Tensor]
     """key -> host buffer (tensor keys, filled by the copy) and object keys (filled at once).
     With a shared-memory slot the copy thread replaces it by views of the slot (objects
     and buffers copied in); read it only once ``done`` is set."""
-    snapshot_experts: list[tuple[int, ...]]
-    persist_experts: list[tuple[int, ...]] | None
-    """Experts per layer to persist; None when this snapshot is not to be persisted."""
     persist_keys: frozenset[str]
-    meta: CheckpointMeta | None
-    """The manager's bookkeeping, captured on the training thread (counts, ledger,
-    selectors, K...); set before the snapshot is started."""
+    meta: CheckpointMeta
+    """The manager's bookkeeping, captured on the training thread (step, seq, experts,
+    counts, ledger, selectors, K...) when the snapshot is taken."""
+    persist: bool
+    """Whether this snapshot is to be persisted (else it stays in RAM only)."""
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     copy_seconds: float = 0.0
@@ -90,6 +87,24 @@ class Snapshot:
     origin: str = "process"
     """``process`` (taken by this process) or ``shm`` (loaded from a slot a previous
     worker committed)."""
+
+    @property
+    def seq(self) -> int:
+        return self.meta.seq
+
+    @property
+    def step(self) -> int:
+        return self.meta.step
+
+    @property
+    def snapshot_experts(self) -> list[tuple[int, ...]]:
+        """Experts per layer copied to RAM."""
+        return [tuple(e) for e in self.meta.experts_snapshot]
+
+    @property
+    def persist_experts(self) -> list[tuple[int, ...]] | None:
+        """Experts per layer to persist; None when this snapshot is not to be persisted."""
+        return [tuple(e) for e in self.meta.experts_saved] if self.persist else None
 
 
 class Snapshotter:
@@ -213,10 +228,10 @@ class Snapshotter:
     def _seal(self, snap: Snapshot) -> None:
         """Commit ``snap``'s slot: checksums and the header, written last."""
         slots = self.slots
-        assert slots is not None and snap.slot is not None and snap.meta is not None
+        assert slots is not None and snap.slot is not None
         slots.commit(snap.slot, SlotHeader(
-            root=slots.root, rank=slots.rank, world_size=slots.world_size, seq=snap.seq,
-            step=snap.step, meta=snap.meta, entries={}, all_keys=list(snap.all_keys),
+            root=slots.root, rank=slots.rank, world_size=slots.world_size,
+            meta=snap.meta, entries={}, all_keys=list(snap.all_keys),
             persist_keys=sorted(snap.persist_keys),
             snapshot_experts=[list(e) for e in snap.snapshot_experts],
             persist_experts=(None if snap.persist_experts is None
@@ -318,11 +333,8 @@ class RamTier:
                                 header.meta.run_id or "?")
                     continue
                 (self.slots if origin == "shm" else self.replicas).hold(slot)
-                snap = Snapshot(seq=header.seq, step=header.step, tensors=tensors,
-                                snapshot_experts=[tuple(e) for e in header.snapshot_experts],
-                                persist_experts=(None if header.persist_experts is None else
-                                                 [tuple(e) for e in header.persist_experts]),
-                                persist_keys=frozenset(header.persist_keys), meta=header.meta,
+                snap = Snapshot(tensors=tensors, persist_keys=frozenset(header.persist_keys),
+                                meta=header.meta, persist=header.persist_experts is not None,
                                 all_keys=list(header.all_keys), slot=slot, origin=origin)
                 snap.done.set()
                 self._loaded.append(snap)

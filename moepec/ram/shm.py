@@ -21,7 +21,6 @@ restarted worker may read is decided against the storage's lineage by
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import math
@@ -30,7 +29,6 @@ import os
 import re
 import shutil
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -38,10 +36,11 @@ from typing import Any
 
 import torch
 
-from moepec.errors import ConfigError, ManifestError
+from moepec.errors import ManifestError
+from moepec.ram.jobs import job_name
 from moepec.store.checksum import checksum_matches, stored_checksum
-from moepec.store.lease import pid_alive
-from moepec.store.manifest import CheckpointMeta, meta_from_json
+from moepec.store.items import Item
+from moepec.store.meta import CheckpointMeta, meta_from_json
 
 log = logging.getLogger(__name__)
 
@@ -49,47 +48,6 @@ HEADER_FORMAT = "moepec-ram-1"
 ALIGN = 64
 """Byte alignment of every tensor in a slot (any dtype may be viewed at it)."""
 MAX_HEADER_BYTES = 64 << 20
-DEFAULT_DIR = "/dev/shm/moepec"
-
-
-def job_name(root_url: str) -> str:
-    """The folder of one checkpoint root's slots: readable tail + a hash of the URL."""
-    tail = re.sub(r"[^A-Za-z0-9_.-]", "_", root_url.rstrip("/").rsplit("/", 1)[-1])[:40]
-    return f"{tail or 'root'}-{hashlib.sha256(root_url.encode()).hexdigest()[:12]}"
-
-
-def root_identity(url: str, local: bool) -> str:
-    """The checkpoint root as recorded in slot headers (absolute for a local path)."""
-    return os.path.abspath(url) if local and "://" not in url else url
-
-
-def free_shm_bytes(directory: str) -> int:
-    """Free bytes of the filesystem holding ``directory`` (or its nearest parent)."""
-    p = Path(directory)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    st = os.statvfs(p)
-    return st.f_bavail * st.f_frsize
-
-
-def check_budget(need_bytes: int, budget_bytes: int | None, directory: str,
-                 root: str | None = None) -> None:
-    """Refuse a RAM tier of ``need_bytes`` (three slots) that does not fit: the budget,
-    by default half the free space of the shared-memory filesystem, counting as free the
-    slots this checkpoint root's job already holds (a restarted worker reuses them).
-    Raises ConfigError."""
-    free = free_shm_bytes(directory)
-    job = Path(directory) / job_name(root) if root is not None else None
-    if job is not None and job.is_dir():
-        free += sum(f.stat().st_size for f in job.rglob("*") if f.is_file())
-    budget = free // 2 if budget_bytes is None else budget_bytes
-    if need_bytes > budget:
-        raise ConfigError(
-            f"the shared-memory RAM tier needs up to {need_bytes / 2**20:.1f} MiB on this node "
-            f"(three snapshot slots per local rank) in {directory}, over its budget of {budget / 2**20:.1f} MiB"
-            f"{' (half the free shared memory)' if budget_bytes is None else ''}; raise "
-            f"CheckpointConfig.ram_budget_bytes, free /dev/shm (`moepec ram clean`), lower "
-            f"k_snapshot, or use ram_dir=None (in-process snapshots)")
 
 
 def _align(n: int) -> int:
@@ -114,8 +72,6 @@ class SlotHeader:
     root: str
     rank: int
     world_size: int
-    seq: int
-    step: int
     meta: CheckpointMeta
     entries: dict[str, dict[str, Any]]
     """key -> {"offset", "shape", "dtype", "nbytes", "checksum"}."""
@@ -126,11 +82,22 @@ class SlotHeader:
     written_at: float = 0.0
     pid: int = 0
 
+    @property
+    def seq(self) -> int:
+        return self.meta.seq
+
+    @property
+    def step(self) -> int:
+        return self.meta.step
+
     def to_json(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in self.__slots__ if name != "meta"}
         # Shallow (the meta's fields are JSON values): asdict's deep copy took ~2 ms.
         meta = {f.name: getattr(self.meta, f.name) for f in fields(self.meta)}
-        return {"format": HEADER_FORMAT, **d, "meta": meta}
+        # seq and step also at the top, where `moepec ram ls` and a replica's receiver
+        # read them without parsing the meta.
+        return {"format": HEADER_FORMAT, **d, "seq": self.seq, "step": self.step,
+                "meta": meta}
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> SlotHeader:
@@ -146,6 +113,8 @@ class SlotHeader:
         if not (data.get("persist_experts") is None or isinstance(data["persist_experts"], list)):
             raise ManifestError(f"{where}: header field 'persist_experts' is mistyped")
         meta = meta_from_json(data.get("meta"), where)
+        if (data["seq"], data["step"]) != (meta.seq, meta.step):
+            raise ManifestError(f"{where}: header seq/step disagree with its checkpoint meta")
         fields_ = {n: data[n] for n in cls.__slots__ if n != "meta"}
         return cls(meta=meta, **fields_)
 
@@ -377,12 +346,11 @@ class SlotStore:
         try:
             size = slot.data_path.stat().st_size
             for key, e in header.entries.items():
-                ok = (isinstance(e, dict) and isinstance(e.get("offset"), int)
-                      and isinstance(e.get("nbytes"), int) and isinstance(e.get("shape"), list)
-                      and all(isinstance(d, int) and d >= 0 for d in e["shape"])
-                      and 0 <= e["offset"] and e["offset"] + e["nbytes"] <= size
-                      and e["nbytes"] == _nbytes(e["shape"], _dtype(e.get("dtype"))))
-                if not ok:
+                # The typed reader of stored tensors checks shape, dtype and size (the
+                # slot's entries are items without a file: the slot's data file holds them).
+                item = Item.from_json(e, f"entry {key!r}")
+                offset = e.get("offset")
+                if type(offset) is not int or offset < 0 or offset + item.nbytes > size:
                     raise ManifestError(f"entry {key!r} does not fit the data file")
             self._map(slot, max(size, 1))
             tensors = {}
@@ -440,44 +408,4 @@ def admissible(meta: CheckpointMeta, head: CheckpointMeta | None) -> bool:
     slot of an unrelated run into the same root is never read)."""
     if head is None:
         return True
-    slot_runs = set(meta.runs) | {meta.run_id}
-    head_runs = set(head.runs) | {head.run_id}
-    return head.run_id in slot_runs or meta.run_id in head_runs
-
-
-def list_jobs(ram_dir: str) -> list[dict[str, Any]]:
-    """What is under ``ram_dir``: one row per job folder (``moepec ram ls``). ``live``:
-    a process that wrote one of its slots still runs on this host."""
-    rows: list[dict[str, Any]] = []
-    base = Path(ram_dir)
-    if not base.is_dir():
-        return rows
-    for job in sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink()):
-        files = [f for f in job.rglob("*") if f.is_file() and not f.is_symlink()]
-        headers = []
-        for h in job.glob("rank*/slot*.json"):
-            try:
-                data = json.loads(h.read_text())
-                headers.append((data.get("root"), data.get("meta", {}).get("run_id"),
-                                data.get("step"), data.get("pid")))
-            except (OSError, ValueError, AttributeError):
-                continue
-        mtime = max((f.stat().st_mtime for f in files), default=job.stat().st_mtime)
-        rows.append({"job": job.name, "path": str(job),
-                     "bytes": sum(f.stat().st_size for f in files),
-                     "root": next((h[0] for h in headers if h[0]), None),
-                     "runs": sorted({h[1] for h in headers if isinstance(h[1], str)}),
-                     "newest_step": max((h[2] for h in headers if isinstance(h[2], int)),
-                                        default=None),
-                     "live": any(pid_alive(h[3]) for h in headers),
-                     "age_h": (time.time() - mtime) / 3600})
-    return rows
-
-
-def remove_job(ram_dir: str, job: str) -> None:
-    """Delete one job folder, confined to ``ram_dir`` (a direct child, not a link)."""
-    base = Path(ram_dir).resolve()
-    target = base / job
-    if target.is_symlink() or target.resolve().parent != base or not target.is_dir():
-        raise ConfigError(f"{job!r} is not a job folder of {ram_dir}; nothing removed")
-    shutil.rmtree(target)
+    return head.run_id in meta.run_lineage or meta.run_id in head.run_lineage

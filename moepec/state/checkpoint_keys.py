@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from moepec.keys import parse_key
-from moepec.policy.plan import Item, make_plan
+from moepec.policy.plan import PlanItem, make_plan
 from moepec.state.catalog import StateCatalog
 
 
@@ -44,13 +44,13 @@ def rank_share(keys: list[str], catalog: StateCatalog, *, rank: int, world_size:
                 n_local = catalog.emap.layers[info.layer].n_experts
                 owner_ep = info.expert // n_local
                 holders = tuple(r for r in everyone if r % ep_size == owner_ep)
-            items.append(Item(key=unit, nbytes=0, holders=holders, layer=info.layer,
+            items.append(PlanItem(key=unit, nbytes=0, holders=holders, layer=info.layer,
                               expert=info.expert))
         else:
-            items.append(Item(key=k, nbytes=catalog.nbytes(k), holders=chunk_holders or everyone,
+            items.append(PlanItem(key=k, nbytes=catalog.nbytes(k), holders=chunk_holders or everyone,
                               layer=_module_group(k)))
     sizes = {u: sum(catalog.nbytes(k) for k in ks) for u, ks in units.items()}
-    items = [Item(key=it.key, nbytes=sizes[it.key], holders=it.holders, layer=it.layer,
+    items = [PlanItem(key=it.key, nbytes=sizes[it.key], holders=it.holders, layer=it.layer,
                   expert=it.expert) if it.key in sizes else it for it in items]
     plan = make_plan(items, world_size, mode)
     mine = set()

@@ -19,104 +19,38 @@ the manager applies it to itself and to the live training state. Every rank runs
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moepec.errors import (
+    CheckpointError,
     CorruptCheckpointError,
     DistributedError,
     ManifestError,
     NoCheckpointError,
     StructureMismatchError,
 )
-from moepec.keys import parse_key
+from moepec.keys import newest, parse_key, seq_of
 from moepec.policy.plt import PLTLedger
+from moepec.ram.snapshot import RamTier, Snapshot
+from moepec.recovery.outcome import RestoreContext, RestoreOutcome
 from moepec.recovery.records import lost_since, read_recoveries
 from moepec.recovery.stitch import Recovered, Source, Tier, lost_tokens, recover
 from moepec.recovery.views import StoredViews, same_runs, usable_manifests
-from moepec.state.catalog import StateCatalog
 from moepec.state.experts import structure_mismatches
-from moepec.store import manifest as mf
-from moepec.store.manifest import CheckpointMeta, Item, Manifest
-from moepec.store.snapshot import Snapshot
-from moepec.store.storage import Committed, Storage
+from moepec.store.committed import Committed
+from moepec.store.items import Item
+from moepec.store.manifest import Manifest
+from moepec.store.meta import CheckpointMeta
+from moepec.store.persist import Persister
 
 log = logging.getLogger(__name__)
 
 _NO_COPY = 2**62  # "this rank restored no copy of that expert" in MIN-reductions
-
-
-@dataclass(slots=True)
-class RestoreReport:
-    """What ``CheckpointManager.restore()`` did."""
-
-    step: int
-    """The training step the restored state is from (resume at step + 1)."""
-    checkpoint: str
-    """Name of the base checkpoint (or ``ram:<seq>`` for a RAM snapshot)."""
-    tier: str
-    """Tier of the base: ``storage`` or ``ram``."""
-    sources: dict[str, dict[str, Any]]
-    """``"layer/expert"`` -> {"step", "tier", "checkpoint"} of the expert's weights."""
-    lost: list[list[int]]
-    """Token assignments lost by this recovery, per (layer, expert)."""
-    plt: float
-    """Cumulative proportion of lost tokens after this recovery (paper Eq. 7)."""
-    warnings: list[str]
-    seconds: float = 0.0
-    keys_from: dict[str, int] = field(default_factory=dict)
-    """Number of keys loaded from each tier."""
-    persisted_on_failure: str | None = None
-    """The checkpoint this restore committed from a RAM snapshot a previous worker left
-    (it was only in RAM when that worker died), or None."""
-
-    @property
-    def lost_total(self) -> int:
-        return sum(map(sum, self.lost))
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreContext:
-    """What the restore procedure needs of the manager (read only)."""
-
-    storage: Storage
-    catalog: StateCatalog
-    """Which experts this rank owns (the procedure never writes the live state)."""
-    structure: dict[str, Any]
-    n_experts: tuple[int, ...]
-    rank: int
-    world_size: int
-    weights_in_view: bool
-    """False with pec_scope "optimizer" (expert weights are saved as non-expert state)."""
-    verify: bool
-    read_in_place: bool = False
-    """Read values straight into the live tensors that fit (CheckpointConfig.
-    restore_in_place); False reads everything into new tensors first."""
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreOutcome:
-    """What a restore chose and read; the manager applies it."""
-
-    values: dict[str, torch.Tensor]
-    """This rank's restored keys -> values, to copy into the live state."""
-    base: Source
-    """The base: its ``meta`` is the bookkeeping to resume with (selectors, K, index)."""
-    head: Manifest | None
-    """The committed checkpoint the next persist continues (its lineage)."""
-    ledger: PLTLedger
-    """The PLT ledger after this recovery."""
-    lost: list[list[int]]
-    """Token assignments lost by this recovery."""
-    sources: dict[str, dict[str, Any]]
-    """``"layer/expert"`` -> where its weights came from (RestoreReport.sources)."""
-    keys_from: dict[str, int]
-    """Expert units restored from each tier."""
-    warnings: list[str]
 
 
 def restore_state(ctx: RestoreContext, found: Committed,
@@ -128,16 +62,16 @@ def restore_state(ctx: RestoreContext, found: Committed,
     ram_src = _gather_ram(ctx, ram)
     if not manifests and ram_src is None:
         return None
-    newest = mf.newest(manifests)
-    if newest is not None:
-        _check_structure(ctx, manifests[newest])
+    head_name = newest(manifests)
+    if head_name is not None:
+        _check_structure(ctx, manifests[head_name])
     views = _Views(ctx, manifests, ram_src)
     rec = _agreed_recover(ctx, views)
     head = views.head_for(rec.base)
     ledger, lost = _account(ctx, rec)
-    sources, keys_from = _where_from(rec)
+    sources, units_from = _where_from(rec)
     return RestoreOutcome(values=rec.values, base=rec.base, head=head, ledger=ledger,
-                          lost=lost, sources=sources, keys_from=keys_from,
+                          lost=lost, sources=sources, units_from=units_from,
                           warnings=rec.warnings)
 
 
@@ -170,7 +104,7 @@ class _Views:
                             + storage_bases, key=lambda s: (s.seq, s.tier == Tier.RAM),
                             reverse=True)
         # The committed checkpoint a RAM snapshot continues (its lineage on storage).
-        self.ram_head = (mf.newest(n for n in manifests if mf.seq_of(n) <= ram.seq)
+        self.ram_head = (newest(n for n in manifests if seq_of(n) <= ram.seq)
                          if ram is not None else None)
         if not self.bases:
             raise NoCheckpointError(f"no committed checkpoint under {ctx.storage.url} and "
@@ -402,13 +336,47 @@ def _unflatten(values: Sequence[int], n_experts: Sequence[int]) -> list[list[int
 
 
 def _where_from(rec: Recovered) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
-    """RestoreReport.sources and keys_from of a recovery."""
+    """RestoreReport.sources and units_from of a recovery."""
     sources: dict[str, dict[str, Any]] = {}
-    keys_from: dict[str, int] = {}
+    units_from: dict[str, int] = {}
     for (layer, expert, part), src in sorted(rec.unit_source.items()):
         tier = str(src.tier)
-        keys_from[tier] = keys_from.get(tier, 0) + 1
+        units_from[tier] = units_from.get(tier, 0) + 1
         if part == "model" or f"{layer}/{expert}" not in sources:
             sources[f"{layer}/{expert}"] = {"step": src.step, "tier": tier,
                                             "checkpoint": src.name}
-    return sources, keys_from
+    return sources, units_from
+
+
+def persist_on_failure(snap: Snapshot | None, found: Committed, *, persister: Persister,
+                       ram_tier: RamTier, distributed: bool, paused: bool) -> str | None:
+    """Persist the RAM base a previous worker left in shared memory if storage lacks
+    it (it was due for storage and its worker died first), before training resumes,
+    so a second fault cannot lose it. All ranks (they agree on doing it; collective when
+    ``distributed``); nothing when checkpoints are ``paused``. Returns the checkpoint
+    name committed, or None."""
+    due = (snap is not None and snap.origin == "shm" and snap.persist_experts is not None
+           and not any(mf_seq >= snap.seq for mf_seq in
+                       (m.seq for m in found.manifests.values())))
+    if distributed:
+        flag = torch.tensor([1 if due else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        due = bool(flag.item())
+    if not due or paused:
+        return None
+    assert snap is not None
+    # Written under this run's name: the dead worker's unfinished folder of the same
+    # snapshot (another run's name) is left to retention, never written into.
+    name = persister.name_of(snap)
+    ram_tier.hold(snap)  # the persist worker's reference, released when written
+    t0 = time.perf_counter()
+    persister.submit(snap)
+    persister.wait_idle()
+    try:
+        persister.check()
+    except CheckpointError as exc:
+        log.warning("could not persist the RAM snapshot of step %d: %s", snap.step, exc)
+        return None
+    log.info("persisted RAM snapshot of step %d (only in RAM when its worker died) as %s "
+             "in %.2fs", snap.step, name, time.perf_counter() - t0)
+    return name

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from moepec.errors import ConfigError
-from moepec.store.shm import SlotStore
-from moepec.store.snapshot import Snapshot
+from moepec.ram.shm import SlotStore
+from moepec.ram.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -119,17 +119,17 @@ def recovery_record(report, manager) -> dict[str, Any]:
             "checkpoint": report.checkpoint, "tier": report.tier, "plt": report.plt,
             "lost": report.lost_total, "seconds": report.seconds,
             "k_persist": manager.k_persist, "warnings": report.warnings,
-            "keys_from": report.keys_from, "persisted": report.persisted_on_failure}
+            "units_from": report.units_from, "persisted": report.persisted_on_failure}
 
 
 def log_plt_outlook(cfg: TrainConfig, n_experts: int) -> None:
     """At start-up (rank 0): log the expected PLT per fault of the chosen K, interval and
-    experts (:func:`moepec.policy.outlook.plt_outlook`, the simulator's model), and warn,
+    experts (:func:`moepec.policy.plt_forecast.plt_outlook`, the simulator's model), and warn,
     naming a K or interval that fits, when it exceeds the budget."""
     ck = cfg.checkpoint
     if ck is None or n_experts < 2:
         return
-    from moepec.policy.outlook import plt_outlook
+    from moepec.policy.plt_forecast import plt_outlook
 
     faults = max(1.0, cfg.steps / cfg.fault_mtbf) if cfg.fault_mtbf else 1.0
     k = min(ck.k_persist, n_experts)

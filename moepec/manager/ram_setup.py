@@ -1,0 +1,160 @@
+"""Where a manager's RAM tier lives: node-local shared memory or the process.
+
+:class:`RamSetup` makes the choices the manager's constructor needs (the folder for
+``ram_dir="auto"``, the replica ring, the shared-memory budget, the slot stores) and
+returns them as a :class:`RamChoice`; the manager keeps it. Every method that gathers
+over ranks is collective when distributed (all ranks, training thread, in the same
+order), so all ranks pick one tier: the restore protocol meets over it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from moepec.errors import ConfigError
+from moepec.hooks import FaultHooks
+from moepec.manager.config import AUTO, CheckpointConfig
+from moepec.ram.jobs import DEFAULT_DIR, check_budget, root_identity
+from moepec.ram.replica import Replicator, node_id, ring_peers
+from moepec.ram.shm import SlotsInUse, SlotStore
+from moepec.ram.snapshot import RamTier
+from moepec.state.catalog import StateCatalog
+from moepec.store.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RamChoice:
+    """The RAM tier a manager runs with."""
+
+    ram_dir: str | None
+    """Where the RAM snapshots live (None: in the process)."""
+    tier: RamTier
+    replicator: Replicator | None
+    """Copies slots to the next node (``ram_replicas``), else None."""
+
+
+@dataclass(slots=True)
+class RamSetup:
+    """The inputs of the choice: the manager's config, root, state and ranks."""
+
+    config: CheckpointConfig
+    storage: Storage
+    catalog: StateCatalog
+    rank: int
+    world_size: int
+    distributed: bool
+
+    def build(self, hooks: FaultHooks | None) -> RamChoice:
+        """Choose the folder, open the slots (and replicas) and build the RamTier.
+        Collective when distributed. Raises ConfigError for a tier that does not fit
+        its budget or a folder that cannot hold it."""
+        config = self.config
+        slots = held = peers = None
+        ram_dir = self.choose_dir()
+        if ram_dir is not None:
+            peers = self.replica_peers()
+            root = root_identity(self.storage.url, self.storage.local)
+            if config.ram_dir != AUTO:  # checked by choose_dir when chosen automatically
+                check_budget(self.need_bytes(peers), config.ram_budget_bytes, ram_dir, root)
+            slots, held = self.open_slots(ram_dir, root, peers)
+            if slots is None:
+                ram_dir = peers = None
+        tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s,
+                       slots=slots, replicas=held, hooks=hooks)
+        replicator = None
+        if peers:
+            replicator = Replicator(slots, held, succ=peers[0], pred=peers[1],
+                                    timeout_s=config.timeout_s, release=tier.release)
+            tier.on_complete = replicator.submit
+        return RamChoice(ram_dir=ram_dir, tier=tier, replicator=replicator)
+
+    def open_slots(self, ram_dir: str, root: str, peers: tuple[int, int] | None
+                   ) -> tuple[SlotStore | None, SlotStore | None]:
+        """This rank's slot store (and its predecessor's replicas), or (None, None) on
+        every rank when another live process of this host holds some rank's slots (a
+        second run into the same root, as in a takeover while the old run lives): the
+        tier is then in the process, with one warning. Collective when distributed."""
+        slots = held = None
+        busy = None
+        try:
+            slots = SlotStore(ram_dir, root=root, rank=self.rank, world_size=self.world_size)
+            if peers:
+                held = SlotStore(ram_dir, root=root, rank=peers[1],
+                                 world_size=self.world_size, replica=True)
+        except SlotsInUse as exc:
+            busy = str(exc)
+        except OSError as exc:
+            raise ConfigError(f"cannot keep RAM snapshots in ram_dir={ram_dir!r} ({exc}); use "
+                              f"a writable folder on a shared-memory filesystem such as "
+                              f"/dev/shm/moepec, or ram_dir=None") from exc
+        if self.distributed:
+            reasons: list[Any] = [None] * self.world_size
+            dist.all_gather_object(reasons, busy)
+            busy = next((f"rank {r}: {b}" for r, b in enumerate(reasons) if b), None)
+        if busy is None:
+            return slots, held
+        for store in (slots, held):
+            if store is not None:
+                store.close(unlink=False)
+        if self.rank == 0:
+            log.warning("RAM tier: in-process buffers (%s)", busy)
+        return None, None
+
+    def choose_dir(self) -> str | None:
+        """The folder of the shared-memory RAM tier, or None for in-process buffers.
+        ``ram_dir="auto"``: DEFAULT_DIR when shared memory exists and the tier fits its
+        budget, else None; one info line (local rank 0) says which and why."""
+        chosen = self.config.ram_dir
+        if chosen != AUTO:
+            return chosen
+        shm = os.path.dirname(DEFAULT_DIR)
+        why = None
+        if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
+            why = f"no writable shared memory at {shm}; a restarted worker recovers from storage"
+        else:
+            try:
+                check_budget(self.need_bytes(None), self.config.ram_budget_bytes, shm,
+                             root_identity(self.storage.url, self.storage.local))
+            except ConfigError as exc:
+                why = f"shared memory is too small: {str(exc).split(';')[0]}"
+        if self.distributed:  # one tier for all ranks: the restore protocol meets over it
+            whys: list[Any] = [None] * self.world_size
+            dist.all_gather_object(whys, why)
+            why = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), None)
+        if self.rank == 0:
+            if why is None:
+                log.info("RAM tier: shared memory in %s (survives worker restarts; "
+                         "ram_dir=None keeps it in the process)", DEFAULT_DIR)
+            else:
+                log.info("RAM tier: in-process buffers (%s)", why)
+        return DEFAULT_DIR if why is None else None
+
+    def replica_peers(self) -> tuple[int, int] | None:
+        """(successor, predecessor) on the ring over nodes when RAM slots are replicated,
+        else None. Collective when distributed (the node ids are gathered)."""
+        if not self.distributed or self.config.ram_replicas == 0:
+            if self.config.ram_replicas:
+                raise ConfigError("ram_replicas=1 needs ranks on several nodes")
+            return None
+        nodes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(nodes, node_id())
+        if len(set(nodes)) < 2 and self.config.ram_replicas is None:
+            return None
+        return ring_peers(nodes, self.rank)
+
+    def need_bytes(self, peers: tuple[int, int] | None) -> int:
+        """Shared memory the tier may take on this node: three slots per local rank (twice
+        that with replicas), a full snapshot's share being about 1/world of the model with
+        Adam's two moments (optimizer state may not exist yet), whole for one rank."""
+        model = sum(t.numel() * t.element_size()
+                    for t in self.catalog.model.state_dict().values())
+        per_copy = model * (3 if self.catalog.optimizer is not None else 1)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return 3 * -(-per_copy // self.world_size) * (2 if peers else 1) * local
