@@ -41,7 +41,7 @@ from moepec.errors import CheckpointError, CorruptCheckpointError, ManifestError
 from moepec.keys import MANIFEST_NAME
 from moepec.store.checksum import checksum_matches, tensor_checksum
 from moepec.store.dcp_raw import RAW_DESCRIPTOR, RawFileSystemWriter
-from moepec.store.manifest import Encoding, Item
+from moepec.store.items import Encoding, Item
 from moepec.store.reader import confined, read_items
 from moepec.store.storage import single_process_dcp
 
