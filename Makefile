@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	# set, as on this machine, nothing is compiled later, and every test process would
 	# compile torch from source again (a --no-compile install made the suite 16% slower).
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,hf]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,hf,ft]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -491,6 +491,34 @@ class CheckpointManager:
         """Total time the training loop spent blocked in step() and wait_for_snapshot()."""
         return self._blocked
 
+    # -- live peers (replica groups) ---------------------------------------------
+    def live_state(self) -> dict[str, Any]:
+        """The checkpoint bookkeeping a live replica hands a restarted one (torchft
+        healing, :mod:`moepec.integrations.torchft`): PLT ledger, selectors, K and its
+        history, the checkpoint index and this rank's routing counts since the last
+        checkpoint. JSON-able, a copy. Training thread, any rank (each rank its own)."""
+        return {"ledger": self.ledger.state_dict(),
+                "selectors": {"persist": self.persist_selector.state_dict(),
+                              "ram": self.ram_selector.state_dict()},
+                "k": [self._k_persist, self._k_snapshot],
+                "k_history": [list(x) for x in self.k_history],
+                "index": self._index, "last_step": self._last_step,
+                "routing": self.routing.pending()}
+
+    def load_live_state(self, state: Mapping[str, Any]) -> None:
+        """Adopt a peer's :meth:`live_state` after the model and optimizer were loaded
+        from the same peer (no storage read). Training thread, every rank, between
+        checkpoints. Raises StructureMismatchError for another MoE structure."""
+        self.ledger.load_state_dict(state["ledger"])
+        self.persist_selector.load_state_dict(state["selectors"]["persist"])
+        self.ram_selector.load_state_dict(state["selectors"]["ram"])
+        self._k_persist, self._k_snapshot = (int(k) for k in state["k"])
+        self.k_history = [list(x) for x in state["k_history"]]
+        self._index, self._last_step = int(state["index"]), int(state["last_step"])
+        self.routing.reset()
+        self.routing.add(state["routing"])
+        self.keys.invalidate()  # the loaded optimizer state may be new tensors
+
     # -- restore ----------------------------------------------------------------
     def restore(self) -> RestoreReport | None:
         """Restore the newest view into the model, optimizer and extra state.

@@ -1,0 +1,133 @@
+"""Replica groups on torchft: a real Lighthouse, one real torchrun per group, real SIGKILLs.
+
+The survivor keeps its process and never recovers; the restarted group heals from it
+bit for bit (model, Adam moments, step, data position); both end at the same step with
+bit-identical weights. Every group lost: the next start restores from PEC storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO otherwise
+
+from moepec.integrations.torchft import start_lighthouse  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 1500
+
+
+@pytest.fixture
+def lighthouse():
+    lh = start_lighthouse(0, heartbeat_timeout_ms=1000, join_timeout_ms=500)
+    yield lh.address
+    lh.shutdown()
+
+
+def _launch(tmp: Path, address: str, group: int, *, steps: int = STEPS, faults: str = "",
+            restarts: int = 0, interval: int = 50) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "1", "--max-restarts", str(restarts), "--monitor-interval", "0.1",
+           "-m", "moepec", "train", "--config", "tiny", "--steps", str(steps),
+           "--batch-size", "8", "--threads", "1", "--no-progress", "--log-interval", "100",
+           "--eval-batches", "0", "--data", str(tmp / "corpus" / "**" / "*.txt"),
+           "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-interval", str(interval), "--ram-dir", "none",
+           "--out-dir", str(tmp / "out"), "--ft-lighthouse", address, "--ft-groups", "2",
+           "--ft-group", str(group), "--ft-timeout", "5", "--ft-quorum-timeout", "20"]
+    if faults:
+        cmd += ["--faults", faults]
+    log = open(tmp / f"group{group}.log", "a")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+
+
+def _wait(procs: list[subprocess.Popen], tmp: Path, timeout: float = 150) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        logs = "\n".join((tmp / f"group{g}.log").read_text()[-3000:] for g in (0, 1))
+        raise AssertionError(f"replica groups did not finish:\n{logs}") from None
+
+
+def _records(tmp: Path, group: int) -> list[dict]:
+    path = tmp / "out" / f"group-{group}" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _events(records: list[dict], name: str) -> list[dict]:
+    return [r for r in records if r.get("event") == name]
+
+
+@pytest.fixture
+def corpus(tmp_path: Path, text_files: Path) -> Path:
+    return tmp_path
+
+
+def _verify(root: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "moepec", "verify", str(root)],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_survivor_keeps_training_and_the_killed_group_heals_from_it(corpus, lighthouse):
+    """Group 1's rank is SIGKILLed while its persist writes the checkpoint of step 49
+    (the survivor sees the death in its cross-group all-reduce)."""
+    tmp = corpus
+    procs = [_launch(tmp, lighthouse, 0),
+             _launch(tmp, lighthouse, 1, faults="kill_persist@40:r0", restarts=1)]
+    assert _wait(procs, tmp) == [0, 0]
+    survivor, healed = _records(tmp, 0), _records(tmp, 1)
+    # The survivor: one process, never recovered; the step the peer died in was retried.
+    assert len(_events(survivor, "ft_join")) == 1
+    assert not _events(survivor, "recovery") and not _events(healed, "recovery")
+    assert _events(survivor, "ft_retry")
+    joins = _events(healed, "ft_join")
+    assert len(joins) == 2 and joins[0]["pid"] != joins[1]["pid"]
+    # The heal: the state received equals the state sent, bit for bit, at the same step.
+    (heal,) = _events(healed, "heal")
+    sent = {r["step"]: r for r in _events(survivor, "heal_sent")}
+    assert heal["step"] in sent and heal["step"] > 49
+    for key in ("step", "model", "optimizer", "data"):
+        assert heal[key] == sent[heal["step"]][key], key
+    # The survivor trained on alone at reduced width, then both ended together.
+    assert any(r["groups"] == 1 for r in _events(survivor, "ft_width"))
+    (end0,), (end1,) = _events(survivor, "ft_end"), _events(healed, "ft_end")
+    assert end0["step"] == end1["step"] == STEPS
+    assert end0["model"] == end1["model"] and end0["optimizer"] == end1["optimizer"]
+    assert end0["data"] == end1["data"]
+    summary = json.loads((tmp / "out" / "group-0" / "summary.json").read_text())
+    assert summary["reduced_width_steps"] >= 1 and summary["final_step"] == STEPS - 1
+    # The killed persist never half-committed: every committed checkpoint verifies.
+    _verify(tmp / "ckpt" / "group-1")
+
+
+def test_every_group_lost_restores_from_pec_storage(corpus, lighthouse):
+    """Both groups SIGKILLed (no restarts): the next start restores each group from its own
+    PEC checkpoints, with PLT accounted, and both continue from the same state."""
+    tmp = corpus
+    procs = [_launch(tmp, lighthouse, g, steps=90, interval=20, faults="sigkill@70:r0")
+             for g in (0, 1)]
+    assert all(rc != 0 for rc in _wait(procs, tmp))
+    procs = [_launch(tmp, lighthouse, g, steps=90, interval=20) for g in (0, 1)]
+    assert _wait(procs, tmp) == [0, 0]
+    for g in (0, 1):
+        records = _records(tmp, g)
+        (rec,) = _events(records, "recovery")
+        assert rec["step"] == 59 and rec["tier"] == "storage" and rec["plt"] > 0
+        assert not _events(records, "heal")
+    (end0,), (end1,) = (_events(_records(tmp, g), "ft_end") for g in (0, 1))
+    assert end0["step"] == end1["step"] == 90
+    assert end0["model"] == end1["model"] and end0["optimizer"] == end1["optimizer"]
