@@ -349,6 +349,10 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-dir", default=d.ram_dir, metavar="DIR",
                    help="the faulty run's shared-memory RAM tier (%(default)s); 'none': "
                         "in-process snapshots (restarted workers recover from storage)")
+    p.add_argument("--ft", action="store_true",
+                   help="replica groups on torchft instead: 2 groups, a SIGKILL of one "
+                        "group's rank mid-run, beside the same fault under restart-all "
+                        "(needs moepec[ft])")
 
 
 def _ram_dir_arg(value: str | None) -> str | None:
@@ -358,6 +362,13 @@ def _ram_dir_arg(value: str | None) -> str | None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from moepec.cli.demo import DemoSettings, run_demo
+
+    if args.ft:
+        from moepec.bench.ft import run_demo_ft
+
+        run_demo_ft(args.out_dir)
+        print(f"report: {os.path.join(args.out_dir, 'ft', 'report.md')}")
+        return 0
 
     settings = DemoSettings(steps=args.steps, ranks=args.ranks, seed=args.seed,
                             faults=args.faults, ckpt_interval=args.ckpt_interval,
