@@ -228,6 +228,24 @@ class ReplicaGroup:
         """Continue at ``step`` (after a cold start restored step - 1 from checkpoints)."""
         self.ft.load_state_dict({"step": step, "batches_committed": self.ft.batches_committed()})
 
+    def agree_on_restore(self, groups: int, next_step: int, lost: int) -> bool:
+        """Cold start, after every group restored from its own checkpoints (``next_step``:
+        the restored step + 1, 0 for nothing; ``lost``: token assignments its restore
+        lost): the groups of the quorum choose one state, the newest, then the one that
+        lost least, then the lowest group. Every other group lowers its step below that
+        one's, so the next :meth:`start_quorum` heals it from the chosen group (two groups
+        may restore the same step with different PEC views). Returns True when this
+        group's state is the chosen one. Collective over the quorum (one all-reduce)."""
+        table = torch.zeros(groups, 2, dtype=torch.float64)
+        table[self.group] = torch.tensor([float(next_step), float(lost)], dtype=torch.float64)
+        self.allreduce_sum(table)
+        rows = [(int(table[g, 0]), -int(table[g, 1]), -g) for g in range(groups)]
+        best = max(range(groups), key=lambda g: rows[g])
+        if best == self.group or next_step == 0:
+            return best == self.group
+        self.set_step(min(next_step, rows[best][0] - 1))
+        return False
+
     def start_quorum(self) -> bool:
         """The quorum of the next step; heals this group when a live peer is ahead.
         Blocks up to ``quorum_timeout_s``. Returns True when this group was healed."""

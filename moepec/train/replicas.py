@@ -146,16 +146,19 @@ class _Session:
             log.warning("cold start: %d of %d replica groups joined within %.0fs; starting "
                         "without the others", self.group.participants, self.cfg.ft.groups,
                         self.cfg.ft.quorum_timeout_s)
-        if manager is not None:
-            start = manager.restore()
-            if start is not None:
-                result.resumed_from = start.step
-                record = recovery_record(start, manager)
-                result.recoveries.append(record)
-                self.metrics.write(record)
-                log.info("cold start: group %d restored step %d from %s (PLT %.3f%%)",
-                         self.cfg.ft.group, start.step, start.tier, 100 * start.plt)
-                self.group.set_step(start.step + 1)
+        start = manager.restore() if manager is not None else None
+        if start is not None:
+            result.resumed_from = start.step
+            record = recovery_record(start, manager)
+            result.recoveries.append(record)
+            self.metrics.write(record)
+            log.info("cold start: group %d restored step %d from %s (PLT %.3f%%)",
+                     self.cfg.ft.group, start.step, start.tier, 100 * start.plt)
+            self.group.set_step(start.step + 1)
+        # One state for all: groups that restored an older or lossier view heal from the
+        # chosen one at the next quorum.
+        self.group.agree_on_restore(self.cfg.ft.groups, start.step + 1 if start else 0,
+                                    start.lost_total if start else 0)
         self.quorum(result)
 
 
