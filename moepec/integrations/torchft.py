@@ -22,7 +22,9 @@ For a loop of your own (as torchtitan's torchft experiment has)::
     if group.cold:                       # nobody trained yet: the first start, or every
         report = ckpt_manager.restore()  # group was lost -> PEC storage / RAM as today
         if report: group.set_step(report.step + 1)
-        group.start_quorum()             # groups that restored less heal from the best
+        group.agree_on_restore(G, report.step + 1 if report else 0,
+                               report.lost_total if report else 0)
+        group.start_quorum()             # the others heal from the chosen group
     while group.step < total_steps:
         batch = ...; loss.backward()     # inside the group: your own collectives
         group.allreduce_gradients(model.parameters())
@@ -43,9 +45,10 @@ PEC checkpoints (cold starts): every group keeps its own checkpoint root,
 :func:`group_root` (``<path>/group-<I>``), written by its own ranks with the usual commit
 rule, so a group that dies while writing leaves its last committed checkpoint intact and
 never a half-committed one, and no other group's root is touched. A cold start restores
-each group from its own root; the quorum that follows heals the groups that restored an
-older step from the one that restored the newest, so all groups continue from the same
-state.
+each group from its own root, then the groups agree on one restored state
+(:meth:`ReplicaGroup.agree_on_restore`: the newest, then the one that lost least: two
+roots may hold the same step with different PEC views) and the quorum that follows heals
+the others from it, so all groups continue from the same state.
 
 Failure detection: a killed rank's group leaves the quorum one Lighthouse heartbeat
 timeout (``--heartbeat-timeout-ms``) after its rank 0's heartbeats stop; an all-reduce with
