@@ -50,7 +50,7 @@ def test_a_healed_manager_continues_the_live_ones_checkpoint_schedule(tmp_path):
 
 def _ft_args(**kw) -> argparse.Namespace:
     d = dict(ft_lighthouse=None, ft_groups=None, ft_group=None, ft_timeout=10.0,
-             ft_quorum_timeout=60.0, ft_transport="http")
+             ft_quorum_timeout=60.0, ft_transport="http", ft_no_digests=False)
     return argparse.Namespace(**(d | kw))
 
 

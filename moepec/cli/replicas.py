@@ -32,6 +32,9 @@ def add_ft_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ft-quorum-timeout", type=float, default=60.0, metavar="S",
                    help="bound on the wait for a quorum; a cold start waits this long for "
                         "every group (%(default)s)")
+    g.add_argument("--ft-no-digests", action="store_true",
+                   help="leave the SHA-256 state digests out of the heal records (hashing "
+                        "costs ~1 s per GB of state on the heal's path)")
     g.add_argument("--ft-transport", default="http",
                    help="how a restarted group receives the state: http or pg (%(default)s)")
 
@@ -60,7 +63,7 @@ def ft_config_from_args(args: argparse.Namespace) -> Any:
 
     return FtConfig(lighthouse=args.ft_lighthouse, groups=args.ft_groups, group=args.ft_group,
                     timeout_s=args.ft_timeout, quorum_timeout_s=args.ft_quorum_timeout,
-                    transport=args.ft_transport)
+                    transport=args.ft_transport, digests=not args.ft_no_digests)
 
 
 def _add_lighthouse(p: argparse.ArgumentParser) -> None:

@@ -291,7 +291,7 @@ class ReplicaGroup:
         return self.ft.should_commit()
 
     def close(self) -> None:
-        """Leave the quorum (idempotent enough: torchft's shutdown)."""
+        """Leave the quorum: torchft's Manager shuts its servers down (once, at the end)."""
         self.ft.shutdown(wait=False)
 
 

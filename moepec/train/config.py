@@ -68,6 +68,10 @@ class FtConfig:
     """Bound on the wait for a quorum (and for connecting to the Lighthouse)."""
     transport: FtTransport = FtTransport.HTTP
     """How a restarted group receives the state: "http" or "pg"."""
+    digests: bool = True
+    """Put SHA-256 digests of the model, optimizer state, step and data position into the
+    ``heal``, ``heal_sent`` and ``ft_end`` records (what the tests and ``bench ft``
+    compare); hashing costs about a second per GB of state, on the heal's path."""
 
     def __post_init__(self) -> None:
         _need(bool(self.lighthouse), "ft: the Lighthouse address is empty; start one with "

@@ -76,13 +76,15 @@ def _feed(h, value: Any) -> None:
         h.update(json.dumps(value, sort_keys=True, default=str).encode())
 
 
-def _digests(state: Mapping[str, Any], step: int) -> dict[str, Any]:
+def _digests(state: Mapping[str, Any], step: int, hashed: bool = True) -> dict[str, Any]:
     """What the heal records compare: model, Adam moments (the optimizer state), step and
-    data position."""
-    opt = state.get("optimizer") or {}
-    return {"step": step, "model": state_digest(state["model"]),
-            "optimizer": state_digest(opt.get("state", {})),
-            "data": dict(state["extra"]["data"])}
+    data position (the two digests only when ``hashed``)."""
+    out: dict[str, Any] = {"step": step, "data": dict(state["extra"]["data"])}
+    if hashed:
+        opt = state.get("optimizer") or {}
+        out |= {"model": state_digest(state["model"]),
+                "optimizer": state_digest(opt.get("state", {}))}
+    return out
 
 
 class _Session:
@@ -112,7 +114,7 @@ class _Session:
         """The state handed to a restarted group (on torchft's quorum thread, while the
         training thread waits in the quorum)."""
         self.metrics.write({"event": "heal_sent", "time": time.time(),
-                            **_digests(state, self.group.step)})
+                            **_digests(state, self.group.step, self.cfg.ft.digests)})
 
     def quorum(self, result: TrainResult) -> None:
         """The next step's quorum; a heal becomes a record."""
@@ -120,7 +122,7 @@ class _Session:
             return
         heal = self.group.heals[-1]
         record = {"event": "heal", "time": heal.time, "seconds": heal.seconds,
-                  **_digests(self.state.state_dict(), heal.step)}
+                  **_digests(self.state.state_dict(), heal.step, self.cfg.ft.digests)}
         result.heals.append(record)
         self.metrics.write(record)
         log.info("group %d healed from a live peer at step %d in %.2fs (no storage read)",
@@ -230,7 +232,7 @@ def ft_loop(cfg: TrainConfig, run: Run, result: TrainResult, metrics: MetricsWri
                           grad_norm, val_loss, to_log=is_main and not cfg.progress)
                 timer.new_window()
         metrics.write({"event": "ft_end", "time": time.time(),
-                       **_digests(s.state.state_dict(), s.group.step)})
+                       **_digests(s.state.state_dict(), s.group.step, cfg.ft.digests)})
     finally:
         s.group.close()
     return timer.total
