@@ -125,8 +125,11 @@ class TrainingState:
 
     ``extra_state`` maps names to objects with ``state_dict()`` / ``load_state_dict()``
     (LR scheduler, data loader). ``manager`` is the run's CheckpointManager or None.
-    Main thread: torchft reads :meth:`state_dict` inside a synchronous quorum (the
-    training thread waits in it) and calls :meth:`load_state_dict` from it as well.
+    Threads: torchft's quorum thread calls :meth:`serve` while the training thread waits
+    in the synchronous quorum; the tensors stay live references, which torchft's HTTP
+    server may still stream after the quorum returned, until ``should_commit`` (so the
+    optimizer must step only after it, as :class:`ReplicaGroup` requires).
+    :meth:`load_state_dict` runs on the training thread, inside ``start_quorum``.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
