@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	# compile torch from source again (a --no-compile install made the suite 16% slower).
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps megatron-core==0.16.1
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,hf,megatron]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,hf,ft,megatron]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from moepec.errors import ConfigError
 
-BENCHES = ("size", "overhead", "sharding", "restore", "report", "gpu", "validate")
+BENCHES = ("size", "overhead", "sharding", "restore", "report", "gpu", "validate", "ft")
 
 
 def _storage_options(args: argparse.Namespace) -> dict:
@@ -160,6 +160,6 @@ def commands():
          _add_verify, _run_verify),
         ("export", "write the newest view as one plain DCP checkpoint or safetensors file",
          _add_export, _run_export),
-        ("bench", "run a benchmark: size, overhead, sharding, restore, report, gpu, validate",
+        ("bench", "run a benchmark: size, overhead, sharding, restore, report, gpu, validate, ft",
          _add_bench, _run_bench),
     ]

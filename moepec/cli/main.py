@@ -209,8 +209,10 @@ def _add_fault_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
+    from moepec.cli.replicas import add_ft_flags
+
     for add_group in (_add_model_flags, _add_optimisation_flags, _add_data_flags,
-                      _add_run_flags, _add_checkpoint_flags, _add_fault_flags):
+                      _add_run_flags, _add_checkpoint_flags, _add_fault_flags, add_ft_flags):
         add_group(p)
 
 
@@ -247,9 +249,11 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
 
 def train_config_from_args(args: argparse.Namespace) -> Any:
     """The TrainConfig the ``train`` flags describe (raises ConfigError when invalid)."""
+    from moepec.cli.replicas import ft_config_from_args
     from moepec.train.config import TrainConfig
 
     return TrainConfig(
+        ft=ft_config_from_args(args),
         config=args.config,
         model_overrides=dict(_parse_override(o) for o in args.model_override),
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.min_lr,
@@ -345,6 +349,10 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-dir", default=d.ram_dir, metavar="DIR",
                    help="the faulty run's shared-memory RAM tier (%(default)s); 'none': "
                         "in-process snapshots (restarted workers recover from storage)")
+    p.add_argument("--ft", action="store_true",
+                   help="replica groups on torchft instead: 2 groups, a SIGKILL of one "
+                        "group's rank mid-run, beside the same fault under restart-all "
+                        "(needs moepec[ft])")
 
 
 def _ram_dir_arg(value: str | None) -> str | None:
@@ -354,6 +362,13 @@ def _ram_dir_arg(value: str | None) -> str | None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from moepec.cli.demo import DemoSettings, run_demo
+
+    if args.ft:
+        from moepec.bench.ft import run_demo_ft
+
+        run_demo_ft(args.out_dir)
+        print(f"report: {os.path.join(args.out_dir, 'ft', 'report.md')}")
+        return 0
 
     settings = DemoSettings(steps=args.steps, ranks=args.ranks, seed=args.seed,
                             faults=args.faults, ckpt_interval=args.ckpt_interval,
@@ -377,8 +392,10 @@ def _register_checkpoint_commands() -> None:
     from moepec.cli.experts import commands as experts_commands
     from moepec.cli.planning import commands as planning_commands
     from moepec.cli.ram import commands as ram_commands
+    from moepec.cli.replicas import commands as replica_commands
 
-    for name, help_, add, run in commands() + planning_commands() + experts_commands() + ram_commands():
+    for name, help_, add, run in (commands() + planning_commands() + experts_commands()
+                                  + ram_commands() + replica_commands()):
         register(Command(name, help_, add, run))
 
 

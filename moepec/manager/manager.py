@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moepec.errors import CheckpointError, PersistError
+from moepec.errors import CheckpointError
 from moepec.events import CheckpointEvent, CommitRecord, SnapshotRecord
 from moepec.hooks import FaultHooks
 from moepec.keys import next_seq
 from moepec.manager.claim import RootClaim
-from moepec.manager.config import BusyPolicy, CheckpointConfig, PecScope
+from moepec.manager.config import CheckpointConfig, PecScope
 from moepec.manager.layout import Layout, destroy_groups, find_experts
+from moepec.manager.persist_policy import may_persist
 from moepec.manager.ram_setup import RamSetup
 from moepec.manager.reporting import Reporter
 from moepec.manager.routing import RoutingCounter
@@ -189,7 +190,8 @@ class CheckpointManager:
         self._finish_snapshot()
         counts = self.routing.take()
         self.schedule.observe(counts)
-        persist, pending_error = self._may_persist(step)
+        persist, pending_error = may_persist(self.persister, self.root_claim,
+                                             self.config.busy_policy, step)
         # The persister is idle here whenever this checkpoint is to be persisted, so the
         # committed view is current.
         full = self._builder.is_full(persist, self.persister.head, self.persister.head_view)
@@ -328,6 +330,25 @@ class CheckpointManager:
         """Total time the training loop spent blocked in step() and wait_for_snapshot()."""
         return self._reporter.blocked
 
+    # -- live peers (replica groups) ---------------------------------------------
+    def live_state(self) -> dict[str, Any]:
+        """The checkpoint bookkeeping a live replica hands a restarted one (torchft
+        healing, :mod:`moepec.integrations.torchft`): PLT ledger, selectors, K and its
+        history, the checkpoint index and this rank's routing counts since the last
+        checkpoint. JSON-able, a copy. Training thread, any rank (each rank its own)."""
+        return {**self.schedule.live_state(), "last_step": self._last_step,
+                "routing": self.routing.pending()}
+
+    def load_live_state(self, state: Mapping[str, Any]) -> None:
+        """Adopt a peer's :meth:`live_state` after the model and optimizer were loaded
+        from the same peer (no storage read). Training thread, every rank, between
+        checkpoints. Raises StructureMismatchError for another MoE structure."""
+        self.schedule.load_live_state(dict(state))
+        self._last_step = int(state["last_step"])
+        self.routing.reset()
+        self.routing.add(state["routing"])
+        self.keys.invalidate()  # the loaded optimizer state may be new tensors
+
     # -- restore ----------------------------------------------------------------
     def restore(self) -> RestoreReport | None:
         """Restore the newest view into the model, optimizer and extra state.
@@ -423,25 +444,3 @@ class CheckpointManager:
         snap = self.ram_tier.finish()
         self._reporter.waited(time.perf_counter() - t0)
         return self._reporter.copied(snap, notify)
-
-    def _may_persist(self, step: int) -> tuple[bool, CheckpointError | None]:
-        """Whether this checkpoint goes to storage, and an earlier persist's error (which
-        keeps it in RAM: it is raised once the snapshot is under way, and the next
-        checkpoint persists again)."""
-        if self.persister.busy:
-            if self.config.busy_policy == BusyPolicy.WAIT:
-                self.persister.wait_idle()
-            else:
-                log.info("step %d: previous persist still writing; keeping this checkpoint "
-                         "in RAM only (busy_policy=skip)", step)
-                return False, None
-        pending_error = self.persister.take_error()
-        if self.persister.fenced is not None:
-            return False, pending_error  # said once by the persister; RAM snapshots go on
-        if self.root_claim.paused is not None:
-            return False, pending_error or PersistError(
-                f"checkpoints are paused, the snapshot stays in RAM: {self.root_claim.paused}")
-        return pending_error is None, pending_error
-
-
-

@@ -39,6 +39,10 @@ class RoutingCounter:
             for e, v in enumerate(values):
                 pend[e] += int(v)
 
+    def pending(self) -> list[list[int]]:
+        """A copy of this rank's counts since the last checkpoint (not summed)."""
+        return [list(row) for row in self._pending]
+
     def reset(self) -> None:
         """Forget the counts since the last checkpoint (after a restore)."""
         self._pending = self._zeros()

@@ -83,6 +83,23 @@ class ExpertSchedule:
         self.k_history = [list(x) for x in meta.k_history]
         self.index = meta.index + 1
 
+    def live_state(self) -> dict[str, Any]:
+        """The schedule as a live peer hands it over (JSON-able, a copy)."""
+        return {"ledger": self.ledger.state_dict(),
+                "selectors": {"persist": self.persist_selector.state_dict(),
+                              "ram": self.ram_selector.state_dict()},
+                "k": [self.k_persist, self.k_snapshot],
+                "k_history": [list(x) for x in self.k_history], "index": self.index}
+
+    def load_live_state(self, state: dict[str, Any]) -> None:
+        """Adopt a peer's :meth:`live_state`."""
+        self.ledger.load_state_dict(state["ledger"])
+        self.persist_selector.load_state_dict(state["selectors"]["persist"])
+        self.ram_selector.load_state_dict(state["selectors"]["ram"])
+        self.k_persist, self.k_snapshot = (int(k) for k in state["k"])
+        self.k_history = [list(x) for x in state["k_history"]]
+        self.index = int(state["index"])
+
     def set_k(self, k_persist: int, k_snapshot: int | None, step: int) -> None:
         """New K from the next checkpoint on (``step``: the last one trained). Raises
         ConfigError unless 1 <= k_persist <= k_snapshot <= the experts per MoE layer."""

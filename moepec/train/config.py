@@ -41,6 +41,50 @@ class OnPersistError(StrEnum):
 
 
 
+class FtTransport(StrEnum):
+    """How a restarted replica group receives the state of a live one (torchft)."""
+
+    HTTP = "http"
+    """torchft's HTTP checkpoint server on the live group's ranks."""
+    PG = "pg"
+    """The cross-group gloo process group of the quorum."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FtConfig:
+    """Replica groups on torchft (docs/replica-groups.md): this process's group, the
+    Lighthouse, and the timeouts that bound a hung peer. Validated on construction."""
+
+    lighthouse: str
+    """Address of the torchft Lighthouse (``moepec lighthouse`` prints it)."""
+    groups: int
+    """Replica groups of the run (each trains its own shard of every global batch)."""
+    group: int
+    """This torchrun job's group, 0 <= group < groups."""
+    timeout_s: float = 10.0
+    """Bound on a cross-group all-reduce, commit vote and state transfer: what a hung
+    (SIGSTOPped) peer costs at most before the step is retried without it."""
+    quorum_timeout_s: float = 60.0
+    """Bound on the wait for a quorum (and for connecting to the Lighthouse)."""
+    transport: FtTransport = FtTransport.HTTP
+    """How a restarted group receives the state: "http" or "pg"."""
+    digests: bool = True
+    """Put SHA-256 digests of the model, optimizer state, step and data position into the
+    ``heal``, ``heal_sent`` and ``ft_end`` records (what the tests and ``bench ft``
+    compare); hashing costs about a second per GB of state, on the heal's path."""
+
+    def __post_init__(self) -> None:
+        _need(bool(self.lighthouse), "ft: the Lighthouse address is empty; start one with "
+              "`moepec lighthouse` and pass what it prints to --ft-lighthouse")
+        _need(isinstance(self.groups, int) and self.groups >= 1,
+              f"ft: groups must be >= 1, got {self.groups!r} (--ft-groups)")
+        _need(isinstance(self.group, int) and 0 <= self.group < self.groups,
+              f"ft: group must be in [0, {self.groups}), got {self.group!r} (--ft-group)")
+        _need(self.timeout_s > 0 and self.quorum_timeout_s > 0,
+              "ft: timeouts must be > 0 seconds (--ft-timeout)")
+        self.transport = check_choice(FtTransport, self.transport, "ft transport")
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Everything a training run needs. Validated on construction."""
@@ -109,6 +153,10 @@ class TrainConfig:
     and the root over the data-parallel ranks, so parameters and optimizer state are
     DTensor shards and each rank checkpoints its own. With ``ep`` > 1 a 2-D (dp, ep) mesh as
     torchtitan builds it: stacked experts sharded over ep on dim 0 and over dp on dim 1."""
+    ft: FtConfig | None = None
+    """Train as one replica group of a torchft run (None: this torchrun job is the run).
+    Each group writes its metrics, summary and checkpoints under ``group-<I>`` of
+    ``out_dir`` and of the checkpoint path."""
 
     def __post_init__(self) -> None:
         model_cfg = self.model_config()  # raises for unknown names or overrides
@@ -129,6 +177,14 @@ class TrainConfig:
               f"--fsdp with --ep {self.ep} shards stacked experts over the EP dim; the "
               f"{model_cfg.expert_layout!r} expert layout has none: drop "
               "-O expert_layout=... or use --fsdp alone or --ep alone")
+        _need(self.ft is None or isinstance(self.ft, FtConfig),
+              f"ft must be a FtConfig or None, got {type(self.ft).__name__}")
+        _need(self.ft is None or not self.fsdp,
+              "replica groups (--ft-*) send plain tensors between groups; FSDP's DTensor "
+              "shards are not supported there: drop --fsdp (DP and --ep work)")
+        _need(self.ft is None or self.restarts == 0,
+              "replica groups restart a failed group with torchrun --max-restarts; drop "
+              "--restarts")
 
     def _check_numbers(self) -> None:
         _need(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
@@ -215,6 +271,14 @@ class TrainResult:
     """One record per restore in this process: step, checkpoint, tier, PLT, seconds."""
     model_state: dict[str, torch.Tensor] | None = None
     """Final model weights on CPU if cfg.return_state, else None."""
+    ft_group: int | None = None
+    """The replica group this process trained in (None: not a replica-group run)."""
+    heals: list[dict[str, Any]] = field(default_factory=list)
+    """Replica groups: one record per state received from a live peer (step, seconds)."""
+    reduced_width_steps: int = 0
+    """Replica groups: committed steps that trained with fewer groups than the run has."""
+    retried_steps: int = 0
+    """Replica groups: steps that did not commit (a peer failed) and were trained again."""
 
     def summary(self) -> dict[str, Any]:
         """JSON-able summary without the model state."""

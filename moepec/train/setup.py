@@ -59,12 +59,21 @@ class Run:
     """The checkpoints the manager started, not yet written as metrics records."""
 
 
+def data_shard(cfg: TrainConfig, info: dist.DistInfo) -> tuple[int, int]:
+    """(shard, shards) of every global batch this rank reads: its rank among all ranks
+    of all replica groups (group-major), or its rank in the job without replica groups."""
+    if cfg.ft is None:
+        return info.rank, info.world_size
+    return cfg.ft.group * info.world_size + info.rank, cfg.ft.groups * info.world_size
+
+
 def _check_world(cfg: TrainConfig, info: dist.DistInfo) -> None:
     """What the config can only be checked against once the number of ranks is known."""
-    if cfg.batch_size % info.world_size:
+    shards = data_shard(cfg, info)[1]
+    if cfg.batch_size % shards:
         raise ConfigError(
-            f"batch_size {cfg.batch_size} is not divisible by {info.world_size} ranks; "
-            "use a multiple of the number of ranks"
+            f"batch_size {cfg.batch_size} is not divisible by {shards} ranks (of all replica "
+            "groups); use a multiple of the number of ranks"
         )
     if info.world_size % cfg.ep:
         raise ConfigError(
@@ -77,8 +86,9 @@ def _load_data(cfg: TrainConfig, info: dist.DistInfo, seq_len: int,
                ) -> tuple[TokenLoader, list[tuple[torch.Tensor, torch.Tensor]]]:
     """This rank's training loader and its share of the fixed validation batches."""
     corpus = load_corpus(cfg.data)
+    shard, shards = data_shard(cfg, info)
     loader = TokenLoader(corpus.train, seq_len, cfg.batch_size, cfg.seed,
-                         rank=info.rank, world_size=info.world_size)
+                         rank=shard, world_size=shards)
     val = eval_batches(corpus.val, seq_len, cfg.batch_size, cfg.eval_batches,
                        rank=info.rank, world_size=info.world_size)
     if cfg.eval_batches and not val and info.rank == 0:

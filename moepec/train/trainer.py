@@ -24,7 +24,6 @@ import gc
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from moepec.train.checkpointing import (
     recovery_record,
 )
 from moepec.train.config import TrainConfig, TrainResult
+from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, record_step
 from moepec.train.setup import Run, setup
 
 # Re-exported so `from moepec.train.trainer import train_step` (tests, notebooks) keeps working.
@@ -62,27 +62,6 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------- the loop
-
-
-@dataclass(slots=True)
-class _Timer:
-    """Training seconds (evaluation excluded): of the whole call, and of the window
-    since the last metrics line, whose throughput that line reports."""
-
-    total: float = 0.0
-    window: float = 0.0
-    window_steps: int = 0
-
-    def add(self, seconds: float) -> None:
-        self.total += seconds
-        self.window += seconds
-        self.window_steps += 1
-
-    def tokens_per_s(self, tokens_per_step: int) -> float:
-        return tokens_per_step * self.window_steps / max(self.window, 1e-9)
-
-    def new_window(self) -> None:
-        self.window, self.window_steps = 0.0, 0
 
 
 def _resume(run: Run, result: TrainResult, metrics: MetricsWriter, is_main: bool) -> int:
@@ -142,42 +121,6 @@ def _checkpoint(cfg: TrainConfig, run: Run, step: int, out: StepResult,
         metrics.write(checkpoint_record(event))
 
 
-def _record_step(result: TrainResult, step: int, out: StepResult, tokens: int) -> None:
-    result.losses.append(out.loss)
-    result.steps += 1
-    result.final_step = step
-    result.tokens += tokens
-    result.dropped += out.dropped
-
-
-def _evaluate_if_due(cfg: TrainConfig, run: Run, result: TrainResult, step: int,
-                     is_main: bool) -> float | None:
-    """The validation loss at evaluation steps (and the last), else None. Collective."""
-    last = step == cfg.steps - 1
-    if not run.val or not (last or (cfg.eval_interval and (step + 1) % cfg.eval_interval == 0)):
-        return None
-    val_loss = evaluate(run.model, run.val, device=run.device)
-    if val_loss is not None:
-        result.val_history.append((step, val_loss))
-        if is_main:
-            log.info("step %d: val loss %.4f", step, val_loss)
-    return val_loss
-
-
-def _log_step(metrics: MetricsWriter, step: int, out: StepResult, lr: float, tok_s: float,
-              grad_norm: float, val_loss: float | None, to_log: bool) -> None:
-    """A metrics line for ``step`` (rank 0's writer; a no-op elsewhere), and a log line
-    when no progress bar shows the numbers."""
-    record = {"step": step, "loss": out.loss, "aux_loss": out.aux_loss, "lr": lr,
-              "tokens_per_s": tok_s, "dropped": out.dropped, "grad_norm": grad_norm}
-    if val_loss is not None:
-        record["val_loss"] = val_loss
-    metrics.write(record)
-    if to_log:
-        log.info("step %d: loss %.4f lr %.2e %.0f tok/s dropped %d",
-                 step, out.loss, lr, tok_s, out.dropped)
-
-
 def _loop(cfg: TrainConfig, run: Run, result: TrainResult, metrics: MetricsWriter,
           is_main: bool) -> float:
     """Restore (when checkpointing) and train up to cfg.steps; returns training seconds.
@@ -189,20 +132,20 @@ def _loop(cfg: TrainConfig, run: Run, result: TrainResult, metrics: MetricsWrite
     # log lines take its place.
     bar = tqdm(total=cfg.steps, initial=first, disable=None if cfg.progress and is_main else True,
                unit="step", dynamic_ncols=True)
-    timer = _Timer()
+    timer = Timer()
     try:
         for step in range(first, cfg.steps):
             t0 = time.perf_counter()
             out, lr, grad_norm = _train_one_step(cfg, run, step, metrics)
             timer.add(time.perf_counter() - t0)
-            _record_step(result, step, out, run.tokens_per_step)
-            val_loss = _evaluate_if_due(cfg, run, result, step, is_main)
+            record_step(result, step, out, run.tokens_per_step)
+            val_loss = evaluate_if_due(cfg, run, result, step, is_main)
             tok_s = timer.tokens_per_s(run.tokens_per_step)
             bar.update(1)
             bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
             last = step == cfg.steps - 1
             if step == first or last or val_loss is not None or (step + 1) % cfg.log_interval == 0:
-                _log_step(metrics, step, out, lr, tok_s, grad_norm, val_loss,
+                log_step(metrics, step, out, lr, tok_s, grad_norm, val_loss,
                           to_log=is_main and bar.disable)  # otherwise the bar shows it
                 timer.new_window()
     finally:
@@ -284,6 +227,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
+    if cfg.ft is not None:
+        from moepec.train.replicas import for_group
+
+        cfg = for_group(cfg)  # this group's own out_dir, metrics and checkpoint root
     info = dist.init_from_env(cfg.dist_timeout_s)
     is_main = info.rank == 0
     # A checkpointed run appends: a restarted worker continues the same metrics file.
@@ -300,7 +247,12 @@ def train(cfg: TrainConfig) -> TrainResult:
         gc.freeze()
         result = TrainResult(steps=0, final_step=-1, world_size=info.world_size,
                              ep_size=cfg.ep)
-        train_time = _train_with_restarts(cfg, run, result, metrics, is_main)
+        if cfg.ft is not None:
+            from moepec.train.replicas import ft_loop
+
+            train_time = ft_loop(cfg, run, result, metrics, is_main)
+        else:
+            train_time = _train_with_restarts(cfg, run, result, metrics, is_main)
         if run.manager:
             # waits for the last persist; its error is handled per on_persist_error
             close_manager(cfg, metrics, run.manager, result.final_step)

@@ -1,0 +1,161 @@
+"""Replica groups on torchft: a real Lighthouse, one real torchrun per group, real SIGKILLs.
+
+The survivor keeps its process and never recovers; the restarted group heals from it
+bit for bit (model, Adam moments, step, data position); a killed persist leaves its root
+verifiable. Every group lost: the next start restores each from its own PEC storage, and
+both end at the same step with bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RUST_LOG", "warn")  # before torchft's import: it logs every quorum
+pytest.importorskip("torchft")
+
+from moepec.integrations.torchft import start_lighthouse  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 300
+
+
+@pytest.fixture
+def lighthouse():
+    lh = start_lighthouse(0, heartbeat_timeout_ms=1000, join_timeout_ms=500)
+    yield lh.address
+    lh.shutdown()
+
+
+def _launch(tmp: Path, address: str, group: int, *, steps: int = STEPS, faults: str = "",
+            restarts: int = 0, interval: int = 50) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "1", "--max-restarts", str(restarts), "--monitor-interval", "0.1",
+           "-m", "moepec", "train", "--config", "tiny", "--steps", str(steps),
+           "--batch-size", "8", "--threads", "1", "--no-progress", "--log-interval", "100",
+           "--eval-batches", "0", "--data", str(tmp / "corpus" / "**" / "*.txt"),
+           "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-interval", str(interval), "--ram-dir", "none",
+           "--out-dir", str(tmp / "out"), "--ft-lighthouse", address, "--ft-groups", "2",
+           "--ft-group", str(group), "--ft-timeout", "5", "--ft-quorum-timeout", "20"]
+    if faults:
+        cmd += ["--faults", faults]
+    log = open(tmp / f"group{group}.log", "a")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+
+
+def _wait(procs: list[subprocess.Popen], tmp: Path, timeout: float = 150) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        logs = "\n".join((tmp / f"group{g}.log").read_text()[-3000:] for g in (0, 1))
+        raise AssertionError(f"replica groups did not finish:\n{logs}") from None
+
+
+def _records(tmp: Path, group: int) -> list[dict]:
+    path = tmp / "out" / f"group-{group}" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _events(records: list[dict], name: str) -> list[dict]:
+    return [r for r in records if r.get("event") == name]
+
+
+@pytest.fixture
+def corpus(tmp_path: Path, text_files: Path) -> Path:
+    return tmp_path
+
+
+def _verify(root: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "moepec", "verify", str(root)],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _wait_for(predicate, timeout: float, what: str, procs) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise AssertionError(f"{what} did not happen")
+        time.sleep(0.05)
+
+
+def _safe_records(tmp: Path, group: int) -> list[dict]:
+    path = tmp / "out" / f"group-{group}" / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(x) for x in lines if x.endswith("}")]
+
+
+def test_survivor_keeps_training_the_killed_group_heals_and_a_cold_start_restores(
+        corpus, lighthouse):
+    """Group 1's rank is SIGKILLed while its persist writes the checkpoint of step 49 (the
+    survivor sees the death in its cross-group all-reduce). So that the run needs no more
+    steps than the restart takes, the survivor is held (SIGSTOP: its heartbeats stop, the
+    Lighthouse drops it) once it trained alone, until group 1's new worker joined; then it
+    goes on (SIGCONT) and group 1 heals from it. Then every group is SIGKILLed: the next
+    start restores each group from its own PEC storage and both finish as one."""
+    tmp = corpus
+    procs = [_launch(tmp, lighthouse, 0),
+             _launch(tmp, lighthouse, 1, faults="kill_persist@40:r0", restarts=1)]
+    _wait_for(lambda: any(r.get("groups") == 1 for r in _events(_safe_records(tmp, 0), "ft_width")),
+              120, "the survivor training alone", procs)
+    (join,) = _events(_safe_records(tmp, 0), "ft_join")
+    os.kill(join["pid"], signal.SIGSTOP)
+    try:
+        _wait_for(lambda: len(_events(_safe_records(tmp, 1), "ft_join")) == 2, 120,
+                  "group 1's restart", procs[1:])
+        time.sleep(1.0)
+    finally:
+        os.kill(join["pid"], signal.SIGCONT)
+    # Both train together; once each committed a checkpoint after the heal, both die.
+    def committed_after_heal() -> bool:
+        heals = _events(_safe_records(tmp, 1), "heal")
+        return bool(heals) and all(
+            any(c["step"] > heals[0]["step"] for c in _events(_safe_records(tmp, g), "commit"))
+            for g in (0, 1))
+
+    _wait_for(committed_after_heal, 120, "a checkpoint after the heal", procs)
+    for g in (0, 1):
+        os.kill(_events(_safe_records(tmp, g), "ft_join")[-1]["pid"], signal.SIGKILL)
+    assert all(rc != 0 for rc in _wait(procs, tmp))
+    survivor, healed = _records(tmp, 0), _records(tmp, 1)
+    # The survivor: one process, never recovered; the step the peer died in was retried.
+    assert len(_events(survivor, "ft_join")) == 1
+    assert not _events(survivor, "recovery") and not _events(healed, "recovery")
+    assert _events(survivor, "ft_retry")
+    assert any(r["groups"] == 1 for r in _events(survivor, "ft_width"))
+    joins = _events(healed, "ft_join")
+    assert len(joins) == 2 and joins[0]["pid"] != joins[1]["pid"]
+    # The heal: the state received equals the state sent, bit for bit, at the same step.
+    (heal,) = _events(healed, "heal")
+    sent = {r["step"]: r for r in _events(survivor, "heal_sent")}
+    assert heal["step"] in sent and heal["step"] > 49
+    for key in ("step", "model", "optimizer", "data"):
+        assert heal[key] == sent[heal["step"]][key], key
+    # The killed persist never half-committed: every committed checkpoint verifies.
+    _verify(tmp / "ckpt" / "group-1")
+    # Every group lost: each restores from its own PEC storage, then both end as one.
+    procs = [_launch(tmp, lighthouse, g) for g in (0, 1)]
+    assert _wait(procs, tmp) == [0, 0]
+    for g in (0, 1):
+        (rec,) = _events(_records(tmp, g), "recovery")
+        assert rec["tier"] == "storage" and rec["step"] > heal["step"] and "plt" in rec
+    (end0,), (end1,) = (_events(_records(tmp, g), "ft_end") for g in (0, 1))
+    assert end0["step"] == end1["step"] == STEPS
+    assert end0["model"] == end1["model"] and end0["optimizer"] == end1["optimizer"]
+    assert end0["data"] == end1["data"]
+    summary = json.loads((tmp / "out" / "group-0" / "summary.json").read_text())
+    assert summary["final_step"] == STEPS - 1
