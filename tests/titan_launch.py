@@ -32,12 +32,12 @@ def dump_state(trainer: Trainer, name: str) -> None:
     """Every rank calls it (full_tensor() is collective); rank 0 writes."""
     model = trainer.model_parts[0]
     opt = trainer.optimizers.optimizers[0]
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {f"model/{n}": _full(p) for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
-        for k, v in st.items():
+    state = {}
+    for n, p in model.named_parameters():  # the same order on every rank (collectives)
+        state[f"model/{n}"] = _full(p)
+        for k, v in sorted(opt.state.get(p, {}).items()):
             if torch.is_tensor(v):
-                state[f"optim/{names[id(p)]}/{k}"] = _full(v)
+                state[f"optim/{n}/{k}"] = _full(v)
     state["train_state/step"] = torch.tensor(trainer.step)
     rank = dist.get_rank() if dist.is_initialized() else 0
     loader = trainer.checkpointer.loader_state

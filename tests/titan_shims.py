@@ -147,3 +147,15 @@ def deepseek_v3_tiny():
     config.model_spec = dataclasses.replace(config.model_spec,
                                             model=_tiny_deepseek_v3(config.model_spec.model))
     return config
+
+
+def _register_tiny() -> None:
+    # Test size, not a CPU limit: list the tiny config among deepseek_v3's own, so that
+    # `--module moepec.integrations.torchtitan --config deepseek_v3_tiny` finds it the way
+    # it finds every upstream config name.
+    import torchtitan.models.deepseek_v3.config_registry as registry
+
+    registry.deepseek_v3_tiny = deepseek_v3_tiny
+
+
+_register_tiny()

@@ -79,8 +79,11 @@ class StateCatalog:
             _check_storable(name, obj)
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         self._name_of = {id(p): n for n, p in self.params.items()}
+        # By identity, not name: a wrapper that renames state_dict keys (activation
+        # checkpointing's ``_checkpoint_wrapped_module.``) must not make a parameter a
+        # second, non-expert "buffer".
         self.buffers = {n: b for n, b in model.state_dict(keep_vars=True).items()
-                        if n not in self.params}
+                        if n not in self.params and id(b) not in self._name_of}
         if optimizer is not None:
             for group in optimizer.param_groups:
                 for p in group["params"]:
