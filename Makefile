@@ -12,7 +12,9 @@ $(STAMP): pyproject.toml
 	# set, as on this machine, nothing is compiled later, and every test process would
 	# compile torch from source again (a --no-compile install made the suite 16% slower).
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,hf]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,hf,titan-deps]'
+	# torchtitan's metadata caps datasets below dev's fsspec (pyproject.toml, titan-deps).
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ pytest.importorskip("torchtitan.components.checkpointer", reason="torchtitan 0.3
 pytest.importorskip("tokenizers", reason="the test tokenizer needs the tokenizers package")
 
 import torch  # noqa: E402
+
+from moepec.recovery.offline import inspect_path  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -34,12 +37,8 @@ EXPERT = re.compile(r"^(model|optim)/layers\.(\d+)\..*moe\.routed_experts\.inner
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A small tokenizer and data set (torchtitan's test assets are not in its wheel)."""
-    sys.path.insert(0, str(TESTS))
-    try:
-        import titan_shims
-    finally:
-        sys.path.remove(str(TESTS))
-    return titan_shims.write_assets(str(tmp_path_factory.mktemp("titan-assets")))
+    from titan_assets import write_assets
+    return write_assets(str(tmp_path_factory.mktemp("titan-assets")))
 
 
 def _train(tmp: Path, assets, nproc: int, args: list[str], kill_at: int = 0):
@@ -66,6 +65,61 @@ REGISTRY = ["--module", "moepec.integrations.torchtitan", "--config", "deepseek_
             "--checkpoint.no-dynamic_k"]
 
 
+def test_registry_route_parses_moepec_flags(capsys):
+    """``--module moepec.integrations.torchtitan --config NAME``: an upstream config, its
+    checkpoint slot moepec's, whose fields parse as ``--checkpoint.*`` flags."""
+    from torchtitan.config import ConfigManager
+
+    from moepec.integrations.torchtitan import PecCheckpointManager
+
+    config = ConfigManager().parse_args([
+        "--module", "moepec.integrations.torchtitan", "--config", "deepseek_v3_debugmodel",
+        "--checkpoint.enable", "--checkpoint.k_persist", "2", "--checkpoint.selection",
+        "load_aware", "--checkpoint.keep_latest_k", "0"])
+    ckpt = config.checkpoint
+    assert type(ckpt) is PecCheckpointManager.Config
+    assert (ckpt.k_persist, ckpt.selection, ckpt.interval) == (2, "load_aware", 10)
+    assert ckpt.last_save_model_only is False  # the upstream config's own value is kept
+    mc = ckpt.moepec_config("root")
+    assert (mc.k_persist, mc.keep_last, mc.async_persist) == (2, 1_000_000, False)
+    with pytest.raises(SystemExit):  # tyro's exit 2 for a bad flag, with moepec's message
+        ConfigManager().parse_args([
+            "--module", "moepec.integrations.torchtitan", "--config",
+            "deepseek_v3_debugmodel", "--checkpoint.k_persist", "2",
+            "--checkpoint.k_snapshot", "1"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert "k_snapshot (1) must be" in err and "k_persist (2)" in err, err
+
+
+def test_override_route_and_refusals():
+    """``--override.imports '...use_pec={json}'`` on a stock config; what the manager does
+    not support is refused with a message naming what to do."""
+    from torch import nn
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    from moepec.errors import ConfigError
+    from moepec.integrations.torchtitan import PecCheckpointManager
+
+    config = deepseek_v3_debugmodel()
+    apply_overrides(OverrideConfig(imports=[
+        ("moepec.integrations.torchtitan.use_pec", {"k_persist": 3, "ram_dir": None})]), config)
+    assert type(config.checkpoint) is PecCheckpointManager.Config
+    assert (config.checkpoint.k_persist, config.checkpoint.ram_dir) == (3, None)
+    with pytest.raises(ConfigError, match="unknown field.*k_persit"):
+        apply_overrides(OverrideConfig(imports=[
+            ("moepec.integrations.torchtitan.use_pec", {"k_persit": 3})]),
+            deepseek_v3_debugmodel())
+    args = dict(dataloader=None, model_parts=[nn.Linear(2, 2)], optimizers=None,
+                lr_schedulers=None, states={}, sd_adapter=None)
+    enabled = PecCheckpointManager.Config(enable=True)
+    with pytest.raises(ConfigError, match="ft_manager.*fault_tolerance"):
+        PecCheckpointManager(enabled, **args, ft_manager=object())
+    with pytest.raises(ConfigError, match="pipeline"):
+        PecCheckpointManager(enabled, **{**args, "model_parts": [nn.Linear(2, 2)] * 2})
+    assert not PecCheckpointManager(PecCheckpointManager.Config(), **args).load()
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "moepec", *args], env=env, capture_output=True,
@@ -78,8 +132,8 @@ def _kill_resume_finish(tmp: Path, assets, first: tuple[int, list[str]],
     life1 = _train(tmp, assets, first[0], first[1], kill_at=KILL_AT)
     assert life1.returncode != 0 and "SIGKILL" in life1.stderr, life1.stderr[-3000:]
     folder = tmp / "run" / "checkpoint"
-    info = json.loads(_cli("inspect", str(folder), "--json").stdout)
-    ckpts = sorted((c for c in info["checkpoints"] if c["committed"]), key=lambda c: c["step"])
+    rows = [asdict(r) for r in inspect_path(str(folder))["checkpoints"]]  # `moepec inspect`'s
+    ckpts = sorted((c for c in rows if c["committed"]), key=lambda c: c["step"])
     assert [c["step"] for c in ckpts] == list(range(1, KILL_AT))
     assert ckpts[0]["full"]
     for c in ckpts[1:]:  # K=1: one expert of N per MoE layer in every checkpoint after the first

@@ -8,11 +8,15 @@ Hooks, by environment variable (test-only; they wrap torchtitan's Trainer, not m
   rank writes its data-loader position as JSON beside it.
 - ``TITAN_KILL_AT=S``: at the start of step S, wait for the checkpoint being written, then
   SIGKILL every rank (a crash between checkpoints).
+- ``TITAN_BENCH=FILE`` (benchmarks/torchtitan.py): rank 0 records the seconds the training
+  loop spends in the checkpointer's ``save`` and ``maybe_wait_for_staging`` at each step
+  and the step times, as JSON in FILE when the trainer closes.
 """
 
 import json
 import os
 import signal
+import time
 
 import titan_shims  # noqa: F401  (before torchtitan builds anything)
 import torch
@@ -21,6 +25,8 @@ from torchtitan.train import main
 from torchtitan.trainer import Trainer
 
 DUMP = os.environ.get("TITAN_DUMP")
+BENCH = os.environ.get("TITAN_BENCH")
+_timings: dict[str, list] = {"save_s": [], "staging_s": [], "step_s": [], "last": []}
 KILL_AT = int(os.environ.get("TITAN_KILL_AT", "0"))
 
 
@@ -54,6 +60,17 @@ _train_step = Trainer.train_step
 _train = Trainer.train
 
 
+def _timed(fn, bucket: str):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        _timings[bucket].append(time.perf_counter() - t0)
+        if bucket == "save_s":
+            _timings["last"].append(bool(kwargs.get("last_step")))
+        return out
+    return wrapper
+
+
 def train_step(self, data_iterator):
     if KILL_AT and self.step == KILL_AT:
         self.checkpointer.manager.wait_for_persist()
@@ -74,7 +91,17 @@ def train(self):
         return restored
 
     self.checkpointer.load = load_and_dump
+    if BENCH:
+        self.checkpointer.save = _timed(self.checkpointer.save, "save_s")
+        self.checkpointer.maybe_wait_for_staging = _timed(
+            self.checkpointer.maybe_wait_for_staging, "staging_s")
+        self.train_step = _timed(self.train_step, "step_s")
     _train(self)
+    if BENCH:
+        self.checkpointer.maybe_wait_for_saving()  # the last write, before the sizes are read
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with open(BENCH, "w") as f:
+                json.dump(_timings, f)
 
 
 Trainer.train_step = train_step

@@ -8,9 +8,6 @@ is an ``@override`` activated with ``--override.imports titan_shims.sdpa_attenti
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -96,43 +93,6 @@ def _tiny_deepseek_v3(cfg):
     for _fqn, _c, parent, attr in list(tiny.traverse(FlexAttention.Config)):
         setattr(parent, attr, ScaledDotProductAttention.Config())
     return tiny
-
-
-def cpu_flags(world: int, ep: int = 1) -> list[str]:
-    """The torchtitan flags these shims need (see the module docstring)."""
-    flags = ["--override.imports", "titan_shims.sdpa_attention",
-             # DTensor's default SPMD backend needs CUDA; the partial-DTensor one runs on CPU
-             "--parallelism.spmd_backend", "partial_dtensor",
-             "--comm.init_timeout_seconds", "120"]
-    if ep > 1:  # CUDA graphs are on by default with EP
-        flags += ["--training.disable_cuda_graphs"]
-    return flags
-
-
-def write_assets(folder: str) -> tuple[str, str]:
-    """A small tokenizer (the ``tokenizers`` package; torchtitan's test tokenizer is not in
-    its wheel) and a small text data set; returns (hf_assets_path, dataset_path)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    words = [f"w{i}" for i in range(300)]
-    text = [" ".join(words[(i * 7 + j * 13) % 300] for j in range(60)) for i in range(64)]
-    tok_dir, data_dir = os.path.join(folder, "tokenizer"), os.path.join(folder, "data")
-    os.makedirs(tok_dir, exist_ok=True)
-    os.makedirs(data_dir, exist_ok=True)
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(text, trainers.WordLevelTrainer(
-        vocab_size=512, special_tokens=["<unk>", "<bos>", "<eos>"]))
-    tok.save(os.path.join(tok_dir, "tokenizer.json"))
-    with open(os.path.join(tok_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True,
-                   "add_eos_token": True}, f)
-    with open(os.path.join(data_dir, "train.json"), "w") as f:
-        for t in text:
-            f.write(json.dumps({"text": t}) + "\n")
-    return tok_dir, data_dir
-
-
 
 
 def deepseek_v3_tiny():
