@@ -151,6 +151,10 @@ def _kill_resume_finish(tmp: Path, assets, first: tuple[int, list[str]],
     restored = torch.load(dump / "restored.pt")
     saved = {s: torch.load(dump / f"step-{s}.pt") for s in range(1, KILL_AT)}
     assert int(restored["train_state/step"]) == KILL_AT - 1
+    # PLT from torchtitan's own token counters: the experts restored from older copies lost
+    # the token assignments routed to them since (none would be counted without them)
+    report = json.loads((dump / "sources.json").read_text())
+    assert report["lost"] > 0 and 0 < report["plt"] < 1, report
     moe_layers = sorted({int(m.group(2)) for k in restored if (m := EXPERT.match(k))})
     assert len(moe_layers) == 2
     older = 0

@@ -52,8 +52,10 @@ def dump_state(trainer: Trainer, name: str) -> None:
     if rank == 0:
         torch.save(state, os.path.join(DUMP, f"{name}.pt"))
         if name == "restored":
+            report = trainer.checkpointer.report
             with open(os.path.join(DUMP, "sources.json"), "w") as f:
-                json.dump(trainer.checkpointer.report.sources, f)
+                json.dump({"sources": report.sources, "plt": report.plt,
+                           "lost": report.lost_total}, f)
 
 
 _train_step = Trainer.train_step

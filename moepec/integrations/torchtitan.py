@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
 from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
 from torchtitan.config.override import derive, override
 from torchtitan.tools import filesystem
@@ -125,8 +126,14 @@ class RoutingTap:
     """
 
     def __init__(self, model: nn.Module, n_experts: tuple[int, ...]) -> None:
-        self.layers = [m for m in model.modules()
-                       if isinstance(getattr(m, "tokens_per_expert_E", None), torch.Tensor)]
+        named = [(n, m) for n, m in model.named_modules()
+                 if isinstance(getattr(m, "tokens_per_expert_E", None), torch.Tensor)]
+        self.layers = [m for _, m in named]
+        # torchtitan's own correction (_update_expert_bias): a block recomputed in the
+        # backward (activation checkpointing, NO_REENTRANT) counts its tokens twice.
+        recomputed = [n for n, m in model.named_modules()
+                      if getattr(m, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT]
+        self._halve = [any(n.startswith(f"{r}.") for r in recomputed) for n, _ in named]
         sizes = tuple(int(m.tokens_per_expert_E.shape[-1]) for m in self.layers)
         self.enabled = bool(self.layers) and sizes == tuple(n_experts)
         if self.layers and not self.enabled:
@@ -144,8 +151,8 @@ class RoutingTap:
             buf = moe.tokens_per_expert_E
             cur = (buf.to_local() if hasattr(buf, "to_local") else buf).detach().cpu()
             cur = cur.to(torch.int64)
-            if getattr(moe, "checkpoint_impl", None) is not None:
-                cur = cur // 2  # torchtitan's own correction: full AC counts twice
+            if self._halve[i]:
+                cur = cur // 2
             resets = getattr(moe, "load_balance_coeff", None) is not None
             last = self._last[i]
             out.append(cur if resets or last is None else (cur - last).clamp_min(0))
