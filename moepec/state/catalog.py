@@ -39,6 +39,8 @@ from moepec.state.rng import check_rng_state, rng_state, set_rng_state
 log = logging.getLogger(__name__)
 
 EXTRA_PREFIX = f"{OBJECT_PREFIX}extra/"
+_AC_PREFIX = "_checkpoint_wrapped_module."
+"""What torch's checkpoint_wrapper inserts in parameter names (and drops from state_dict keys)."""
 _GROUPS_FIX = "keep the optimizer's param_groups hyper-parameters plain data"
 
 
@@ -79,11 +81,13 @@ class StateCatalog:
             _check_storable(name, obj)
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         self._name_of = {id(p): n for n, p in self.params.items()}
-        # By identity, not name: a wrapper that renames state_dict keys (activation
-        # checkpointing's ``_checkpoint_wrapped_module.``) must not make a parameter a
-        # second, non-expert "buffer".
+        # Activation checkpointing's wrapper drops ``_checkpoint_wrapped_module.`` from
+        # state_dict keys: such a key is its parameter, not a second, non-expert "buffer"
+        # (a tied alias under another name, ``lm_head.weight``, stays one).
+        unwrapped = {n.replace(_AC_PREFIX, ""): p for n, p in self.params.items()
+                     if _AC_PREFIX in n}
         self.buffers = {n: b for n, b in model.state_dict(keep_vars=True).items()
-                        if n not in self.params and id(b) not in self._name_of}
+                        if n not in self.params and unwrapped.get(n) is not b}
         if optimizer is not None:
             for group in optimizer.param_groups:
                 for p in group["params"]:
