@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml
 	# compile torch from source again (a --no-compile install made the suite 16% slower).
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps megatron-core==0.16.1
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,hf,ft,megatron]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,hf,ft,megatron,titan-deps]'
+	# torchtitan's metadata caps datasets below dev's fsspec (pyproject.toml, titan-deps).
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -37,6 +37,10 @@ from moepec.state.object_state import ObjectState
 
 log = logging.getLogger(__name__)
 
+_AC_PREFIX = "_checkpoint_wrapped_module."
+"""What torch's checkpoint_wrapper inserts in parameter names (and drops from state_dict keys)."""
+
+
 class StateCatalog:
     """Keys of the whole training state, and access to their live tensors.
 
@@ -66,8 +70,13 @@ class StateCatalog:
         self.extra_state = self.objects.extra_state
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         self._name_of = {id(p): n for n, p in self.params.items()}
+        # Activation checkpointing's wrapper drops ``_checkpoint_wrapped_module.`` from
+        # state_dict keys: such a key is its parameter, not a second, non-expert "buffer"
+        # (a tied alias under another name, ``lm_head.weight``, stays one).
+        unwrapped = {n.replace(_AC_PREFIX, ""): p for n, p in self.params.items()
+                     if _AC_PREFIX in n}
         self.buffers = {n: b for n, b in model.state_dict(keep_vars=True).items()
-                        if n not in self.params}
+                        if n not in self.params and unwrapped.get(n) is not b}
         if optimizer is not None:
             for group in optimizer.param_groups:
                 for p in group["params"]:

@@ -10,7 +10,8 @@ Supported placements: ``Shard(d)`` and ``Replicate()`` on any mesh dimension, ap
 mesh-dimension order as DTensor does (each split is ``torch.chunk``-like: ceil division,
 trailing ranks may hold less or nothing). ``Partial`` (pending reductions) and strided
 shards (``_StridedShard``, from nesting FSDP over an already sharded dim) are refused
-with a ConfigError when the manager is built.
+with a ConfigError when the manager is built, except on a mesh dimension of size 1, where
+no placement splits anything (torchtitan's expert FSDP mesh at EP = data-parallel degree).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def layout_of(t: DTensor, name: str) -> Layout:
     placement moepec does not save (see the module docstring)."""
     mesh = t.device_mesh
     shape = tuple(t.shape)
-    for p in t.placements:
-        if not (type(p) is Shard or isinstance(p, Replicate)):
+    for n, p in zip(mesh.mesh.shape, t.placements):
+        if n > 1 and not (type(p) is Shard or isinstance(p, Replicate)):
             raise ConfigError(
                 f"{name} is a DTensor placed {t.placements}; moepec saves Shard(d) and "
                 f"Replicate() placements only. Shard it with plain Shard placements "
@@ -81,7 +82,7 @@ def _block(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int]
     offsets = [0] * len(shape)
     sizes = list(shape)
     for n, c, p in zip(mesh_shape, coord, placements):
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and n > 1:
             d = p.dim if p.dim >= 0 else p.dim + len(shape)
             step = -(-sizes[d] // n)
             start = min(c * step, sizes[d])

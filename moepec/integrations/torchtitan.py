@@ -1,0 +1,384 @@
+"""Partial-experts checkpoints inside torchtitan's Trainer (torchtitan 0.3.0, ``moepec[titan]``).
+
+:class:`PecCheckpointManager` takes the place of torchtitan's DCP ``CheckpointManager`` in
+the Trainer's ``checkpoint`` slot. It saves what torchtitan saves -- the model part
+(stacked-expert DTensors under FSDP / EP included), the optimizer's moments, the LR
+schedulers, the data loader and the train state -- through :class:`moepec.CheckpointManager`:
+every checkpoint holds all non-expert state and K of the N experts of each MoE layer;
+the RAM snapshot is taken in the Trainer's ``maybe_wait_for_staging()`` slot right before
+``optimizer.step()`` and the write runs in the background. ``load`` stitches each expert's
+newest copy and logs the proportion of lost tokens (PLT), counted from torchtitan's own
+per-expert token counts (``MoE.tokens_per_expert_E``). The checkpoint folder is a moepec
+root: ``moepec inspect/verify/export`` work on it, and retention (``keep_latest_k``)
+never deletes a checkpoint that the newest views still need.
+
+Two ways in (docs/torchtitan.md):
+
+- on any stock config, the ``@override`` hook::
+
+    --override.imports 'moepec.integrations.torchtitan.use_pec={"k_persist": 1}'
+
+- a config registry that wraps every upstream config name, so moepec's fields parse as
+  flags::
+
+    --module moepec.integrations.torchtitan --config deepseek_v3_debugmodel --checkpoint.k_persist 2
+
+torchtitan's ``folder``, ``interval``, ``keep_latest_k`` and ``async_mode`` map onto
+moepec's path, interval, ``keep_last`` and asynchronous snapshot + persist; the options
+moepec does not implement (``load_step``, ``initial_load_path``, HF formats, seed
+checkpoints, pipeline parallelism, several optimizers, torchft's ``ft_manager``) are
+refused with a ``ConfigError`` that says what to do.
+
+This is the only moepec module that imports torchtitan; it uses moepec's public API only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+from torchtitan.config.override import derive, override
+from torchtitan.tools import filesystem
+
+from moepec import CheckpointConfig, RestoreReport
+from moepec import CheckpointManager as PecManager
+from moepec.errors import ConfigError, MoepecError
+
+log = logging.getLogger(__name__)
+
+KEEP_ALL = 1_000_000
+"""``keep_last`` for torchtitan's ``keep_latest_k=0`` (retain every checkpoint)."""
+
+
+class DataLoaderState:
+    """torchtitan's data loader as ``extra_state``, without pickle.
+
+    torchtitan's ``ParallelAwareDataloader.state_dict()`` pickles the loader's state
+    (moepec never unpickles what it loads), and each data-parallel rank holds its own
+    position while moepec stores one copy of small objects. So :meth:`capture`
+    (collective: every rank, training thread, before each save) gathers every rank's
+    plain ``StatefulDataLoader`` state, and :meth:`load_state_dict` hands each rank its
+    own. Restoring at another world size is refused, as torchtitan refuses it.
+    """
+
+    def __init__(self, loader: Any, group: Any | None) -> None:
+        self.loader = loader
+        self.group = group
+        self.rank = dist.get_rank() if group is not None else 0
+        self.world_size = dist.get_world_size() if group is not None else 1
+        self._base = _stateful_base(loader)
+        self._cached: dict[str, Any] = {"world_size": self.world_size, "ranks": {}}
+
+    def position(self) -> dict[str, Any]:
+        """This rank's loader position now (the plain ``StatefulDataLoader`` state)."""
+        return self._base.state_dict(self.loader)
+
+    def capture(self) -> None:
+        """Gather the loader positions of all ranks (collective when distributed)."""
+        mine = self.position()
+        states = [mine]
+        if self.group is not None:
+            states = [None] * self.world_size
+            dist.all_gather_object(states, mine, group=self.group)
+        self._cached = {"world_size": self.world_size,
+                        "ranks": {str(r): s for r, s in enumerate(states)}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._cached
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if saved.get("world_size") != self.world_size:
+            raise ConfigError(
+                f"the checkpoint's data loader positions are of {saved.get('world_size')} "
+                f"ranks, this run has {self.world_size}; torchtitan cannot reshard a data "
+                f"loader: resume with the same number of ranks")
+        own = saved.get("ranks", {}).get(str(self.rank))
+        if own:
+            self._base.load_state_dict(self.loader, own)
+        self._cached = saved
+
+
+def _stateful_base(loader: Any) -> type:
+    """The class whose un-pickled state_dict/load_state_dict the loader inherits: the
+    ``StatefulDataLoader`` below torchtitan's pickling wrapper, else the loader's own."""
+    for cls in type(loader).__mro__:
+        if cls.__name__ == "StatefulDataLoader":
+            return cls
+    return type(loader)
+
+
+class RoutingTap:
+    """Tokens per (MoE layer, expert) since the last call, from torchtitan's own counters.
+
+    torchtitan's ``MoE`` adds each forward's routed tokens to its ``tokens_per_expert_E``
+    buffer; its load-balancing hook zeroes the buffer in the optimizer step (when
+    ``load_balance_coeff`` is set), otherwise the buffer only grows. :meth:`take` reads it
+    before the optimizer step and returns what is new either way.
+    """
+
+    def __init__(self, model: nn.Module, n_experts: tuple[int, ...]) -> None:
+        named = [(n, m) for n, m in model.named_modules()
+                 if isinstance(getattr(m, "tokens_per_expert_E", None), torch.Tensor)]
+        self.layers = [m for _, m in named]
+        # torchtitan's own correction (_update_expert_bias): a block recomputed in the
+        # backward (activation checkpointing, NO_REENTRANT) counts its tokens twice.
+        recomputed = [n for n, m in model.named_modules()
+                      if getattr(m, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT]
+        self._halve = [any(n.startswith(f"{r}.") for r in recomputed) for n, _ in named]
+        sizes = tuple(int(m.tokens_per_expert_E.shape[-1]) for m in self.layers)
+        self.enabled = bool(self.layers) and sizes == tuple(n_experts)
+        if self.layers and not self.enabled:
+            log.warning("moepec: torchtitan's token counters (%s) do not match the experts "
+                        "found (%s); PLT and load_aware selection get no counts", sizes,
+                        tuple(n_experts))
+        self._last: list[torch.Tensor | None] = [None] * len(self.layers)
+
+    def take(self) -> list[torch.Tensor] | None:
+        """This step's counts per layer (int64, CPU), or None when not available."""
+        if not self.enabled:
+            return None
+        out = []
+        for i, moe in enumerate(self.layers):
+            buf = moe.tokens_per_expert_E
+            cur = (buf.to_local() if hasattr(buf, "to_local") else buf).detach().cpu()
+            cur = cur.to(torch.int64)
+            if self._halve[i]:
+                cur = cur // 2
+            resets = getattr(moe, "load_balance_coeff", None) is not None
+            last = self._last[i]
+            out.append(cur if resets or last is None else (cur - last).clamp_min(0))
+            self._last[i] = None if resets else cur
+        return out
+
+    def reset(self) -> None:
+        """Start counting afresh (after a restore)."""
+        self._last = [None] * len(self.layers)
+
+
+class PecCheckpointManager(BaseCheckpointManager):
+    """torchtitan checkpoint manager that writes moepec partial-experts checkpoints.
+
+    Built by the Trainer from :class:`PecCheckpointManager.Config` on every rank with the
+    same arguments as torchtitan's own manager. Raises ConfigError for a setting it does
+    not support (the message names what to do instead).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        """torchtitan's checkpoint options plus moepec's (``--checkpoint.*``). ``folder``,
+        ``interval``, ``keep_latest_k`` and ``async_mode`` keep their torchtitan meaning;
+        ``async_mode`` other than ``disabled`` snapshots and persists in the background."""
+
+        k_persist: int = 1
+        """Experts per MoE layer written to storage at each checkpoint (K_persist)."""
+        k_snapshot: int | None = None
+        """Experts per MoE layer copied to host RAM (>= k_persist); None: k_persist."""
+        selection: str = "sequential"
+        """Which experts: ``sequential`` (round-robin) or ``load_aware``."""
+        pec_scope: str = "all"
+        """What PEC skips for unselected experts: ``all``, ``optimizer`` or ``weights``."""
+        full_every: int = 0
+        """Make every M-th checkpoint a full one (all experts); 0 = never."""
+        plt_budget: float = 0.0375
+        """Budget of the proportion of lost tokens (PLT); dynamic K doubles K past it."""
+        dynamic_k: bool = True
+        """After a recovery that leaves PLT over the budget, double k_persist."""
+        ram_dir: str | None = "auto"
+        """RAM tier: ``auto`` (node-local shared memory when it fits), a folder on a
+        shared-memory filesystem, or None (in the training process)."""
+        write_mode: str = "adaptive"
+        """Who writes what across ranks: ``baseline``, ``sharded`` or ``adaptive``."""
+        serialization: str = "raw"
+        """``raw`` tensor bytes (fast) or ``torch_save`` (stock ``dcp.load`` reads it)."""
+        timeout_s: float = 600.0
+        """Upper bound of every wait (snapshot, persist, collective)."""
+        takeover: bool = False
+        """Take the folder's lease from the run holding it (one writer per folder)."""
+
+        def __post_init__(self) -> None:
+            CheckpointManager.Config.__post_init__(self)
+            try:
+                self.moepec_config("validate")
+            except MoepecError as e:
+                raise ValueError(f"--checkpoint: {e}") from e
+
+        def moepec_config(self, path: str) -> CheckpointConfig:
+            """moepec's CheckpointConfig for a checkpoint root at ``path``."""
+            background = self.async_mode != "disabled"
+            return CheckpointConfig(
+                path=path, interval=self.interval, k_persist=self.k_persist,
+                k_snapshot=self.k_snapshot, selection=self.selection,
+                pec_scope=self.pec_scope, full_every=self.full_every,
+                keep_last=self.keep_latest_k or KEEP_ALL, async_snapshot=background,
+                async_persist=background, plt_budget=self.plt_budget,
+                dynamic_k=self.dynamic_k, ram_dir=self.ram_dir, write_mode=self.write_mode,
+                serialization=self.serialization, timeout_s=self.timeout_s,
+                takeover=self.takeover)
+
+    def __init__(self, config: Config, *, dataloader: Any | None, model_parts: list[nn.Module],
+                 optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
+                 sd_adapter: Any | None, base_folder: str = "",
+                 ft_manager: Any | None = None) -> None:
+        self.enable = config.enable
+        self.save_future = None
+        if not self.enable:
+            return
+        _refuse_unsupported(config, model_parts, optimizers, ft_manager)
+        self.config = config
+        self.folder = filesystem.join(base_folder, config.folder)
+        self.report: RestoreReport | None = None
+        """What the last ``load`` restored (None: a fresh start)."""
+        distributed = dist.is_available() and dist.is_initialized()
+        self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
+                       if distributed else None)
+        extra: dict[str, Any] = {"lr_scheduler": lr_schedulers, **states}
+        self.loader_state = None
+        if dataloader is not None:
+            self.loader_state = DataLoaderState(dataloader, self._group)
+            extra["dataloader"] = self.loader_state
+        self.manager = PecManager(model_parts[0], optimizers.optimizers[0],
+                                  config.moepec_config(self.folder), extra_state=extra)
+        self.routing = RoutingTap(model_parts[0], self.manager.n_experts)
+        log.info("moepec: partial-experts checkpoints (K=%d of %s experts per layer) in %s",
+                 self.manager.k_persist, self.manager.n_experts, self.folder)
+
+    def _should_save(self, curr_step: int, last_step: bool) -> bool:
+        """torchtitan's own rule (CheckpointManager._should_save)."""
+        if self.config.load_only:
+            return False
+        if curr_step == 1 and self.config.enable_first_step_checkpoint:
+            return True
+        return last_step or curr_step % self.config.interval == 0
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        """Start a checkpoint labelled ``curr_step`` (returns once the RAM snapshot is
+        under way; the write runs in the background unless ``async_mode=disabled``)."""
+        if not self._should_save(curr_step, last_step):
+            return False
+        if self.loader_state is not None:
+            self.loader_state.capture()
+        self.manager.save(curr_step)
+        return True
+
+    def _maybe_wait_for_staging(self) -> None:
+        """Right before ``optimizer.step()``: feed this step's token counts, and wait for
+        the snapshot in flight (weights must not change under its copy)."""
+        counts = self.routing.take()
+        if counts is not None:
+            self.manager.observe_routing(counts)
+        self.manager.wait_for_snapshot()
+
+    def _load(self, step: int = -1) -> bool:
+        """Restore the newest view (each expert from its newest copy); False when the
+        folder holds no checkpoint (a fresh start)."""
+        if step != -1:
+            raise ConfigError(f"--checkpoint.load_step {step}: moepec restores the newest "
+                              f"view of {self.folder}; drop the flag (or `moepec export` "
+                              f"an older checkpoint and load it with torchtitan's own manager)")
+        self.report = self.manager.restore()
+        self.routing.reset()
+        if self.report is None:
+            log.info("moepec: no checkpoint in %s, this is a fresh start", self.folder)
+            return False
+        log.info("moepec: restored step %d from %s (%s); PLT %.4f%%", self.report.step,
+                 self.report.checkpoint, self.report.tier, 100 * self.report.plt)
+        return True
+
+    def _wait_for_saving(self) -> None:
+        self.manager.wait_for_persist()
+        self.save_future = None
+
+    def _close(self) -> None:
+        """Wait for the write in flight and stop moepec's threads (idempotent)."""
+        self.manager.close()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+
+def _refuse_unsupported(config: PecCheckpointManager.Config, model_parts: list[nn.Module],
+                        optimizers: Any, ft_manager: Any | None) -> None:
+    """ConfigError for what this manager does not do, each naming what to do instead."""
+    if ft_manager is not None:
+        raise ConfigError(
+            "torchtitan's torchft experiment passed an ft_manager: PecCheckpointManager "
+            "does not join torchft replica groups; run without --fault_tolerance.enable, "
+            "or use moepec's own torchft support (`moepec train --ft-lighthouse ...`)")
+    if len(model_parts) != 1:
+        raise ConfigError(f"{len(model_parts)} model parts (pipeline parallelism): moepec "
+                          f"checkpoints one model part per rank; run without "
+                          f"--parallelism.pipeline_parallel_degree")
+    inner = getattr(optimizers, "optimizers", None)
+    if not isinstance(inner, list) or len(inner) != 1:
+        raise ConfigError("moepec checkpoints one torch optimizer per model part; configure "
+                          "a single optimizer (one optimizer_name in optimizer.param_groups)")
+    unsupported = {
+        "initial_load_path": "load it with torchtitan's own CheckpointManager first and "
+                             "save a moepec checkpoint from that run",
+        "initial_load_in_hf": "convert the HF weights with torchtitan first",
+        "last_save_in_hf": "run `moepec export FOLDER OUT --format safetensors` after training",
+        "create_seed_checkpoint": "create seed checkpoints with torchtitan's own manager",
+        "exclude_from_loading": "moepec restores the whole training state",
+    }
+    for name, fix in unsupported.items():
+        if getattr(config, name):
+            raise ConfigError(f"--checkpoint.{name} is not supported by moepec's checkpoint "
+                              f"manager: {fix}")
+
+
+@override(target=CheckpointManager.Config,
+          description="moepec: partial-experts checkpoints (moepec.integrations.torchtitan)")
+def use_pec(cfg: CheckpointManager.Config, **fields: Any) -> PecCheckpointManager.Config:
+    """The ``@override`` factory: torchtitan's checkpoint config as moepec's, with
+    ``fields`` (the JSON of ``--override.imports '...use_pec={"k_persist": 1}'``) set."""
+    unknown = set(fields) - set(PecCheckpointManager.Config.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"use_pec: unknown field(s) {sorted(unknown)}; the fields are "
+                          f"those of PecCheckpointManager.Config (docs/torchtitan.md)")
+    return derive(cfg, PecCheckpointManager.Config, **fields)
+
+
+def pec_config(config: Any) -> Any:
+    """``config`` (a torchtitan ``Trainer.Config``) with its checkpoint slot moepec's."""
+    config.checkpoint = derive(config.checkpoint, PecCheckpointManager.Config)
+    return config
+
+
+def upstream_config(name: str) -> Callable[[], Any] | None:
+    """torchtitan's own config function ``name`` (from any model's config_registry)."""
+    from torchtitan.models import _supported_models
+    for model in sorted(_supported_models):
+        try:
+            registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
+        except ImportError:
+            continue
+        fn = getattr(registry, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def __getattr__(name: str) -> Callable[[], Any]:
+    """``--module moepec.integrations.torchtitan --config NAME``: torchtitan's config
+    function NAME, with moepec's checkpoint manager in its checkpoint slot."""
+    if name.startswith("_") or not name[:1].islower():
+        raise AttributeError(name)
+    fn = upstream_config(name)
+    if fn is None:
+        raise AttributeError(f"no torchtitan config function named {name!r}")
+
+    def wrapped() -> Any:
+        return pec_config(fn())
+
+    wrapped.__name__ = name
+    wrapped.__doc__ = f"torchtitan's {name} with moepec's checkpoint manager."
+    return wrapped
