@@ -4,6 +4,7 @@ without a launcher: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from the tes
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -38,6 +39,11 @@ def main() -> None:
     mgr = CheckpointManager(model, opt, cfg, extra_state={"sched": sched, "data": counter})
     run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, 4)
     mgr.close()
+    # The trainer's order (train/trainer.py): what the run built (FSDP state, the device
+    # mesh, pending work handles) sits in reference cycles; freed now, while the process
+    # groups they hold exist, not by the collector during interpreter exit.
+    del model, opt, sched, mgr, mesh, counter
+    gc.collect()
     dist.destroy_process_group()
     print("exit", dist.is_initialized(), flush=True)
 
