@@ -2,12 +2,12 @@
 torchft, against today's restart-all recovery, in one run on this machine.
 
 Replica groups: a Lighthouse (in this process) and two groups, one ``torchrun`` each (one
-rank per group, ``--max-restarts`` = kills). The bench SIGKILLs group 1's worker (its pid
-from the ``ft_join`` record) a few seconds after it (re)joined, ``kills`` times; torchrun
-restarts it and it heals from group 0. Per kill: the survivor's lost seconds (the kill to
-its first step committed without the dead group), its steps rolled back (0: it never
-recovers), and the healed group's rejoin time (the kill to the state loaded from the
-survivor). Restart-all: one ``torchrun`` with 2 ranks of the same model, the same number
+rank per group, ``--max-restarts`` = kills). The bench SIGKILLs group 1's training process
+(its pid from the ``ft_join`` record) a few seconds after it (re)joined, ``kills`` times;
+its warm spare takes over (``--spares 0``: torchrun restarts the worker, a new Python) and
+heals from group 0. Per kill: the survivor's lost seconds (the kill to its next committed
+step), its steps rolled back (0: it never recovers), and the healed group's rejoin time
+(the kill to the state loaded from the survivor). Restart-all: one ``torchrun`` with 2 ranks of the same model, the same number
 of SIGKILLs of rank 1 (``--faults``); torchrun restarts both workers, which restore from the
 PEC checkpoints (RAM tier, else storage). Per fault: the downtime (the kill to the
 restore) plus the steps redone since the restored checkpoint at the median step time.
@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from moepec.train.replicas import STALL_S
 
 __all__ = ["FtBenchSettings", "format_result", "main", "run_bench", "run_demo_ft",
            "run_replica_groups", "run_restart_all"]
@@ -52,6 +54,9 @@ class FtBenchSettings:
     """The Lighthouse's failure-detection time."""
     gap_s: float = 3.0
     """Seconds between a group's (re)join and the next kill."""
+    spares: int = 10
+    """``--ft-spares`` of the groups: a killed training process is replaced by its warm
+    spare; 0: by torchrun's restart (a new Python), as a group of many ranks is."""
     seed: int = 0
 
 
@@ -111,7 +116,7 @@ def run_replica_groups(s: FtBenchSettings, out: Path, say=print) -> dict[str, An
         for g in (0, 1):
             cmd = _torchrun(1, s.kills if g else 0) + _train_args(s, out, s.steps) + [
                 "--ft-lighthouse", lighthouse.address, "--ft-groups", "2", "--ft-group", str(g),
-                "--ft-timeout", "5", "--ram-dir", "none"]
+                "--ft-timeout", "5", "--ram-dir", "none", "--ft-spares", str(s.spares)]
             log = open(out / f"group{g}.log", "ab")
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env()))
         _wait_for(lambda: any("loss" in r for r in _records(metrics[1])), 300, "group 1 training")
@@ -140,11 +145,15 @@ def run_replica_groups(s: FtBenchSettings, out: Path, say=print) -> dict[str, An
 def _replica_rows(kills: list[float], records: list[list[dict]], codes: list[int]
                   ) -> dict[str, Any]:
     survivor, healed = records
-    widths = [r for r in _events(survivor, "ft_width") if r["groups"] < r["of"]]
+    stalls = _events(survivor, "ft_stall")
     heals = _events(healed, "heal")
     rows = []
     for t in kills:
-        lost = next((w["time"] - t for w in widths if w["time"] > t), None)
+        # the survivor's first commit after the kill ends the stall the kill caused (a
+        # stall recorded is a commit more than STALL_S after the one before); none that
+        # began by then: the survivor lost less than STALL_S
+        lost = next((w["time"] - t for w in stalls
+                     if w["time"] > t and w["time"] - w["seconds"] <= t), STALL_S)
         heal = next((h for h in heals if h["time"] > t), None)
         rows.append({"kill_time": t, "survivor_lost_s": lost,
                      "rejoin_s": heal["time"] - t if heal else None,
@@ -272,10 +281,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--restart-all-steps", type=int, default=d.restart_all_steps)
     p.add_argument("--gap", type=float, default=d.gap_s, help="seconds from a join to a kill")
+    p.add_argument("--spares", type=int, default=d.spares,
+                   help="--ft-spares of the groups (0: torchrun restarts a killed worker)")
     p.add_argument("--out", default="bench-ft-out")
     args = p.parse_args(argv)
     s = FtBenchSettings(kills=args.kills, steps=args.steps,
-                        restart_all_steps=args.restart_all_steps, gap_s=args.gap)
+                        restart_all_steps=args.restart_all_steps, gap_s=args.gap,
+                        spares=args.spares)
     run_bench(s, Path(args.out))
 
 

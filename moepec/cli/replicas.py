@@ -35,6 +35,10 @@ def add_ft_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ft-no-digests", action="store_true",
                    help="leave the SHA-256 state digests out of the heal records (hashing "
                         "costs ~1 s per GB of state on the heal's path)")
+    g.add_argument("--ft-spares", type=int, default=10, metavar="N",
+                   help="a group of one rank keeps a warm spare: when its training process "
+                        "dies, an already-started one takes over at once, N times at most, "
+                        "then torchrun's restart (%(default)s; 0: off)")
     g.add_argument("--ft-transport", default="http",
                    help="how a restarted group receives the state: http or pg (%(default)s)")
 
@@ -56,6 +60,8 @@ def ft_config_from_args(args: argparse.Namespace) -> Any:
             raise ConfigError("--ft-groups/--ft-group need --ft-lighthouse URL (start one with "
                               "`moepec lighthouse`)")
         return None
+    if args.ft_spares < 0:
+        raise ConfigError(f"--ft-spares must be >= 0 (got {args.ft_spares})")
     if args.ft_groups is None or args.ft_group is None:
         raise ConfigError("--ft-lighthouse needs --ft-groups G and --ft-group I (or "
                           "MOEPEC_FT_GROUPS / MOEPEC_FT_GROUP)")

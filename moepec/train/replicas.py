@@ -11,7 +11,8 @@ Records (rank 0 of each group, in its own metrics file): ``ft_join`` (this proce
 joined: pid), ``ft_end`` (digests at the end), ``heal`` (state received:
 step, seconds, digests), ``heal_sent`` (state sent to a restarted group, digests),
 ``ft_retry`` (a step that did not commit), ``ft_width`` (the step that first commits with
-a new number of groups).
+a new number of groups), ``ft_stall`` (a step committed more than 0.1 s after the one
+before it: what a peer's fault cost this group, the seconds from commit to commit).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from moepec.train.checkpointing import (
 from moepec.train.config import TrainConfig, TrainResult
 from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, record_step
 from moepec.train.setup import Run
+from moepec.train.spare import joined
 from moepec.train.steps import forward_backward, optimizer_step
 
 __all__ = ["for_group", "ft_loop", "state_digest"]
@@ -112,7 +114,9 @@ class _Session:
                                        quorum_timeout_s=cfg.ft.quorum_timeout_s,
                                        transport=str(cfg.ft.transport))
         self.width = cfg.ft.groups
+        joined()  # a warm spare's supervisor (if any) restarts this process from now on
         metrics.write({"event": "ft_join", "time": time.time(), "pid": os.getpid(),
+                       "ppid": os.getppid(), "spare": int(os.environ.get("MOEPEC_SPARE_LIFE", -1)),
                        "group": cfg.ft.group, "groups": cfg.ft.groups})
 
     def _sent(self, state: Mapping[str, Any]) -> None:
@@ -211,6 +215,7 @@ def ft_loop(cfg: TrainConfig, run: Run, result: TrainResult, metrics: MetricsWri
     s = _Session(cfg, run, metrics)
     result.ft_group = cfg.ft.group
     timer = Timer()
+    last_commit = None
     try:
         s.quorum(result)
         s.cold_start(result)
@@ -228,6 +233,7 @@ def ft_loop(cfg: TrainConfig, run: Run, result: TrainResult, metrics: MetricsWri
                 continue
             out, lr, grad_norm = done
             timer.add(time.perf_counter() - t0)
+            last_commit = _record_stall(s, step, last_commit)
             _record_width(s, result, step)
             record_step(result, step, out, run.tokens_per_step * s.width // cfg.ft.groups)
             val_loss = evaluate_if_due(cfg, run, result, step, is_main)
@@ -241,6 +247,18 @@ def ft_loop(cfg: TrainConfig, run: Run, result: TrainResult, metrics: MetricsWri
     finally:
         s.group.close()
     return timer.total
+
+
+STALL_S = 0.1
+"""A commit this long after the one before it is recorded (``ft_stall``)."""
+
+
+def _record_stall(s: _Session, step: int, last: float | None) -> float:
+    """Record a gap between two commits longer than STALL_S; returns this commit's time."""
+    now = time.time()
+    if last is not None and now - last > STALL_S:
+        s.metrics.write({"event": "ft_stall", "step": step, "time": now, "seconds": now - last})
+    return now
 
 
 def _record_width(s: _Session, result: TrainResult, step: int) -> None:
