@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -45,7 +47,7 @@ def _train(tmp: Path, assets, nproc: int, args: list[str], kill_at: int = 0):
     tok, data = assets
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
            "TITAN_DUMP": str(tmp / "dump"), "TITAN_KILL_AT": str(kill_at),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", str(TESTS / "titan_launch.py"),
            "--parallelism.spmd_backend", "partial_dtensor", "--hf_assets_path", tok,
@@ -130,6 +132,15 @@ def _kill_resume_finish(tmp: Path, assets, first: tuple[int, list[str]],
                         second: tuple[int, list[str]]) -> None:
     (tmp / "dump").mkdir()
     life1 = _train(tmp, assets, first[0], first[1], kill_at=KILL_AT)
+    crash = re.search(r"\((SIGSEGV|SIGBUS|SIGABRT)\)", life1.stderr)
+    if crash:  # seen once in CI (rank 0, SIGSEGV, FSDP over gloo), never in 70 runs here:
+        # life 1 runs again from scratch, and the warning carries the crash's stacks
+        warnings.warn(f"torchtitan life 1 crashed with {crash.group(1)}; ran it again. Its "
+                      f"stderr (faulthandler stacks):\n{life1.stderr[-6000:]}", stacklevel=1)
+        shutil.rmtree(tmp / "run")
+        shutil.rmtree(tmp / "dump")
+        (tmp / "dump").mkdir()
+        life1 = _train(tmp, assets, first[0], first[1], kill_at=KILL_AT)
     assert life1.returncode != 0 and "SIGKILL" in life1.stderr, life1.stderr[-3000:]
     folder = tmp / "run" / "checkpoint"
     rows = [asdict(r) for r in inspect_path(str(folder))["checkpoints"]]  # `moepec inspect`'s
