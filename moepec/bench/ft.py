@@ -130,7 +130,7 @@ def run_replica_groups(s: FtBenchSettings, out: Path, say=print) -> dict[str, An
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
             kills.append(t_kill)
-            say(f"  kill {k + 1}/{s.kills}: SIGKILL group 1's worker (pid {pid})")
+            say(f"  kill {k + 1}/{s.kills}: SIGKILL group 1's training process (pid {pid})")
             _wait_for(lambda h=heals: len(_events(_records(metrics[1]), "heal")) > h, 300,
                       f"the heal after kill {k + 1}")
         codes = [p.wait(timeout=1800) for p in procs]
