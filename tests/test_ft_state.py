@@ -50,7 +50,7 @@ def test_a_healed_manager_continues_the_live_ones_checkpoint_schedule(tmp_path):
 
 def _ft_args(**kw) -> argparse.Namespace:
     d = dict(ft_lighthouse=None, ft_groups=None, ft_group=None, ft_timeout=10.0,
-             ft_quorum_timeout=60.0, ft_transport="http", ft_no_digests=False)
+             ft_quorum_timeout=60.0, ft_transport="http", ft_no_digests=False, ft_spares=10)
     return argparse.Namespace(**(d | kw))
 
 
@@ -67,6 +67,8 @@ def test_ft_flags_map_onto_one_config_and_name_the_fix():
         ft_config_from_args(_ft_args(ft_lighthouse="http://h:1"))
     with pytest.raises(ConfigError, match=r"group must be in \[0, 2\)"):
         ft_config_from_args(_ft_args(ft_lighthouse="http://h:1", ft_groups=2, ft_group=2))
+    with pytest.raises(ConfigError, match="--ft-spares must be >= 0"):
+        ft_config_from_args(_ft_args(ft_lighthouse="h", ft_groups=2, ft_group=0, ft_spares=-1))
     with pytest.raises(ConfigError, match="ft transport"):
         ft_config_from_args(_ft_args(ft_lighthouse="h", ft_groups=2, ft_group=0,
                                      ft_transport="smoke"))

@@ -46,6 +46,10 @@ KINDS = ("sigkill", "exception", "kill_persist", "kill_commit", "storage_error",
          "slow_storage", "corrupt")
 RAM_KINDS = ("kill_copy", "ram_lost")
 """Faults of the shared-memory RAM tier: named in plans, not drawn by random plans."""
+NAMED_KINDS = RAM_KINDS + ("kill_allreduce",)
+"""Faults named in plans only: the RAM tier's, and ``kill_allreduce`` (SIGKILL right after
+backward, as the gradient all-reduce starts: with replica groups, while the other groups
+wait in the cross-group all-reduce of that step)."""
 
 
 class InjectedFault(MoepecError):
@@ -118,9 +122,9 @@ class Fault:
     rank: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS + RAM_KINDS:
+        if self.kind not in KINDS + NAMED_KINDS:
             raise ConfigError(f"unknown fault kind {self.kind!r}; choose from "
-                              f"{', '.join(KINDS + RAM_KINDS)}")
+                              f"{', '.join(KINDS + NAMED_KINDS)}")
 
     @property
     def key(self) -> str:
@@ -310,8 +314,10 @@ class FaultInjector:
                 self._fire(fault, step, target=target)
 
     def after_backward(self, step: int) -> None:
-        for fault in self.plan.due(step, self.rank, kinds=("exception",)):
+        for fault in self.plan.due(step, self.rank, kinds=("exception", "kill_allreduce")):
             self._fire(fault, step)
+            if fault.kind == "kill_allreduce":
+                kill_self()
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
 
     def _arm_copy_kill(self, step: int) -> None:
