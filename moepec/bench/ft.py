@@ -7,9 +7,9 @@ rank per group, ``--max-restarts`` = kills). The bench SIGKILLs group 1's traini
 its warm spare takes over (``--spares 0``: torchrun restarts the worker, a new Python) and
 heals from group 0. Per kill: the survivor's lost seconds (the kill to its next committed
 step), its steps rolled back (0: it never recovers), and the healed group's rejoin time
-(the kill to the state loaded from the survivor). Restart-all: one ``torchrun`` with 2 ranks of the same model, the same number
-of SIGKILLs of rank 1 (``--faults``); torchrun restarts both workers, which restore from the
-PEC checkpoints (RAM tier, else storage). Per fault: the downtime (the kill to the
+(the kill to the state loaded from the survivor). Restart-all: one ``torchrun`` with 2
+ranks of the same model, the same number of SIGKILLs of rank 1 (``--faults``); torchrun
+restarts both workers, which restore from the PEC checkpoints (RAM tier, else storage). Per fault: the downtime (the kill to the
 restore) plus the steps redone since the restored checkpoint at the median step time.
 Medians, and the ratio of lost seconds per fault.
 """

@@ -92,7 +92,7 @@ def run_with_spares(fn: Callable[[], int], spares: int,
             return fn()
         os.close(write_fd)
         t0 = time.monotonic()
-        status = _wait(child)
+        status = os.waitpid(child, 0)[1]  # retried after a forwarded signal (PEP 475)
         was_joined = _read_flag(read_fd)
         code = os.waitstatus_to_exitcode(status)
         if code == 0 or stopping or not (code < 0 or was_joined) or life >= spares:
@@ -104,14 +104,6 @@ def run_with_spares(fn: Callable[[], int], spares: int,
         what = f"signal {-code}" if code < 0 else f"exit code {code}"
         log.warning("the training process (pid %d) ended after %.1fs with %s: starting warm "
                     "spare %d of %d", child, time.monotonic() - t0, what, life, spares)
-
-
-def _wait(pid: int) -> int:
-    while True:
-        try:
-            return os.waitpid(pid, 0)[1]
-        except InterruptedError:  # a forwarded signal; Python retries, older ones did not
-            continue
 
 
 def _read_flag(fd: int) -> bool:
