@@ -22,7 +22,7 @@ from tests.toy import Counter, full_state, make
 
 ROOT = Path(__file__).resolve().parent.parent
 WRITER = str(ROOT / "tests" / "fence_writer.py")
-SECONDS = 30.0
+SECONDS = 15.0
 
 
 def _writer(path: str, seconds: float, takeover: bool, out: Path,
@@ -107,7 +107,7 @@ def _check(path: str, tmp_path: Path, options: dict | None, old_err: str) -> Non
 
 @pytest.mark.slow
 def test_two_live_writers_after_a_takeover_local_and_s3(tmp_path):
-    """Both roots at once (the writers sleep between steps: 30 s, not 60, on 2 cores)."""
+    """Both roots at once (the writers sleep between steps: 15 s, the old one 15 s longer)."""
     pytest.importorskip("s3fs")
     moto_server = pytest.importorskip("moto.server")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)

@@ -89,7 +89,7 @@ FULL = Settings(
     plt_ks=(1, 2, 4, 8), plt_intervals=(5, 10, 20, 50, 100), plt_trials=200,
     plt_real=((1, 5), (2, 5), (1, 20), (4, 20), (1, 50), (2, 100)), plt_model="tiny")
 QUICK = Settings(
-    size_argv=("--scale", "32", "64", "--scopes", "all"),
+    size_argv=("--scale", "32", "64", "--scopes", "all", "--ks", "1", "2"),
     sharding_measured=(),  # the full report measures; the quick one (tests) computes
     overhead_argv=("--config", "tiny", "--steps", "12", "--warmup", "2", "--interval", "4",
                    "--bw-config", "tiny", "--bw-scale", "1", "--bw-saves", "2"),

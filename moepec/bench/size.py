@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="shrink factor of the measured model, one per --models entry")
     ap.add_argument("--models", nargs="+", default=list(PAPER))
     ap.add_argument("--scopes", nargs="+", default=list(SCOPES))
+    ap.add_argument("--ks", type=int, nargs="+", default=None,
+                    help="the K values measured (default: every K; the analytic rows have all)")
     ap.add_argument("--out", default="benchmarks/results/size.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -114,7 +116,12 @@ def main(argv: list[str] | None = None) -> dict:
             small = scaled(name, scale)
             small_counts = count_parameters(small)
             ks = list(range(1, counts.n_experts + 1))
-            measured = measure(small, ks, args.scopes, Path(tmp))
+            bad = sorted(set(args.ks or ()) - set(ks))
+            if bad:
+                raise SystemExit(f"--ks {' '.join(map(str, bad))}: {name} has "
+                                 f"{counts.n_experts} experts; use K values from 1 to "
+                                 f"{counts.n_experts}")
+            measured = measure(small, args.ks or ks, args.scopes, Path(tmp))
             entry = {"params": counts.total, "expert_params": counts.expert,
                      "non_expert_params": counts.non_expert, "paper_reduction_k1": PAPER.get(name),
                      "scaled": {"scale": scale, "params": small_counts.total,
