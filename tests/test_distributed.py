@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 
 from moepec.store.storage import Storage
 from tests import dist_worker as dw
+from tests.spawning import start_processes
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -21,8 +21,7 @@ def spawn(fn, world: int, tmp: Path, *args) -> list[dict]:
     store = tmp / f"store-{fn.__name__}-{len(list(tmp.iterdir()))}"
     out = tmp / f"out-{store.name}"
     out.mkdir()
-    mp.start_processes(fn, args=(world, str(store), str(out), *args), nprocs=world,
-                       join=True, start_method="spawn")
+    start_processes(fn, (world, str(store), str(out), *args), world)
     return [json.loads((out / f"result-r{r}.json").read_text()) for r in range(world)], out
 
 
@@ -30,8 +29,7 @@ def spawn_nojoin(fn, world, tmp, *args):
     store = tmp / "store-kill"
     out = tmp / "out-kill"
     out.mkdir()
-    ctx = mp.start_processes(fn, args=(world, str(store), str(out), *args), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = start_processes(fn, (world, str(store), str(out), *args), world, join=False)
     for p in ctx.processes:
         p.join(120)
     results = []

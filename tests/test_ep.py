@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 
 from moepec.cli.main import main
 from moepec.errors import ConfigError
@@ -27,6 +26,7 @@ from moepec.models.parallel import (
 )
 from moepec.train.steps import evaluate
 from moepec.train.trainer import TrainConfig, train
+from tests.spawning import start_processes
 
 EP = 2
 # stacked with top-1, modules with top-2: both layouts, both combine paths. The default
@@ -191,8 +191,7 @@ def _check_fsdp_x_ep(results: list[dict], out_dir: Path) -> None:
 
 
 def _spawn(world: int, tmp_path: Path, cli_argv: list[str] | None = None) -> list[dict]:
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path), cli_argv),
-             nprocs=world, join=True)
+    start_processes(_worker, (world, str(tmp_path / "store"), str(tmp_path), cli_argv), world)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

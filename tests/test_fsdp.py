@@ -22,7 +22,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 import moepec
 from moepec.errors import StructureMismatchError
@@ -30,6 +29,7 @@ from moepec.keys import parse_key, split_chunk
 from moepec.store.manifest import FORMAT
 from moepec.store.storage import Storage, single_process_dcp
 from tests import toy
+from tests.spawning import start_processes
 
 pytestmark = [pytest.mark.timeout(240)]
 STEPS = 4
@@ -366,9 +366,8 @@ def _killed_save(rank: int, world: int, ckpt: str, counter) -> None:
 def spawn(job: str, world: int, tmp: Path, ckpt: Path, expert_dim: int = 0,
           plain_ckpt: Path | None = None) -> list[dict]:
     store = tmp / f"store-{job}-{world}-{len(list(tmp.iterdir()))}"
-    mp.start_processes(_worker, args=(world, str(store), str(tmp), job, str(ckpt), expert_dim,
-                                      str(plain_ckpt or "")),
-                       nprocs=world, join=True, start_method="spawn")
+    start_processes(_worker, (world, str(store), str(tmp), job, str(ckpt), expert_dim,
+                              str(plain_ckpt or "")), world)
     results = [json.loads((tmp / f"{job}-r{r}.json").read_text()) for r in range(world)]
     for r in results:
         assert r["ok"], r.get("trace")
@@ -637,8 +636,8 @@ def test_fsdp2_partial_experts_restore_bit_exact_on_other_layouts(tmp_path: Path
 def test_rank_killed_during_sharded_save_leaves_no_commit(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     store = tmp_path / "store-kill"
-    ctx = mp.start_processes(_worker, args=(2, str(store), str(tmp_path), "kill", str(ckpt), 1),
-                             nprocs=2, join=False, start_method="spawn")
+    ctx = start_processes(_worker, (2, str(store), str(tmp_path), "kill", str(ckpt), 1), 2,
+                          join=False)
     for proc in ctx.processes:
         proc.join(120)
     codes = [proc.exitcode for proc in ctx.processes]

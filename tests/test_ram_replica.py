@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.spawning import start_processes
 from tests.toy import Counter, full_state, make, run_loop
 
 
@@ -56,8 +56,7 @@ def _worker(rank: int, world: int, tmp: str, phase: str) -> None:
 
 
 def _spawn(tmp_path: Path, phase: str) -> list[dict]:
-    mp.start_processes(_worker, args=(2, str(tmp_path), phase), nprocs=2, join=True,
-                       start_method="spawn")
+    start_processes(_worker, (2, str(tmp_path), phase), 2)
     return [json.loads((tmp_path / f"out-{phase}-{r}.json").read_text()) for r in range(2)]
 
 

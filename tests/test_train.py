@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 
 from moepec import CheckpointConfig
 from moepec.errors import ConfigError
@@ -25,6 +24,7 @@ from moepec.train.trainer import (
     train,
     train_step,
 )
+from tests.spawning import start_processes
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = dict(config="tiny", progress=False, eval_batches=2, threads=1)
@@ -154,7 +154,7 @@ def _dp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 
 def test_two_ranks_end_identical_and_match_one_rank(tmp_path: Path) -> None:
-    mp.spawn(_dp_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    start_processes(_dp_worker, (2, str(tmp_path / "store"), str(tmp_path)), 2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0["world_size"] == 2
     assert r0["digest"] == r1["digest"]  # bit-identical weights on both ranks
@@ -181,7 +181,7 @@ def _avg_worker(rank: int, store: str, out_dir: str) -> None:
 
 
 def test_average_gradients_means_over_ranks(tmp_path: Path) -> None:
-    mp.spawn(_avg_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    start_processes(_avg_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
     for r in range(2):
         g = torch.load(tmp_path / f"g{r}.pt")
         assert torch.equal(g["a"], torch.full((2, 3), 1.5))
