@@ -66,7 +66,7 @@ def fork_runs(rank: str, out_dir: str, ckpt_dir: str, ports: list[str]) -> str |
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.environ.update(RANK=rank, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=port, OMP_NUM_THREADS="1")
+                              MASTER_PORT=port)
             return os.path.join(ckpt_dir, f"c{run}")
         _, status = os.waitpid(pid, 0)
         print(run, status, flush=True)
