@@ -171,7 +171,10 @@ def load_and_compare(root: str, folder: str, expected: dict[str, torch.Tensor]) 
     assert not diff, f"rank {dist.get_rank()}: {len(diff)} differ, e.g. {diff[:3]}"
     report = mg.last_load_report()
     assert report is not None and report.folder == folder
-    print(f"rank {dist.get_rank()} OK {folder} {report.summary()}", flush=True)
+    # One write with its newline: unbuffered (PYTHONUNBUFFERED), print() writes the text
+    # and the newline apart, and the two ranks' lines, on one pipe, can interleave.
+    sys.stdout.write(f"rank {dist.get_rank()} OK {folder} {report.summary()}\n")
+    sys.stdout.flush()
 
 
 def iter_name(i: int) -> str:
