@@ -155,6 +155,25 @@ def test_survivor_keeps_training_the_killed_group_heals_and_a_cold_start_restore
     assert end0["data"] == end1["data"]
     summary = json.loads((tmp / "out" / "group-0" / "summary.json").read_text())
     assert summary["final_step"] == STEPS - 1
+    _assert_striped(tmp / "ckpt")
+
+
+def _assert_striped(ckpt: Path) -> None:
+    """Every checkpoint both groups committed is striped: two disjoint parts, about even."""
+    from moepec.store.committed import committed_manifests
+    from moepec.store.storage import Storage
+
+    parts = [{m.step: m for m in committed_manifests(Storage(str(ckpt / f"group-{g}")))
+              .manifests.values()} for g in (0, 1)]
+    both = sorted(set(parts[0]) & set(parts[1]))
+    assert both
+    for step in both:
+        p0, p1 = parts[0][step], parts[1][step]
+        assert p0.meta.part["count"] == p1.meta.part["count"] == 2
+        assert {p0.meta.part["index"], p1.meta.part["index"]} == {0, 1}
+        tensors = [{k for k in m.keys if not k.startswith("objects/")} for m in (p0, p1)]
+        assert not tensors[0] & tensors[1]
+        assert 0.25 < p0.bytes / (p0.bytes + p1.bytes) < 0.75, step
 
 
 def test_a_hung_group_is_dropped_within_the_timeouts_and_heals_when_it_wakes(corpus, lighthouse):

@@ -50,7 +50,8 @@ def test_a_healed_manager_continues_the_live_ones_checkpoint_schedule(tmp_path):
 
 def _ft_args(**kw) -> argparse.Namespace:
     d = dict(ft_lighthouse=None, ft_groups=None, ft_group=None, ft_timeout=10.0,
-             ft_quorum_timeout=60.0, ft_transport="http", ft_no_digests=False, ft_spares=10)
+             ft_quorum_timeout=60.0, ft_transport="http", ft_no_digests=False, ft_spares=10,
+             ft_checkpoints="striped")
     return argparse.Namespace(**(d | kw))
 
 
@@ -72,6 +73,10 @@ def test_ft_flags_map_onto_one_config_and_name_the_fix():
     with pytest.raises(ConfigError, match="ft transport"):
         ft_config_from_args(_ft_args(ft_lighthouse="h", ft_groups=2, ft_group=0,
                                      ft_transport="smoke"))
+    assert str(cfg.checkpoints) == "striped"
+    with pytest.raises(ConfigError, match="ft checkpoints"):
+        ft_config_from_args(_ft_args(ft_lighthouse="h", ft_groups=2, ft_group=0,
+                                     ft_checkpoints="mirror"))
 
 
 def test_groups_split_every_global_batch_between_all_their_ranks():

@@ -41,6 +41,10 @@ def add_ft_flags(p: argparse.ArgumentParser) -> None:
                         "then torchrun's restart (%(default)s; 0: off)")
     g.add_argument("--ft-transport", default="http",
                    help="how a restarted group receives the state: http or pg (%(default)s)")
+    g.add_argument("--ft-checkpoints", default="striped",
+                   help="PEC checkpoints for cold starts: striped (each striped over the "
+                        "groups: every rank writes 1/(all ranks)) or group (a whole copy "
+                        "per group) (%(default)s)")
 
 
 def _env_int(name: str) -> int | None:
@@ -69,7 +73,8 @@ def ft_config_from_args(args: argparse.Namespace) -> Any:
 
     return FtConfig(lighthouse=args.ft_lighthouse, groups=args.ft_groups, group=args.ft_group,
                     timeout_s=args.ft_timeout, quorum_timeout_s=args.ft_quorum_timeout,
-                    transport=args.ft_transport, digests=not args.ft_no_digests)
+                    transport=args.ft_transport, digests=not args.ft_no_digests,
+                    checkpoints=args.ft_checkpoints)
 
 
 def _add_lighthouse(p: argparse.ArgumentParser) -> None:

@@ -64,6 +64,7 @@ torchft is imported only by this module (the ``ft`` extra: ``pip install moepec[
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from moepec.errors import ConfigError
+from moepec.store.meta import Part
 
 try:
     from torchft import Manager
@@ -179,8 +181,13 @@ class ReplicaGroup:
     thread, every rank of the group, in the same order.
     """
 
-    def __init__(self, manager: Manager, state: TrainingState, group: int) -> None:
-        self.ft, self.state, self.group = manager, state, group
+    def __init__(self, manager: Manager, state: TrainingState, group: int,
+                 groups: int | None = None) -> None:
+        self.ft, self.state, self.group, self.groups = manager, state, group, groups
+        self.stripes = _Stripes()
+        """Which part of each striped checkpoint this group writes (healed with the state)."""
+        state.extra.setdefault("moepec_stripes", self.stripes)
+        self._pending: Part | None = None
         self.heals: list[Heal] = []
         """Every state received from a peer, oldest first."""
         self.cold = False
@@ -190,13 +197,19 @@ class ReplicaGroup:
         state.on_load = self._healed
 
     @classmethod
-    def join(cls, state: TrainingState, *, group: int, lighthouse: str | None = None,
-             timeout_s: float = 10.0, quorum_timeout_s: float = 60.0,
+    def join(cls, state: TrainingState, *, group: int, groups: int | None = None,
+             lighthouse: str | None = None, timeout_s: float = 10.0,
+             quorum_timeout_s: float = 60.0,
              transport: Transport | str = Transport.HTTP) -> ReplicaGroup:
         """Join the Lighthouse at ``lighthouse`` (None: ``TORCHFT_LIGHTHOUSE``) as group
-        ``group``. ``timeout_s`` bounds every cross-group all-reduce, commit vote and state
-        transfer (a hung peer costs at most that); ``quorum_timeout_s`` the wait for a
-        quorum. Collective inside the group."""
+        ``group`` of ``groups`` (needed for striped checkpoints: a checkpoint manager with
+        ``peer_paths``). ``timeout_s`` bounds every cross-group all-reduce, commit vote and
+        state transfer (a hung peer costs at most that); ``quorum_timeout_s`` the wait for
+        a quorum. Collective inside the group."""
+        if state.manager is not None and state.manager.config.peer_paths and (
+                groups is None or not 0 <= group < groups):
+            raise ConfigError(f"striped checkpoints (peer_paths) need groups=G with "
+                              f"0 <= group < G (got group={group}, groups={groups})")
         transport = Transport(transport)
         pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
         ckpt_transport = None
@@ -213,7 +226,7 @@ class ReplicaGroup:
                           connect_timeout=timedelta(seconds=quorum_timeout_s),
                           lighthouse_addr=lighthouse, replica_id=f"moepec_group_{group}",
                           checkpoint_transport=ckpt_transport)
-        return cls(manager, state, group)
+        return cls(manager, state, group, groups)
 
     def _healed(self) -> None:
         now = time.perf_counter()
@@ -242,11 +255,15 @@ class ReplicaGroup:
         one's, so the next :meth:`start_quorum` heals it from the chosen group (two groups
         may restore the same step with different PEC views). Returns True when this
         group's state is the chosen one. Collective over the quorum (one all-reduce)."""
-        table = torch.zeros(groups, 2, dtype=torch.float64)
-        table[self.group] = torch.tensor([float(next_step), float(lost)], dtype=torch.float64)
+        table = torch.zeros(groups, 3, dtype=torch.float64)
+        table[self.group] = torch.tensor([float(next_step), float(lost),
+                                          float(random.getrandbits(52))], dtype=torch.float64)
         self.allreduce_sum(table)
         rows = [(int(table[g, 0]), -int(table[g, 1]), -g) for g in range(groups)]
         best = max(range(groups), key=lambda g: rows[g])
+        # A new epoch of striped checkpoints: parts written before this cold start never
+        # combine with later ones; the first checkpoint is full (members unknown).
+        self.stripes.epoch, self.stripes.members = f"{int(table[best, 2]):013x}", None
         if best == self.group or next_step == 0:
             return best == self.group
         self.set_step(min(next_step, rows[best][0] - 1))
@@ -288,14 +305,60 @@ class ReplicaGroup:
         self.ft.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
         return tensor
 
+    def prepare_checkpoint(self, step: int) -> None:
+        """On a step whose checkpoint is due (striped checkpoints only; nothing otherwise):
+        learn the quorum's groups (one all-reduce) and so this group's part; the part is
+        handed to the checkpoint manager when the step commits (:meth:`should_commit`).
+        The quorum changed since the last checkpoint (a group left or joined): this one
+        saves every expert, so no expert's newest copy stays only in a root that left the
+        stripe or in a restarted group's abandoned lineage. Before should_commit."""
+        manager = self.state.manager
+        self._pending = None
+        if manager is None or not manager.config.peer_paths or not manager.due(step):
+            return
+        assert self.groups is not None, "checked by join()"
+        present = torch.zeros(self.groups, dtype=torch.float64)
+        present[self.group] = 1.0
+        self.allreduce_sum(present)  # garbage on a failure: the step does not commit then
+        members = tuple(g for g in range(self.groups) if present[g].item() > 0.5)
+        if self.group not in members:
+            return
+        self._pending = Part(index=members.index(self.group), count=len(members),
+                             members=members, epoch=self.stripes.epoch,
+                             full=members != self.stripes.members)
+
     def should_commit(self) -> bool:
         """Whether the step may be applied: every rank of this group saw a healthy
-        quorum and all-reduce (a vote inside the group). Once per step."""
-        return self.ft.should_commit()
+        quorum and all-reduce (a vote inside the group). Once per step. A committed step
+        hands the part :meth:`prepare_checkpoint` worked out to the checkpoint manager."""
+        ok = self.ft.should_commit()
+        part, self._pending = self._pending, None
+        if ok and part is not None:
+            self.state.manager.share(part)
+            self.stripes.members = part.members
+        return ok
 
     def close(self) -> None:
         """Leave the quorum: torchft's Manager shuts its servers down (once, at the end)."""
         self.ft.shutdown(wait=False)
+
+
+class _Stripes:
+    """A replica group's bookkeeping of striped checkpoints: the epoch (drawn at each cold
+    start) and the groups of the last checkpoint. Sent to a restarted group with the state."""
+
+    def __init__(self) -> None:
+        self.epoch = ""
+        self.members: tuple[int, ...] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch,
+                "members": list(self.members) if self.members is not None else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.epoch = str(state["epoch"])
+        members = state["members"]
+        self.members = tuple(int(g) for g in members) if members is not None else None
 
 
 def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:

@@ -116,6 +116,12 @@ class CheckpointConfig:
     warning and takes full checkpoints. None (default): True unless ``full_every=1`` asked
     for full checkpoints anyway -- a partial-experts checkpointer that silently checkpoints
     in full is the failure this guards against."""
+    peer_paths: tuple[str, ...] = ()
+    """The other replica groups' roots when checkpoints are striped over groups
+    (:meth:`CheckpointManager.share`; the reference trainer's ``--ft-checkpoints
+    striped``): :meth:`~CheckpointManager.restore` restores the newest checkpoint whole
+    over all the roots, and retention keeps this root's part of it. Read, never written.
+    Same ``storage_options``."""
 
     @property
     def experts_required(self) -> bool:
@@ -147,6 +153,7 @@ class CheckpointConfig:
             raise ConfigError(f"full_every must be >= 0 (got {self.full_every}); 0 disables it")
         if self.keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1 (got {self.keep_last})")
+        self._check_peers()
         if not 0 < self.plt_budget < 1:
             raise ConfigError(f"plt_budget is a fraction in (0, 1) (got {self.plt_budget})")
         if self.ram_dir is not None and (not isinstance(self.ram_dir, str) or not self.ram_dir):
@@ -169,6 +176,15 @@ class CheckpointConfig:
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0 "
                                   f"(got {value})")
+
+    def _check_peers(self) -> None:
+        self.peer_paths = tuple(self.peer_paths)
+        own = self.path.rstrip("/")
+        if not all(isinstance(p, str) and p for p in self.peer_paths) \
+                or len({p.rstrip("/") for p in self.peer_paths} | {own}) \
+                != len(self.peer_paths) + 1:
+            raise ConfigError(f"peer_paths must be the other groups' checkpoint roots, each "
+                              f"once and none equal to path (got {list(self.peer_paths)})")
 
     def _check_types(self) -> None:
         """Whole numbers are ints, fractions numbers, switches bools, options a dict."""
@@ -200,5 +216,6 @@ class CheckpointConfig:
         which may hold credentials)."""
         d = asdict(self)
         d.pop("storage_options")
+        d["peer_paths"] = list(self.peer_paths)
         return {k: v.value if isinstance(v, StrEnum) else v for k, v in d.items()}
 

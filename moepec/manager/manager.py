@@ -35,6 +35,7 @@ from moepec.keys import next_seq
 from moepec.manager.claim import RootClaim
 from moepec.manager.config import CheckpointConfig, PecScope
 from moepec.manager.layout import Layout, destroy_groups, find_experts
+from moepec.manager.live import LivePeers
 from moepec.manager.persist_policy import may_persist
 from moepec.manager.ram_setup import RamSetup
 from moepec.manager.reporting import Reporter
@@ -48,17 +49,19 @@ from moepec.recovery.outcome import RestoreContext, RestoreOutcome, RestoreRepor
 from moepec.recovery.records import write_recovery
 from moepec.recovery.restore import persist_on_failure, restore_state
 from moepec.recovery.stitch import Tier
+from moepec.recovery.striped import restore_striped
 from moepec.state.catalog import StateCatalog
 from moepec.state.checkpoint_keys import CheckpointKeys
 from moepec.state.experts import ExpertSpec, structure_of
 from moepec.store.committed import committed_manifests
+from moepec.store.meta import Part
 from moepec.store.persist import Persister
 from moepec.store.storage import Storage, no_gc
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager:
+class CheckpointManager(LivePeers):
     """Partial-experts, two-level, sharded checkpointing for one training job.
 
     Construct on every rank (after ``torch.distributed`` is initialised when
@@ -94,6 +97,7 @@ class CheckpointManager:
         self.routing = RoutingCounter(self.n_experts, self.distributed)
         self.seq = next_seq(n for n, _ in self.storage.list_checkpoints())
         self._last_step = -1
+        self._part: Part | None = None
         self.restores: list[RestoreReport] = []
         self._closed = False
 
@@ -118,6 +122,9 @@ class CheckpointManager:
         """Storage, the RAM snapshotter and the persist worker."""
         config = self.config
         self.storage = Storage(config.path, config.storage_options, config.serialization)
+        self.peers = [Storage(p, config.storage_options, config.serialization)
+                      for p in config.peer_paths]
+        """The other replica groups' roots (striped checkpoints): read, never written."""
         self._init_run()
         # A dedicated group for the persist worker: its collectives never interleave
         # with the training thread's (STYLE.md: no collectives off the main thread
@@ -134,7 +141,9 @@ class CheckpointManager:
                                    background=config.async_persist, timeout_s=config.timeout_s,
                                    keep_last=config.keep_last, release=self.ram_tier.release,
                                    guard=lambda: self.root_claim.check(),
-                                   hooks=self._hooks, on_commit=self._on_commit)
+                                   hooks=self._hooks, on_commit=self._on_commit,
+                                   peers=[Storage(p, config.storage_options, config.serialization)
+                                          for p in config.peer_paths])
 
     def _init_run(self) -> None:
         """This run's id and its claim on the root (the lease: taken at the first save or
@@ -171,7 +180,7 @@ class CheckpointManager:
         Raises PersistError for an earlier background failure: after taking this
         checkpoint's RAM snapshot, so a failing storage never stops the RAM tier.
         """
-        if (step + 1) % self.config.interval != 0:
+        if not self.due(step):
             self.persister_check()
             return False
         self.save(step)
@@ -194,9 +203,11 @@ class CheckpointManager:
                                              self.config.busy_policy, step)
         # The persister is idle here whenever this checkpoint is to be persisted, so the
         # committed view is current.
-        full = self._builder.is_full(persist, self.persister.head, self.persister.head_view)
+        part, self._part = self._part, None
+        full = self._builder.is_full(persist, self.persister.head, self.persister.head_view,
+                                     part)
         snap, sources = self._builder.take(step, self.seq, full, persist, run_id=self.run_id,
-                                           runs=self.runs)
+                                           runs=self.runs, part=part)
         self.ram_tier.start(snap, sources)
         started = self._reporter.started(snap, sources, full=full, persist=persist,
                                          k=(self.k_persist, self.k_snapshot))
@@ -330,25 +341,6 @@ class CheckpointManager:
         """Total time the training loop spent blocked in step() and wait_for_snapshot()."""
         return self._reporter.blocked
 
-    # -- live peers (replica groups) ---------------------------------------------
-    def live_state(self) -> dict[str, Any]:
-        """The checkpoint bookkeeping a live replica hands a restarted one (torchft
-        healing, :mod:`moepec.integrations.torchft`): PLT ledger, selectors, K and its
-        history, the checkpoint index and this rank's routing counts since the last
-        checkpoint. JSON-able, a copy. Training thread, any rank (each rank its own)."""
-        return {**self.schedule.live_state(), "last_step": self._last_step,
-                "routing": self.routing.pending()}
-
-    def load_live_state(self, state: Mapping[str, Any]) -> None:
-        """Adopt a peer's :meth:`live_state` after the model and optimizer were loaded
-        from the same peer (no storage read). Training thread, every rank, between
-        checkpoints. Raises StructureMismatchError for another MoE structure."""
-        self.schedule.load_live_state(dict(state))
-        self._last_step = int(state["last_step"])
-        self.routing.reset()
-        self.routing.add(state["routing"])
-        self.keys.invalidate()  # the loaded optimizer state may be new tensors
-
     # -- restore ----------------------------------------------------------------
     def restore(self) -> RestoreReport | None:
         """Restore the newest view into the model, optimizer and extra state.
@@ -371,7 +363,11 @@ class CheckpointManager:
         head = found.manifests.get(found.newest) if found.manifests else None
         ram = self.ram_tier.recovered(
             lambda meta: admissible(meta, head.meta if head is not None else None))
-        outcome = restore_state(self._restore_context(), found, ram)
+        if self.peers:  # striped over replica groups: whole over all roots, from storage
+            outcome = restore_striped(self._restore_context(), found, self.peers,
+                                      [committed_manifests(p) for p in self.peers])
+        else:
+            outcome = restore_state(self._restore_context(), found, ram)
         # The lease once the restore succeeded: a refused restore leaves the root as it was.
         self.root_claim.claim()
         if outcome is None:

@@ -8,6 +8,7 @@ keys under the write plan, captures the small objects and buffers now, and retur
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from moepec.manager.schedule import ExpertSchedule
 from moepec.ram.snapshot import Snapshot
 from moepec.state.catalog import StateCatalog
 from moepec.state.checkpoint_keys import CheckpointKeys
-from moepec.store.meta import CheckpointMeta
+from moepec.store.meta import CheckpointMeta, Part
 
 
 @dataclass(slots=True)
@@ -42,10 +43,15 @@ class SnapshotBuilder:
     def __post_init__(self) -> None:
         self.config_dict = self.config.to_dict()
 
-    def is_full(self, persist: bool, head: str | None, view: Mapping[str, str]) -> bool:
+    def is_full(self, persist: bool, head: str | None, view: Mapping[str, str],
+                part: Part | None = None) -> bool:
         """Whether the next checkpoint saves every expert: when it is persisted while the
         committed view (of ``head``) lacks one of this rank's experts (the first checkpoint
-        of a run, or every one after failed persists), and every ``full_every``-th."""
+        of a run, or every one after failed persists), and every ``full_every``-th. A part
+        of a striped checkpoint: when the part says so (every group decides alike; one
+        root's view never holds every expert)."""
+        if part is not None:
+            return part.full or self.schedule.is_full_by_period()
         return (persist and not self._covers(head, view)) or self.schedule.is_full_by_period()
 
     def _covers(self, head: str | None, view: Mapping[str, str]) -> bool:
@@ -60,9 +66,11 @@ class SnapshotBuilder:
         self._covered = (None, False)
 
     def take(self, step: int, seq: int, full: bool, persist: bool, *, run_id: str,
-             runs: Sequence[str]) -> tuple[Snapshot, dict[str, torch.Tensor]]:
+             runs: Sequence[str], part: Part | None = None
+             ) -> tuple[Snapshot, dict[str, torch.Tensor]]:
         """Choose the experts and build checkpoint ``seq``'s snapshot: objects and buffers
-        captured now, the live tensors to copy returned beside it."""
+        captured now, the live tensors to copy returned beside it. With ``part``, this
+        rank's share of the checkpoint striped over the groups of ``part``."""
         # Objects (RNG, scheduler, loader, hyper-parameters) change during the next
         # forward: captured now, on the training thread, and first, so that a state that
         # cannot be stored (ConfigError) leaves the selectors as they were. Rank 0 writes
@@ -70,11 +78,13 @@ class SnapshotBuilder:
         objects = self.catalog.capture_objects() if self.rank == 0 else {}
         snap_sel, persist_sel = self.schedule.choose(full, persist)
         snap_keys = self.keys.keys_for(snap_sel)
-        mine = self.keys.mine(snap_keys)
+        mine = self.keys.mine(snap_keys, (part.index, part.count) if part else (0, 1))
         mine_set = set(mine)
         persist_keys = self.keys.keys_for(persist_sel) if persist else []
         persist_experts = [tuple(p) for p in persist_sel] if persist else None
         meta = self._meta(step, seq, full, snap_sel, persist_experts, run_id, runs)
+        if part is not None:
+            meta = dataclasses.replace(meta, part=part.to_json())
         snap = Snapshot(tensors={},
                         persist_keys=frozenset(k for k in persist_keys if k in mine_set),
                         meta=meta, persist=persist, refs=2 if persist else 1,

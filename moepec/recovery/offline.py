@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moepec.errors import CheckpointError, ManifestError
+from moepec.errors import CheckpointError, ManifestError, NoCheckpointError
 from moepec.keys import newest, parse_checkpoint_name, parse_key, split_chunk
 from moepec.recovery.stitch import read_verified, storage_source
 from moepec.recovery.views import Fallback, fallbacks, recover_stored
@@ -145,7 +145,8 @@ def retained_heads(manifests: Mapping[str, Manifest]) -> list[str]:
 
 def _check_views(manifests: Mapping[str, Manifest], bad: set[str], res: VerifyResult) -> None:
     """Every retained view: each key's source committed, holding the key, intact; and a
-    copy of every expert's weights."""
+    copy of every expert's weights (not of a part of a checkpoint striped over replica
+    groups: its view holds only this root's copies)."""
     for head in retained_heads(manifests):
         res.views += 1
         problem = _view_problem(manifests, head, bad)
@@ -162,6 +163,8 @@ def _view_problem(manifests: Mapping[str, Manifest], head: str, bad: set[str]) -
             return f"{key} is not in {src}, where the view says it is"
         if f"{src}:{key}" in bad:
             return f"{key} in {src} is corrupt"
+    if m.meta.part is not None:
+        return None  # one group's part of a striped checkpoint: the others hold the rest
     missing = missing_experts(m)
     return f"no copy of {missing}" if missing else None
 
@@ -201,6 +204,14 @@ def read_view(path: str, storage_options: dict | None = None) -> StitchedView:
     CorruptCheckpointError, ManifestFormatError, each with a one-line message."""
     st = Storage(path, storage_options)
     found = committed_manifests(st)
+    head = found.manifests.get(found.newest) if found.newest else None
+    if head is not None and head.meta.part is not None:
+        part = head.meta.part
+        raise NoCheckpointError(
+            f"{path} holds part {part['index'] + 1} of {part['count']} of checkpoints striped "
+            f"over replica groups (moepec train --ft-checkpoints striped); the other groups' "
+            f"roots hold the rest. Reading them offline is not supported yet: restore with "
+            f"CheckpointManager(peer_paths=...), or train with --ft-checkpoints group")
     rec = recover_stored(st, found)
     assert rec.base.manifest is not None and found.newest is not None, "a stored base"
     return StitchedView(manifest=rec.base.manifest, values=rec.values, newest=found.newest,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,19 +64,20 @@ def restore_state(ctx: RestoreContext, found: Committed,
         return None
     head_name = newest(manifests)
     if head_name is not None:
-        _check_structure(ctx, manifests[head_name])
+        check_structure(ctx, manifests[head_name].meta)
     views = _Views(ctx, manifests, ram_src)
-    rec = _agreed_recover(ctx, views)
+    rec = agreed_recover(ctx, views)
     head = views.head_for(rec.base)
-    ledger, lost = _account(ctx, rec)
-    sources, units_from = _where_from(rec)
+    ledger, lost = account(ctx, rec)
+    sources, units_from = where_from(rec)
     return RestoreOutcome(values=rec.values, base=rec.base, head=head, ledger=ledger,
                           lost=lost, sources=sources, units_from=units_from,
                           warnings=rec.warnings)
 
 
-def _check_structure(ctx: RestoreContext, newest: Manifest) -> None:
-    mismatches = structure_mismatches(newest.meta.structure, ctx.structure)
+def check_structure(ctx: RestoreContext, newest: CheckpointMeta) -> None:
+    """Raises StructureMismatchError when ``newest`` was saved from another model."""
+    mismatches = structure_mismatches(newest.structure, ctx.structure)
     if mismatches:
         raise StructureMismatchError(
             f"the checkpoint at {ctx.storage.url} was saved from a different model: "
@@ -253,8 +254,11 @@ def _ram_source(name: str, meta: CheckpointMeta, values: dict[str, torch.Tensor]
 
 
 # -- agreement and accounting ------------------------------------------------------------
-def _agreed_recover(ctx: RestoreContext, views: _Views) -> Recovered:
+def agreed_recover(ctx: RestoreContext, views: Any,
+                   order: Callable[[Source], int] = lambda b: b.seq) -> Recovered:
     """recover(), then make every rank use the same base (the oldest any rank needed).
+    ``views``: ``bases`` newest first, ``lineage_of``, ``required_of``; ``order``: a base's
+    place, the same on every rank (the checkpoint seq of one root).
 
     Every iteration runs the same two collectives on every rank, so ranks that must
     go back and ranks that need not stay in step.
@@ -266,13 +270,13 @@ def _agreed_recover(ctx: RestoreContext, views: _Views) -> Recovered:
                       wanted=ctx.catalog.wants)
         if ctx.world_size == 1:
             return rec
-        seq = torch.tensor([rec.base.seq], dtype=torch.int64)
+        seq = torch.tensor([order(rec.base)], dtype=torch.int64)
         low, high = seq.clone(), seq.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         if low.item() == high.item():
             return rec
-        older = [b for b in bases if b.seq <= low.item()]
+        older = [b for b in bases if order(b) <= low.item()]
         if not older:
             raise DistributedError("ranks could not agree on a checkpoint to restore")
         if seq.item() != low.item():
@@ -281,11 +285,15 @@ def _agreed_recover(ctx: RestoreContext, views: _Views) -> Recovered:
         bases = older
 
 
-def _account(ctx: RestoreContext, rec: Recovered) -> tuple[PLTLedger, list[list[int]]]:
-    """The PLT ledger after this recovery, and what this recovery lost. Collective."""
+def account(ctx: RestoreContext, rec: Recovered, since_seq: int | None = None
+            ) -> tuple[PLTLedger, list[list[int]]]:
+    """The PLT ledger after this recovery, and what this recovery lost (the recoveries
+    this root recorded after checkpoint ``since_seq``, default the base's, count too).
+    Collective."""
     ledger = PLTLedger.create(ctx.n_experts)
     ledger.load_state_dict(rec.base.meta.ledger)
-    for layer, row in enumerate(_recorded_since(ctx, rec.base.seq)):
+    since = rec.base.seq if since_seq is None else since_seq
+    for layer, row in enumerate(_recorded_since(ctx, since)):
         for e, v in enumerate(row):
             ledger.lost[layer][e] += v
     at_base, at_copy = lost_tokens(rec)
@@ -335,7 +343,7 @@ def _unflatten(values: Sequence[int], n_experts: Sequence[int]) -> list[list[int
     return out
 
 
-def _where_from(rec: Recovered) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+def where_from(rec: Recovered) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
     """RestoreReport.sources and units_from of a recovery."""
     sources: dict[str, dict[str, Any]] = {}
     units_from: dict[str, int] = {}

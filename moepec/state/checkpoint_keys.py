@@ -16,12 +16,17 @@ from moepec.state.catalog import StateCatalog
 
 
 def rank_share(keys: list[str], catalog: StateCatalog, *, rank: int, world_size: int,
-               ep_size: int, mode: str) -> list[str]:
+               ep_size: int, mode: str, part: int = 0, parts: int = 1) -> list[str]:
     """The write plan over ranks. An expert's weights (and, separately, its optimizer
     state) form one item: a unit restored whole must be written whole by one rank,
     so that the RAM share of a surviving rank holds complete units. A chunk of a sharded
     tensor (DTensor) is held by the ranks its placement says (one, or a replicate group):
-    the chunks of an expert unit held by the same ranks form one item."""
+    the chunks of an expert unit held by the same ranks form one item. ``parts`` replica
+    groups of one layout stripe a checkpoint: the plan is over all their ranks (rank r of
+    part p is ``p * world_size + r``); rank 0 of each group writes the small objects."""
+    if parts > 1:
+        return _striped_share(keys, catalog, rank=rank, world_size=world_size,
+                              ep_size=ep_size, mode=mode, part=part, parts=parts)
     everyone = tuple(range(world_size))
     units: dict[str, list[str]] = {}
     items = []
@@ -59,6 +64,36 @@ def rank_share(keys: list[str], catalog: StateCatalog, *, rank: int, world_size:
     if rank == 0:
         mine.update(k for k in keys if k.startswith("objects/"))
     return [k for k in keys if k in mine]
+
+
+def _striped_share(keys: list[str], catalog: StateCatalog, *, rank: int, world_size: int,
+                   ep_size: int, mode: str, part: int, parts: int) -> list[str]:
+    """rank_share over the ranks of ``parts`` groups (a chunk's holders in every group)."""
+    virtual = _Holders(catalog, world_size, parts)
+    mine = rank_share(keys, virtual, rank=part * world_size + rank,  # type: ignore[arg-type]
+                      world_size=world_size * parts, ep_size=ep_size, mode=mode)
+    if rank == 0 and part > 0:
+        mine += [k for k in keys if k.startswith("objects/")]
+    mine_set = set(mine)
+    return [k for k in keys if k in mine_set]
+
+
+class _Holders:
+    """The catalogue seen by a plan over ``parts`` groups of ``world_size`` ranks: rank r
+    of every group holds a chunk rank r holds."""
+
+    def __init__(self, catalog: StateCatalog, world_size: int, parts: int) -> None:
+        self.catalog, self.world_size, self.parts = catalog, world_size, parts
+        self.emap = catalog.emap
+
+    def holders(self, key: str) -> tuple[int, ...] | None:
+        local = self.catalog.holders(key)
+        if local is None:
+            return None
+        return tuple(p * self.world_size + r for p in range(self.parts) for r in local)
+
+    def nbytes(self, key: str) -> int:
+        return self.catalog.nbytes(key)
 
 
 def _module_group(key: str) -> int:
@@ -128,20 +163,21 @@ class CheckpointKeys:
                     keys += cache[ck]
         return keys
 
-    def mine(self, keys: list[str]) -> list[str]:
-        """This rank's share of ``keys`` under the write plan (all of them on one rank).
+    def mine(self, keys: list[str], part: tuple[int, int] = (0, 1)) -> list[str]:
+        """This rank's share of ``keys`` under the write plan (all of them on one rank);
+        ``part``: (this group's position, groups) when replica groups stripe it.
 
         Every rank computes the same plan: non-expert items are held by all ranks,
         an expert by the ranks of its expert-data-parallel group.
         """
-        if self.world_size == 1:
+        if self.world_size == 1 and part[1] == 1:
             return keys
         plans = self._current()["plans"]
-        key = tuple(keys)
+        key = (tuple(keys), part)
         if key not in plans:
             if len(plans) >= 64:  # load_aware can pick many combinations: stay bounded
                 plans.clear()
             plans[key] = rank_share(keys, self.catalog, rank=self.rank,
                                     world_size=self.world_size, ep_size=self.ep_size,
-                                    mode=self.write_mode)
+                                    mode=self.write_mode, part=part[0], parts=part[1])
         return plans[key]

@@ -53,10 +53,11 @@ def retained(manifests: Mapping[str, Manifest], keep_last: int) -> set[str]:
 
 
 def to_delete(manifests: Mapping[str, Manifest], uncommitted: Iterable[str],
-              keep_last: int) -> list[str]:
-    """Committed checkpoints no kept view needs, and uncommitted leftovers older than the
-    newest commit (a save is persisted one at a time, so these can never commit)."""
-    keep = retained(manifests, keep_last)
+              keep_last: int, also: Iterable[str] = ()) -> list[str]:
+    """Committed checkpoints no kept view needs (nor ``also`` names), and uncommitted
+    leftovers older than the newest commit (a save is persisted one at a time, so these
+    can never commit)."""
+    keep = retained(manifests, keep_last) | set(also)
     head = newest(manifests)
     out = [n for n in manifests if n not in keep]
     if head is not None:

@@ -60,6 +60,9 @@ class CheckpointMeta:
     runs: list[str] = field(default_factory=list)
     """Every run of this checkpoint's lineage, oldest first: a run that restored another
     run's checkpoint continues its lineage (restore stitches only within it)."""
+    part: dict[str, Any] | None = None
+    """For one part of a checkpoint striped over replica groups (:class:`Part`, as JSON):
+    which part, of how many, of which groups and epoch. None: a whole checkpoint."""
 
     def runs_continued_by(self, run_id: str) -> list[str]:
         """The ``runs`` of a checkpoint taken by ``run_id`` after restoring this one: it
@@ -83,6 +86,40 @@ _META_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Part:
+    """This root's share of a checkpoint striped over the replica groups of a quorum:
+    the groups' roots together hold the checkpoint, each the items of its part."""
+
+    index: int
+    """This group's position among ``members``."""
+    count: int
+    """Parts of the checkpoint (the groups of the quorum)."""
+    members: tuple[int, ...]
+    """The replica groups writing it, in part order."""
+    epoch: str
+    """The run of the job since its last cold start: parts of two epochs never combine."""
+    full: bool = False
+    """Save every expert (the quorum changed since the last checkpoint)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "count": self.count, "members": list(self.members),
+                "epoch": self.epoch, "full": self.full}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Part:
+        """Raises ManifestError for a malformed part."""
+        ok = isinstance(data, dict) and is_count(data.get("index")) \
+            and is_count(data.get("count")) and isinstance(data.get("epoch"), str) \
+            and isinstance(data.get("full"), bool) and isinstance(data.get("members"), list) \
+            and all(is_count(m) for m in data["members"])
+        if not ok or not data["index"] < data["count"] == len(set(data["members"])) \
+                == len(data["members"]):
+            raise ManifestError(f"{where}: manifest field 'part' is malformed")
+        return cls(index=data["index"], count=data["count"], members=tuple(data["members"]),
+                   epoch=data["epoch"], full=data["full"])
+
+
 def meta_from_json(data: Any, where: str) -> CheckpointMeta:
     """A CheckpointMeta from its JSON fields (as a RAM slot header stores them), checked
     as a manifest's are. Raises ManifestError."""
@@ -91,6 +128,8 @@ def meta_from_json(data: Any, where: str) -> CheckpointMeta:
     for name, kind in _META_TYPES.items():
         need_field(data, name, kind, where)
     meta = {n: data[n] for n in _META_TYPES}
+    if data.get("part") is not None:
+        meta["part"] = Part.from_json(data["part"], where).to_json()
     _check_structure(data["structure"], where)
     _check_bookkeeping(meta, where)
     return CheckpointMeta(**meta)

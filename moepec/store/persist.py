@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +33,7 @@ from moepec.store.items import Item
 from moepec.store.lineage import to_delete, updated_view
 from moepec.store.manifest import Manifest
 from moepec.store.meta import CheckpointMeta
+from moepec.store.parts import protected
 from moepec.store.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,12 @@ class Persister:
                  group: dist.ProcessGroup | None, background: bool, timeout_s: float,
                  keep_last: int, release: Callable[[Snapshot], None],
                  guard: Callable[[], None] | None = None, hooks: FaultHooks | None = None,
-                 on_commit: Callable[[CommitRecord], None] | None = None) -> None:
+                 on_commit: Callable[[CommitRecord], None] | None = None,
+                 peers: Sequence[Storage] = ()) -> None:
         self.storage = storage
+        self.peers = list(peers)
+        """The other replica groups' roots (striped checkpoints): retention keeps this
+        root's part of the newest checkpoint whole over all of them. Read only."""
         self.run_id = run_id
         """This run's id: in every checkpoint name it writes (names unique per run)."""
         self.guard = guard
@@ -364,6 +369,8 @@ class Persister:
             log.warning("retention deletes nothing: a newer moepec wrote checkpoints here")
             return
         self._known = found.manifests  # committed manifests never change
-        for name in to_delete(found.manifests, found.uncommitted, self.keep_last):
+        keep = (protected(found.manifests, [committed_manifests(p).manifests for p in self.peers])
+                if self.peers else set())
+        for name in to_delete(found.manifests, found.uncommitted, self.keep_last, keep):
             log.info("retention deletes %s", name)
             self.storage.delete(name)

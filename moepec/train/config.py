@@ -50,6 +50,17 @@ class FtTransport(StrEnum):
     """The cross-group gloo process group of the quorum."""
 
 
+class FtCheckpoints(StrEnum):
+    """How replica groups write PEC checkpoints (for cold starts)."""
+
+    STRIPED = "striped"
+    """Each checkpoint is striped over the groups of the quorum: every rank of every
+    group writes an even share into its group's root; a cold start restores it whole
+    over all roots (the default)."""
+    GROUP = "group"
+    """Every group writes a whole checkpoint into its own root (G copies)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class FtConfig:
     """Replica groups on torchft (docs/replica-groups.md): this process's group, the
@@ -72,6 +83,8 @@ class FtConfig:
     """Put SHA-256 digests of the model, optimizer state, step and data position into the
     ``heal``, ``heal_sent`` and ``ft_end`` records (what the tests and ``bench ft``
     compare); hashing costs about a second per GB of state, on the heal's path."""
+    checkpoints: FtCheckpoints = FtCheckpoints.STRIPED
+    """Striped over the groups, or a whole copy per group."""
 
     def __post_init__(self) -> None:
         _need(bool(self.lighthouse), "ft: the Lighthouse address is empty; start one with "
@@ -83,6 +96,7 @@ class FtConfig:
         _need(self.timeout_s > 0 and self.quorum_timeout_s > 0,
               "ft: timeouts must be > 0 seconds (--ft-timeout)")
         self.transport = check_choice(FtTransport, self.transport, "ft transport")
+        self.checkpoints = check_choice(FtCheckpoints, self.checkpoints, "ft checkpoints")
 
 
 @dataclass(kw_only=True, slots=True)

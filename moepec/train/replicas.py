@@ -34,7 +34,7 @@ from moepec.train.checkpointing import (
     persist_guard,
     recovery_record,
 )
-from moepec.train.config import TrainConfig, TrainResult
+from moepec.train.config import FtCheckpoints, TrainConfig, TrainResult
 from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, record_step
 from moepec.train.setup import Run
 from moepec.train.spare import joined
@@ -46,16 +46,21 @@ log = logging.getLogger(__name__)
 
 
 def for_group(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with this replica group's own out_dir, metrics file and checkpoint root."""
+    """``cfg`` with this replica group's own out_dir, metrics file and checkpoint root (and
+    the other groups' roots, read for striped checkpoints)."""
     assert cfg.ft is not None
     from moepec.integrations.torchft import group_root
 
-    g = cfg.ft.group
+    g, ft = cfg.ft.group, cfg.ft
     ckpt = cfg.checkpoint
+    if ckpt is not None:
+        peers = tuple(group_root(ckpt.path, h) for h in range(ft.groups) if h != g) \
+            if ft.checkpoints == FtCheckpoints.STRIPED else ()
+        ckpt = dataclasses.replace(ckpt, path=group_root(ckpt.path, g), peer_paths=peers)
     return dataclasses.replace(
         cfg, out_dir=group_root(cfg.out_dir, g) if cfg.out_dir else None,
         log_jsonl=group_root(cfg.log_jsonl, g) + ".jsonl" if cfg.log_jsonl else None,
-        checkpoint=dataclasses.replace(ckpt, path=group_root(ckpt.path, g)) if ckpt else None)
+        checkpoint=ckpt)
 
 
 def state_digest(value: Any) -> str:
@@ -109,7 +114,7 @@ class _Session:
                                    extra_state={"scheduler": run.scheduler, "data": run.loader},
                                    manager=run.manager)
         self.state.on_send = self._sent
-        self.group = ReplicaGroup.join(self.state, group=cfg.ft.group,
+        self.group = ReplicaGroup.join(self.state, group=cfg.ft.group, groups=cfg.ft.groups,
                                        lighthouse=cfg.ft.lighthouse, timeout_s=cfg.ft.timeout_s,
                                        quorum_timeout_s=cfg.ft.quorum_timeout_s,
                                        transport=str(cfg.ft.transport))
@@ -190,6 +195,7 @@ def _train_ft_step(s: _Session, step: int, result: TrainResult) -> tuple[Any, fl
         group.allreduce_sum(counts)  # every group's routing: the PLT and the selectors
     group.allreduce_gradients(run.model.parameters())
     if run.manager:
+        group.prepare_checkpoint(step)  # which part of a striped checkpoint, if due
         persist_guard(cfg, s.metrics, step, run.manager.wait_for_snapshot)
     if not group.should_commit():
         run.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,175 @@
+"""Checkpoints striped over replica groups: each group's root holds its part of every
+checkpoint, and the parts of one checkpoint together hold all of it.
+
+Each group writes its part into its own root under the usual commit rule (its manifest
+last), so a root never holds a half-committed part. A striped checkpoint is *whole*
+when every part of it is committed (:func:`wholes`: the parts of one epoch, step and
+quorum); only whole ones are restored. Its lineage is the union of its parts' lineages
+(each a chain of parents in its own root), so an expert unit comes from its newest copy
+in any root. The manager's restore (:func:`restore_striped`) and the persister's
+retention (:func:`moepec.store.parts.protected`, which keeps this root's part of the newest whole one) read
+the other groups' roots and never write there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from moepec.errors import ManifestError, NoCheckpointError
+from moepec.recovery import restore as single
+from moepec.recovery.outcome import RestoreContext, RestoreOutcome
+from moepec.recovery.stitch import Source, Tier, storage_source
+from moepec.recovery.views import same_runs, usable_manifests
+from moepec.store.committed import Committed
+from moepec.store.lineage import lineage
+from moepec.store.manifest import Manifest
+from moepec.store.parts import Whole, wholes
+from moepec.store.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+def _composite(whole: Whole, sources: Sequence[Source], own: int) -> Source:
+    """One source over the parts of ``whole``: each key read from the part that holds it.
+    Its bookkeeping is this root's part's (its seq orders this root), else the first's."""
+    where: dict[str, int] = {}
+    keys = {}
+    for i, src in enumerate(sources):
+        for k, item in src.keys.items():
+            if k not in where:
+                where[k], keys[k] = i, item
+
+    def split(names) -> dict[int, list[str]]:
+        by: dict[int, list[str]] = defaultdict(list)
+        for k in names:
+            by[where[k]].append(k)
+        return by
+
+    def read(targets: dict[str, torch.Tensor]) -> None:
+        for i, names in split(targets).items():
+            sources[i].read({k: targets[k] for k in names})
+
+    def map_(names, verify):
+        values: dict[str, torch.Tensor] = {}
+        bad: list[str] = []
+        for i, part in split(names).items():
+            v, b = sources[i].map(part, verify)  # type: ignore[misc]
+            values.update(v)
+            bad += b
+        return values, bad
+
+    mine = next((i for i, (r, _) in enumerate(whole.parts) if r == own), 0)
+    total = [0]
+
+    def stored_bytes() -> int:
+        if not total[0]:
+            total[0] = sum(s.stored_bytes() for s in sources if s.stored_bytes is not None)
+        return total[0]
+
+    return Source(name=whole.name, tier=Tier.STORAGE, meta=sources[mine].meta, keys=keys,
+                  read=read, stored_bytes=stored_bytes,
+                  map=map_ if all(s.map is not None for s in sources) else None)
+
+
+class StripedViews:
+    """The whole checkpoints over all groups' roots as recovery candidates (storage only):
+    ``bases`` newest first, with ``lineage_of`` and ``required_of`` for ``recover``."""
+
+    def __init__(self, ctx: RestoreContext, storages: Sequence[Storage],
+                 manifests: Sequence[Mapping[str, Manifest]]) -> None:
+        self.ctx, self.storages, self.manifests = ctx, storages, manifests
+        self._sources: dict[tuple[int, str], Source] = {}
+        self.wholes: dict[str, Whole] = {}
+        self.bases: list[Source] = []
+        for whole in wholes(manifests):
+            parts = [self._source(r, m.name) for r, m in whole.parts]
+            base = _composite(whole, parts, own=0)
+            if self._covered(base, whole):
+                self.wholes[base.name] = whole
+                self.bases.append(base)
+        self.order = {b.name: len(self.bases) - i for i, b in enumerate(self.bases)}
+
+    def _source(self, root: int, name: str) -> Source:
+        key = (root, name)
+        if key not in self._sources:
+            self._sources[key] = storage_source(self.storages[root], self.manifests[root][name])
+        return self._sources[key]
+
+    def _covered(self, base: Source, whole: Whole) -> bool:
+        """Whether every expert unit of the view has a copy in the lineage (a quorum change
+        after which the full checkpoint never became whole leaves units without one)."""
+        try:
+            required = self.required_of(base, whole)
+        except ManifestError:
+            return True  # recover() reports and skips a damaged view
+        held = set().union(*(s.keys.keys() for s in self.lineage_of(base, whole)))
+        missing = required - held
+        if missing:
+            log.warning("not restoring %s: no copy of %s in the groups' roots (the full "
+                        "checkpoint after a quorum change is incomplete)", base.name,
+                        sorted(missing)[0])
+        return not missing
+
+    def lineage_of(self, base: Source, whole: Whole | None = None) -> list[Source]:
+        """Every part's chain of parents in its root (one run lineage each), newest step
+        first."""
+        whole = whole or self.wholes[base.name]
+        out: list[Source] = []
+        for r, m in whole.parts:
+            chain = [self._source(r, n) for n in lineage(self.manifests[r], m.name)]
+            out += same_runs(chain[0], chain)
+        return sorted(out, key=lambda s: s.step, reverse=True)
+
+    def required_of(self, base: Source, whole: Whole | None = None) -> set[str]:
+        """Every key of the parts' views this rank restores (raises ManifestError)."""
+        whole = whole or self.wholes[base.name]
+        keys = set().union(*(set(m.view) for _, m in whole.parts))
+        return {k for k in keys if self.ctx.catalog.wants(k)}
+
+    def head_for(self, base: Source) -> Manifest | None:
+        """This root's part of ``base``: the parent of this root's next checkpoint."""
+        return self.wholes[base.name].part_in(0)
+
+    def seq_of(self, base: Source) -> int:
+        """This root's checkpoint sequence at ``base`` (recovery records since then count):
+        its part's, else its newest checkpoint not after the base's step."""
+        head = self.head_for(base)
+        if head is not None:
+            return head.seq
+        older = [m.seq for m in self.manifests[0].values() if m.step <= base.step]
+        return max(older, default=-1)
+
+
+def open_roots(ctx: RestoreContext, found: Committed, peers: Sequence[Storage],
+               peer_found: Sequence[Committed]) -> StripedViews | None:
+    """The views over this root (``ctx.storage``, ``found``) and the peers' roots; None
+    when no root holds a whole checkpoint."""
+    manifests = [usable_manifests(found), *(usable_manifests(f) for f in peer_found)]
+    views = StripedViews(ctx, [ctx.storage, *peers], manifests)
+    if not views.bases:
+        if any(manifests):
+            raise NoCheckpointError(
+                f"the replica groups' roots ({ctx.storage.url} and {len(peers)} more) hold "
+                f"parts of checkpoints but no whole one (every part committed)")
+        return None
+    return views
+
+
+def restore_striped(ctx: RestoreContext, found: Committed, peers: Sequence[Storage],
+                    peer_found: Sequence[Committed]) -> RestoreOutcome | None:
+    """Restore the newest whole striped checkpoint over all groups' roots (storage only:
+    a RAM snapshot holds one group's share). Collective over this group's ranks."""
+    views = open_roots(ctx, found, peers, peer_found)
+    if views is None:
+        return None
+    single.check_structure(ctx, views.bases[0].meta)
+    rec = single.agreed_recover(ctx, views, order=lambda b: views.order[b.name])
+    ledger, lost = single.account(ctx, rec, since_seq=views.seq_of(rec.base))
+    sources, units_from = single.where_from(rec)
+    return RestoreOutcome(values=rec.values, base=rec.base, head=views.head_for(rec.base),
+                          ledger=ledger, lost=lost, sources=sources, units_from=units_from,
+                          warnings=rec.warnings)

@@ -1,0 +1,129 @@
+"""Checkpoints striped over replica groups (one process plays two groups of one rank).
+
+Two identical replicas train in lockstep; each writes its part of every checkpoint into
+its own root. The parts are disjoint, about even, and together hold exactly what one
+root holds when one group writes everything; a restore over both roots equals that
+root's restore bit for bit. A part that never committed: the newest whole checkpoint
+(all parts committed) is restored, and retention kept it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moepec import CheckpointConfig, CheckpointManager
+from moepec.store.committed import committed_manifests
+from moepec.store.meta import Part
+from moepec.store.storage import Storage
+from tests.toy import Counter, full_state, make, train_step
+
+INTERVAL = 4
+
+
+class Replica:
+    """One group: model, optimizer, schedule, data position, its manager."""
+
+    def __init__(self, path: Path, peers: list[Path] | None = None, seed: int = 0,
+                 keep_last: int = 8) -> None:
+        self.model, self.opt, self.sched = make(seed)
+        self.counter = Counter()
+        cfg = CheckpointConfig(path=str(path), interval=INTERVAL, k_persist=1,
+                               keep_last=keep_last, ram_dir=None, async_persist=False,
+                               peer_paths=tuple(str(p) for p in peers or ()))
+        self.mgr = CheckpointManager(self.model, self.opt, cfg,
+                                     extra_state={"scheduler": self.sched,
+                                                  "data": self.counter})
+
+    def train(self, step: int, gen: torch.Generator, part: Part | None, save: bool = True
+              ) -> None:
+        _, counts = train_step(self.model, self.opt, self.sched, gen)
+        self.mgr.wait_for_snapshot()
+        self.opt.step()
+        self.sched.step()
+        self.counter.position += 1
+        self.mgr.observe_routing(counts)
+        if save:
+            if self.mgr.due(step):
+                self.mgr.share(part)
+            self.mgr.step(step)
+
+
+def _lockstep(tmp: Path, steps: int, *, keep_last: int = 8, stop_b_at: int | None = None,
+              stop_ref_at: int | None = None) -> tuple[Replica, Replica, Replica]:
+    """Groups a (part 0) and b (part 1) and a reference writing whole checkpoints."""
+    roots = [tmp / "group-0", tmp / "group-1"]
+    a = Replica(roots[0], [roots[1]], keep_last=keep_last)
+    b = Replica(roots[1], [roots[0]], keep_last=keep_last)
+    ref = Replica(tmp / "whole")
+    gens = [torch.Generator().manual_seed(7) for _ in range(3)]
+    for step in range(steps):
+        first = step == INTERVAL - 1
+        for i, (r, gen) in enumerate(zip((a, b, ref), gens)):
+            part = Part(index=i, count=2, members=(0, 1), epoch="e1", full=first) \
+                if i < 2 else None
+            late = stop_b_at if i == 1 else stop_ref_at if i == 2 else None
+            r.train(step, gen, part, save=late is None or step < late)
+    for r in (a, b, ref):
+        r.mgr.close()
+    return a, b, ref
+
+
+def _manifests(path: Path) -> dict:
+    return committed_manifests(Storage(str(path))).manifests
+
+
+def _restored(path: Path, peers: list[Path] | None = None):
+    fresh = Replica(path, peers, seed=1)
+    report = fresh.mgr.restore()
+    fresh.mgr.close()
+    return report, full_state(fresh.model, fresh.opt), fresh.counter.position
+
+
+def test_parts_are_disjoint_even_and_restore_whole_bit_for_bit(tmp_path):
+    _lockstep(tmp_path, 3 * INTERVAL)
+    parts = [sorted(_manifests(tmp_path / f"group-{g}").values(), key=lambda m: m.step)
+             for g in (0, 1)]
+    whole = sorted(_manifests(tmp_path / "whole").values(), key=lambda m: m.step)
+    assert [m.step for m in whole] == [m.step for m in parts[0]] == [m.step for m in parts[1]]
+    for p0, p1, w in zip(*parts, whole):
+        assert p0.meta.part["index"] == 0 and p1.meta.part["index"] == 1
+        tensors = [{k for k in m.keys if not k.startswith("objects/")} for m in (p0, p1)]
+        assert not tensors[0] & tensors[1]
+        assert tensors[0] | tensors[1] == {k for k in w.keys if not k.startswith("objects/")}
+        assert p0.bytes + p1.bytes >= w.bytes and 0.3 < p0.bytes / (p0.bytes + p1.bytes) < 0.7
+        assert p0.meta.full == p1.meta.full == w.meta.full
+    want, want_state, want_pos = _restored(tmp_path / "whole")
+    for g in (0, 1):
+        got, state, pos = _restored(tmp_path / f"group-{g}", [tmp_path / f"group-{1 - g}"])
+        assert got.step == want.step == 3 * INTERVAL - 1 and pos == want_pos
+        assert got.plt == want.plt and got.lost_total == want.lost_total
+        assert state.keys() == want_state.keys()
+        for k, v in want_state.items():
+            assert torch.equal(state[k], v), k
+
+
+def test_a_part_never_committed_restores_the_newest_whole_one_kept_by_retention(tmp_path):
+    """Group b dies before its part of the last checkpoint commits (it never saves it);
+    group a commits its part, and its retention (keep_last=1) keeps its part of the
+    previous checkpoint, the newest whole one."""
+    last = 3 * INTERVAL - 1
+    _lockstep(tmp_path, 3 * INTERVAL, keep_last=1, stop_b_at=last, stop_ref_at=last)
+    steps = sorted(m.step for m in _manifests(tmp_path / "group-0").values())
+    assert steps[-1] == last and 2 * INTERVAL - 1 in steps
+    assert max(m.step for m in _manifests(tmp_path / "group-1").values()) == 2 * INTERVAL - 1
+    want, want_state, _ = _restored(tmp_path / "whole")
+    got, state, _ = _restored(tmp_path / "group-0", [tmp_path / "group-1"])
+    assert got.step == want.step == 2 * INTERVAL - 1
+    for k, v in want_state.items():
+        assert torch.equal(state[k], v), k
+
+
+def test_parts_without_a_whole_checkpoint_are_refused(tmp_path):
+    from moepec.errors import NoCheckpointError
+
+    _lockstep(tmp_path, INTERVAL, stop_b_at=0)
+    with pytest.raises(NoCheckpointError, match="no whole one"):
+        _restored(tmp_path / "group-0", [tmp_path / "group-1"])
