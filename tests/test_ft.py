@@ -2,14 +2,16 @@
 
 The survivor keeps its process and never recovers; the restarted group heals from it
 bit for bit (model, Adam moments, step, data position); a killed persist leaves its root
-verifiable. Every group lost: the next start restores each from its own PEC storage, and
-both end at the same step with bit-identical weights.
+verifiable. Every group lost: the next start restores each group from its RAM snapshot in
+shared memory and the striped checkpoints of both roots, and both end at the same step
+with bit-identical weights.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +39,8 @@ def lighthouse():
 
 
 def _launch(tmp: Path, address: str, group: int, *, steps: int = STEPS, faults: str = "",
-            restarts: int = 0, interval: int = 50, spares: int = 10) -> subprocess.Popen:
+            restarts: int = 0, interval: int = 50, spares: int = 10,
+            ram_dir: str = "none") -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
@@ -45,7 +48,7 @@ def _launch(tmp: Path, address: str, group: int, *, steps: int = STEPS, faults: 
            "-m", "moepec", "train", "--config", "tiny", "--steps", str(steps),
            "--batch-size", "8", "--threads", "1", "--no-progress", "--log-interval", "100",
            "--eval-batches", "0", "--data", str(tmp / "corpus" / "**" / "*.txt"),
-           "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-interval", str(interval), "--ram-dir", "none",
+           "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-interval", str(interval), "--ram-dir", ram_dir,
            "--out-dir", str(tmp / "out"), "--ft-lighthouse", address, "--ft-groups", "2",
            "--ft-group", str(group), "--ft-timeout", "5", "--ft-quorum-timeout", "20",
            "--ft-spares", str(spares)]
@@ -107,10 +110,20 @@ def test_survivor_keeps_training_the_killed_group_heals_and_a_cold_start_restore
     that step of the survivor does not commit and is retried). Each time its warm spare (a
     process forked by the same supervisor, torch and moepec already imported) rejoins and
     heals from the survivor, which keeps its process. Then every group is SIGKILLed whole:
-    the next start restores each group from its own PEC storage and both finish as one."""
+    the next start restores each group from its RAM snapshot (shared memory) and both
+    finish as one."""
     tmp = corpus
-    procs = [_launch(tmp, lighthouse, 0),
-             _launch(tmp, lighthouse, 1, faults="kill_persist@40:r0,kill_allreduce@120:r0")]
+    ram = f"/dev/shm/moepec-test-ft-{os.getpid()}-{tmp.name}"  # outlives the killed workers
+    try:
+        _survive_heal_and_cold_start(tmp, lighthouse, ram)
+    finally:
+        shutil.rmtree(ram, ignore_errors=True)
+
+
+def _survive_heal_and_cold_start(tmp: Path, lighthouse: str, ram: str) -> None:
+    procs = [_launch(tmp, lighthouse, 0, ram_dir=ram),
+             _launch(tmp, lighthouse, 1, faults="kill_persist@40:r0,kill_allreduce@120:r0",
+                     ram_dir=ram)]
     _wait_for(lambda: len(_events(_safe_records(tmp, 1), "heal")) == 2, 120,
               "group 1's two heals", procs)
     # Both train together; once each committed a checkpoint after the heal, both die.
@@ -143,12 +156,13 @@ def test_survivor_keeps_training_the_killed_group_heals_and_a_cold_start_restore
             assert heal[key] == sent[heal["step"]][key], key
     # The killed persist never half-committed: every committed checkpoint verifies.
     _verify(tmp / "ckpt" / "group-1")
-    # Every group lost: each restores from its own PEC storage, then both end as one.
-    procs = [_launch(tmp, lighthouse, g) for g in (0, 1)]
+    # Every group lost: each restores from its RAM snapshot in shared memory (its other
+    # experts from the striped checkpoints of both roots), then both end as one.
+    procs = [_launch(tmp, lighthouse, g, ram_dir=ram) for g in (0, 1)]
     assert _wait(procs, tmp) == [0, 0]
     for g in (0, 1):
         (rec,) = _events(_records(tmp, g), "recovery")
-        assert rec["tier"] == "storage" and rec["step"] > heal["step"] and "plt" in rec
+        assert rec["tier"] == "ram" and rec["step"] > heal["step"] and "plt" in rec
     (end0,), (end1,) = (_events(_records(tmp, g), "ft_end") for g in (0, 1))
     assert end0["step"] == end1["step"] == STEPS
     assert end0["model"] == end1["model"] and end0["optimizer"] == end1["optimizer"]

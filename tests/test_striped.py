@@ -27,10 +27,11 @@ class Replica:
     """One group: model, optimizer, schedule, data position, its manager."""
 
     def __init__(self, path: Path, peers: list[Path] | None = None, seed: int = 0,
-                 keep_last: int = 8) -> None:
+                 keep_last: int = 8, k_snapshot: int | None = None) -> None:
         self.model, self.opt, self.sched = make(seed)
         self.counter = Counter()
         cfg = CheckpointConfig(path=str(path), interval=INTERVAL, k_persist=1,
+                               k_snapshot=k_snapshot,
                                keep_last=keep_last, ram_dir=None, async_persist=False,
                                peer_paths=tuple(str(p) for p in peers or ()))
         self.mgr = CheckpointManager(self.model, self.opt, cfg,
@@ -52,12 +53,13 @@ class Replica:
 
 
 def _lockstep(tmp: Path, steps: int, *, keep_last: int = 8, stop_b_at: int | None = None,
-              stop_ref_at: int | None = None) -> tuple[Replica, Replica, Replica]:
+              stop_ref_at: int | None = None, k_snapshot: int | None = None,
+              close: bool = True) -> tuple[Replica, Replica, Replica]:
     """Groups a (part 0) and b (part 1) and a reference writing whole checkpoints."""
     roots = [tmp / "group-0", tmp / "group-1"]
-    a = Replica(roots[0], [roots[1]], keep_last=keep_last)
-    b = Replica(roots[1], [roots[0]], keep_last=keep_last)
-    ref = Replica(tmp / "whole")
+    a = Replica(roots[0], [roots[1]], keep_last=keep_last, k_snapshot=k_snapshot)
+    b = Replica(roots[1], [roots[0]], keep_last=keep_last, k_snapshot=k_snapshot)
+    ref = Replica(tmp / "whole", k_snapshot=k_snapshot)
     gens = [torch.Generator().manual_seed(7) for _ in range(3)]
     for step in range(steps):
         first = step == INTERVAL - 1
@@ -66,7 +68,7 @@ def _lockstep(tmp: Path, steps: int, *, keep_last: int = 8, stop_b_at: int | Non
                 if i < 2 else None
             late = stop_b_at if i == 1 else stop_ref_at if i == 2 else None
             r.train(step, gen, part, save=late is None or step < late)
-    for r in (a, b, ref):
+    for r in (a, b, ref) if close else ():
         r.mgr.close()
     return a, b, ref
 
@@ -119,6 +121,24 @@ def test_a_part_never_committed_restores_the_newest_whole_one_kept_by_retention(
     assert got.step == want.step == 2 * INTERVAL - 1
     for k, v in want_state.items():
         assert torch.equal(state[k], v), k
+
+
+def test_a_restore_in_the_same_process_takes_the_groups_ram_snapshot(tmp_path):
+    """The RAM snapshot holds the group's whole share with K_snapshot=2 experts (the parts
+    on storage K_persist=1): restored as the base, the other experts from the roots, it
+    equals the reference's RAM restore bit for bit."""
+    a, b, ref = _lockstep(tmp_path, 3 * INTERVAL, k_snapshot=2, close=False)
+    try:
+        reports = [r.mgr.restore() for r in (a, ref)]
+        assert [(x.tier, x.step) for x in reports] == [("ram", 3 * INTERVAL - 1)] * 2
+        assert reports[0].lost_total == reports[1].lost_total
+        want = full_state(ref.model, ref.opt)
+        got = full_state(a.model, a.opt)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+    finally:
+        for r in (a, b, ref):
+            r.mgr.close()
 
 
 def test_parts_without_a_whole_checkpoint_are_refused(tmp_path):

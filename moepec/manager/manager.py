@@ -365,7 +365,7 @@ class CheckpointManager(LivePeers):
             lambda meta: admissible(meta, head.meta if head is not None else None))
         if self.peers:  # striped over replica groups: whole over all roots, from storage
             outcome = restore_striped(self._restore_context(), found, self.peers,
-                                      [committed_manifests(p) for p in self.peers])
+                                      [committed_manifests(p) for p in self.peers], ram)
         else:
             outcome = restore_state(self._restore_context(), found, ram)
         # The lease once the restore succeeded: a refused restore leaves the root as it was.

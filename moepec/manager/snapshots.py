@@ -78,9 +78,14 @@ class SnapshotBuilder:
         objects = self.catalog.capture_objects() if self.rank == 0 else {}
         snap_sel, persist_sel = self.schedule.choose(full, persist)
         snap_keys = self.keys.keys_for(snap_sel)
-        mine = self.keys.mine(snap_keys, (part.index, part.count) if part else (0, 1))
-        mine_set = set(mine)
+        mine = self.keys.mine(snap_keys)
         persist_keys = self.keys.keys_for(persist_sel) if persist else []
+        if part is not None:  # RAM: the group's share (complete within it); storage: the part
+            striped = set(self.keys.mine(snap_keys, (part.index, part.count)))
+            persist_keys = [k for k in persist_keys if k in striped]
+            held = striped | set(mine)
+            mine = [k for k in snap_keys if k in held]
+        mine_set = set(mine)
         persist_experts = [tuple(p) for p in persist_sel] if persist else None
         meta = self._meta(step, seq, full, snap_sel, persist_experts, run_id, runs)
         if part is not None:

@@ -59,7 +59,7 @@ def restore_state(ctx: RestoreContext, found: Committed,
     nothing to restore. Raises ManifestFormatError (a newer moepec wrote the newest
     checkpoints), StructureMismatchError, NoCheckpointError / CorruptCheckpointError."""
     manifests = usable_manifests(found)
-    ram_src = _gather_ram(ctx, ram)
+    ram_src = gather_ram(ctx, ram)
     if not manifests and ram_src is None:
         return None
     head_name = newest(manifests)
@@ -147,7 +147,7 @@ class _Views:
 
 
 # -- the RAM tier ---------------------------------------------------------------------
-def _gather_ram(ctx: RestoreContext, snaps: Snapshot | Sequence[Snapshot] | None
+def gather_ram(ctx: RestoreContext, snaps: Snapshot | Sequence[Snapshot] | None
                 ) -> Source | None:
     """The RAM snapshot to restore from, with every share a rank still has, materialised
     on every rank that needs it (broadcast from the holders). Collective.

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from moepec.errors import ManifestError, NoCheckpointError
+from moepec.ram.snapshot import Snapshot
 from moepec.recovery import restore as single
 from moepec.recovery.outcome import RestoreContext, RestoreOutcome
 from moepec.recovery.stitch import Source, Tier, storage_source
@@ -80,7 +81,8 @@ class StripedViews:
     ``bases`` newest first, with ``lineage_of`` and ``required_of`` for ``recover``."""
 
     def __init__(self, ctx: RestoreContext, storages: Sequence[Storage],
-                 manifests: Sequence[Mapping[str, Manifest]]) -> None:
+                 manifests: Sequence[Mapping[str, Manifest]], ram: Source | None = None
+                 ) -> None:
         self.ctx, self.storages, self.manifests = ctx, storages, manifests
         self._sources: dict[tuple[int, str], Source] = {}
         self.wholes: dict[str, Whole] = {}
@@ -91,7 +93,27 @@ class StripedViews:
             if self._covered(base, whole):
                 self.wholes[base.name] = whole
                 self.bases.append(base)
+        self._add_ram(ram)
         self.order = {b.name: len(self.bases) - i for i, b in enumerate(self.bases)}
+
+    def _add_ram(self, ram: Source | None) -> None:
+        """This group's RAM snapshot as a base, newest first (before a whole checkpoint of
+        the same step: it holds K_snapshot experts), its older experts from the newest
+        whole checkpoint of its epoch not after it (the anchor). Not without an anchor:
+        which older copies are of its history is unknown then."""
+        if ram is None or not ram.complete or ram.meta.part is None:
+            return
+        epoch = ram.meta.part["epoch"]
+        anchor = next((b for b in self.bases if b.step <= ram.step
+                       and (self.wholes[b.name].parts[0][1].meta.part or {}).get("epoch")
+                       == epoch), None)
+        if anchor is None:
+            log.info("not restoring the RAM snapshot of step %d: no whole checkpoint of its "
+                     "epoch on storage to take its other experts from", ram.step)
+            return
+        self.wholes[ram.name] = self.wholes[anchor.name]
+        at = next(i for i, b in enumerate(self.bases) if b.step <= ram.step)
+        self.bases.insert(at, ram)
 
     def _source(self, root: int, name: str) -> Source:
         key = (root, name)
@@ -116,18 +138,20 @@ class StripedViews:
 
     def lineage_of(self, base: Source, whole: Whole | None = None) -> list[Source]:
         """Every part's chain of parents in its root (one run lineage each), newest step
-        first."""
+        first; a RAM base first, before its anchor's."""
         whole = whole or self.wholes[base.name]
-        out: list[Source] = []
+        out: list[Source] = [base] if base.tier == Tier.RAM else []
         for r, m in whole.parts:
             chain = [self._source(r, n) for n in lineage(self.manifests[r], m.name)]
             out += same_runs(chain[0], chain)
-        return sorted(out, key=lambda s: s.step, reverse=True)
+        return sorted(out, key=lambda s: (s.step, s.tier == Tier.RAM), reverse=True)
 
     def required_of(self, base: Source, whole: Whole | None = None) -> set[str]:
         """Every key of the parts' views this rank restores (raises ManifestError)."""
         whole = whole or self.wholes[base.name]
         keys = set().union(*(set(m.view) for _, m in whole.parts))
+        if base.tier == Tier.RAM:
+            keys |= set(base.keys)
         return {k for k in keys if self.ctx.catalog.wants(k)}
 
     def head_for(self, base: Source) -> Manifest | None:
@@ -138,6 +162,8 @@ class StripedViews:
         """This root's checkpoint sequence at ``base`` (recovery records since then count):
         its part's, else its newest checkpoint not after the base's step."""
         head = self.head_for(base)
+        if base.tier == Tier.RAM:
+            return base.seq  # this root's numbering: the manager's own snapshot
         if head is not None:
             return head.seq
         older = [m.seq for m in self.manifests[0].values() if m.step <= base.step]
@@ -145,11 +171,12 @@ class StripedViews:
 
 
 def open_roots(ctx: RestoreContext, found: Committed, peers: Sequence[Storage],
-               peer_found: Sequence[Committed]) -> StripedViews | None:
-    """The views over this root (``ctx.storage``, ``found``) and the peers' roots; None
-    when no root holds a whole checkpoint."""
+               peer_found: Sequence[Committed], ram: Source | None = None
+               ) -> StripedViews | None:
+    """The views over this root (``ctx.storage``, ``found``) and the peers' roots (and this
+    group's RAM snapshot); None when no root holds a whole checkpoint."""
     manifests = [usable_manifests(found), *(usable_manifests(f) for f in peer_found)]
-    views = StripedViews(ctx, [ctx.storage, *peers], manifests)
+    views = StripedViews(ctx, [ctx.storage, *peers], manifests, ram)
     if not views.bases:
         if any(manifests):
             raise NoCheckpointError(
@@ -160,10 +187,12 @@ def open_roots(ctx: RestoreContext, found: Committed, peers: Sequence[Storage],
 
 
 def restore_striped(ctx: RestoreContext, found: Committed, peers: Sequence[Storage],
-                    peer_found: Sequence[Committed]) -> RestoreOutcome | None:
-    """Restore the newest whole striped checkpoint over all groups' roots (storage only:
-    a RAM snapshot holds one group's share). Collective over this group's ranks."""
-    views = open_roots(ctx, found, peers, peer_found)
+                    peer_found: Sequence[Committed],
+                    ram: Snapshot | Sequence[Snapshot] | None = None) -> RestoreOutcome | None:
+    """Restore the newest whole striped checkpoint over all groups' roots, or this group's
+    newer RAM snapshot (its shares complete over the group's ranks; older experts from the
+    roots). Collective over this group's ranks."""
+    views = open_roots(ctx, found, peers, peer_found, single.gather_ram(ctx, ram))
     if views is None:
         return None
     single.check_structure(ctx, views.bases[0].meta)
