@@ -2,8 +2,8 @@
 
 Two identical replicas train in lockstep; each writes its part of every checkpoint into
 its own root. The parts are disjoint, about even, and together hold exactly what one
-root holds when one group writes everything; a restore over both roots equals that
-root's restore bit for bit. A part that never committed: the newest whole checkpoint
+root holds when one group writes everything; a restore over both roots (and an export of
+the folder holding them) equals that root's bit for bit. A part that never committed: the newest whole checkpoint
 (all parts committed) is restored, and retention kept it.
 """
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moepec import CheckpointConfig, CheckpointManager
+from moepec.errors import NoCheckpointError
 from moepec.store.committed import committed_manifests
 from moepec.store.meta import Part
 from moepec.store.storage import Storage
@@ -84,7 +85,7 @@ def _restored(path: Path, peers: list[Path] | None = None):
     return report, full_state(fresh.model, fresh.opt), fresh.counter.position
 
 
-def test_parts_are_disjoint_even_and_restore_whole_bit_for_bit(tmp_path):
+def test_parts_are_disjoint_even_and_restore_whole_bit_for_bit(tmp_path, tmp_path_factory):
     _lockstep(tmp_path, 3 * INTERVAL)
     parts = [sorted(_manifests(tmp_path / f"group-{g}").values(), key=lambda m: m.step)
              for g in (0, 1)]
@@ -97,6 +98,20 @@ def test_parts_are_disjoint_even_and_restore_whole_bit_for_bit(tmp_path):
         assert tensors[0] | tensors[1] == {k for k in w.keys if not k.startswith("objects/")}
         assert p0.bytes + p1.bytes >= w.bytes and 0.3 < p0.bytes / (p0.bytes + p1.bytes) < 0.7
         assert p0.meta.full == p1.meta.full == w.meta.full
+    # Offline: the folder of the group roots exports what the whole root exports.
+    from safetensors.torch import load_file
+
+    from moepec.recovery.offline import export_view
+
+    out = tmp_path_factory.mktemp("exports")
+    export_view(str(tmp_path / "whole"), str(out / "whole.safetensors"), "safetensors")
+    report = export_view(str(tmp_path), str(out / "striped.safetensors"), "safetensors")
+    assert "+" in report.view.manifest.name and report.view.manifest.step == 3 * INTERVAL - 1
+    exported = [load_file(str(out / f"{n}.safetensors")) for n in ("whole", "striped")]
+    assert exported[0].keys() == exported[1].keys()
+    assert all(torch.equal(v, exported[1][k]) for k, v in exported[0].items())
+    with pytest.raises(NoCheckpointError, match="pass the folder that holds the group"):
+        export_view(str(tmp_path / "group-1"), str(out / "x.safetensors"), "safetensors")
     want, want_state, want_pos = _restored(tmp_path / "whole")
     for g in (0, 1):
         got, state, pos = _restored(tmp_path / f"group-{g}", [tmp_path / f"group-{1 - g}"])
@@ -142,8 +157,6 @@ def test_a_restore_in_the_same_process_takes_the_groups_ram_snapshot(tmp_path):
 
 
 def test_parts_without_a_whole_checkpoint_are_refused(tmp_path):
-    from moepec.errors import NoCheckpointError
-
     _lockstep(tmp_path, INTERVAL, stop_b_at=0)
     with pytest.raises(NoCheckpointError, match="no whole one"):
         _restored(tmp_path / "group-0", [tmp_path / "group-1"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +18,9 @@ import torch
 
 from moepec.errors import CheckpointError, ManifestError, NoCheckpointError
 from moepec.keys import newest, parse_checkpoint_name, parse_key, split_chunk
-from moepec.recovery.stitch import read_verified, storage_source
-from moepec.recovery.views import Fallback, fallbacks, recover_stored
+from moepec.recovery.stitch import read_verified, recover, storage_source
+from moepec.recovery.striped import StripedViews, stitched_manifest
+from moepec.recovery.views import Fallback, fallbacks, recover_stored, usable_manifests
 from moepec.store.committed import committed_manifests
 from moepec.store.items import DTYPE_SIZES
 from moepec.store.lineage import lineage, view_age
@@ -209,13 +211,40 @@ def read_view(path: str, storage_options: dict | None = None) -> StitchedView:
         part = head.meta.part
         raise NoCheckpointError(
             f"{path} holds part {part['index'] + 1} of {part['count']} of checkpoints striped "
-            f"over replica groups (moepec train --ft-checkpoints striped); the other groups' "
-            f"roots hold the rest. Reading them offline is not supported yet: restore with "
-            f"CheckpointManager(peer_paths=...), or train with --ft-checkpoints group")
+            f"over replica groups; the other groups' roots hold the rest: pass the folder "
+            f"that holds the group-<I> roots (the --ckpt-dir of the run)")
+    if not found.manifests:
+        groups = group_roots(st)
+        if groups:
+            return _read_striped(st, groups, storage_options)
     rec = recover_stored(st, found)
     assert rec.base.manifest is not None and found.newest is not None, "a stored base"
     return StitchedView(manifest=rec.base.manifest, values=rec.values, newest=found.newest,
                         fallbacks=fallbacks(rec), warnings=rec.warnings)
+
+
+def group_roots(st: Storage) -> list[str]:
+    """The replica groups' roots directly under ``st`` (``group-<I>``), in group order."""
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in st.fs.ls(st.root, detail=False)]
+    except (FileNotFoundError, OSError):
+        return []
+    found = sorted((int(n[6:]), n) for n in names if re.fullmatch(r"group-\d{1,6}", n))
+    return [n for _, n in found]
+
+
+def _read_striped(st: Storage, groups: list[str], storage_options: dict | None
+                  ) -> StitchedView:
+    """The newest whole checkpoint striped over the ``groups`` roots under ``st``."""
+    storages = [Storage(f"{st.url}/{g}", storage_options) for g in groups]
+    found = [committed_manifests(s) for s in storages]
+    views = StripedViews(storages, [usable_manifests(f) for f in found])
+    if not views.bases:
+        raise NoCheckpointError(f"{st.url}: the replica groups' roots ({', '.join(groups)}) "
+                                f"hold no checkpoint whose parts all committed")
+    rec = recover(views.bases, views.lineage_of, views.required_of)
+    return StitchedView(manifest=stitched_manifest(views, rec), values=rec.values,
+                        newest=views.bases[0].name, fallbacks=[], warnings=rec.warnings)
 
 
 def _check_output(path: str, out: str) -> None:

@@ -13,17 +13,19 @@ the other groups' roots and never write there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from moepec.errors import ManifestError, NoCheckpointError
+from moepec.keys import parse_key
 from moepec.ram.snapshot import Snapshot
 from moepec.recovery import restore as single
 from moepec.recovery.outcome import RestoreContext, RestoreOutcome
-from moepec.recovery.stitch import Source, Tier, storage_source
+from moepec.recovery.stitch import Recovered, Source, Tier, storage_source
 from moepec.recovery.views import same_runs, usable_manifests
 from moepec.store.committed import Committed
 from moepec.store.lineage import lineage
@@ -77,13 +79,14 @@ def _composite(whole: Whole, sources: Sequence[Source], own: int) -> Source:
 
 
 class StripedViews:
-    """The whole checkpoints over all groups' roots as recovery candidates (storage only):
-    ``bases`` newest first, with ``lineage_of`` and ``required_of`` for ``recover``."""
+    """The whole checkpoints over all groups' roots as recovery candidates (and a RAM
+    snapshot): ``bases`` newest first, with ``lineage_of`` and ``required_of`` for
+    ``recover``; ``wants``: the keys this rank restores (all, offline)."""
 
-    def __init__(self, ctx: RestoreContext, storages: Sequence[Storage],
-                 manifests: Sequence[Mapping[str, Manifest]], ram: Source | None = None
+    def __init__(self, storages: Sequence[Storage], manifests: Sequence[Mapping[str, Manifest]],
+                 ram: Source | None = None, wants: Callable[[str], bool] = lambda k: True
                  ) -> None:
-        self.ctx, self.storages, self.manifests = ctx, storages, manifests
+        self.storages, self.manifests, self.wants = storages, manifests, wants
         self._sources: dict[tuple[int, str], Source] = {}
         self.wholes: dict[str, Whole] = {}
         self.bases: list[Source] = []
@@ -152,7 +155,7 @@ class StripedViews:
         keys = set().union(*(set(m.view) for _, m in whole.parts))
         if base.tier == Tier.RAM:
             keys |= set(base.keys)
-        return {k for k in keys if self.ctx.catalog.wants(k)}
+        return {k for k in keys if self.wants(k)}
 
     def head_for(self, base: Source) -> Manifest | None:
         """This root's part of ``base``: the parent of this root's next checkpoint."""
@@ -176,7 +179,7 @@ def open_roots(ctx: RestoreContext, found: Committed, peers: Sequence[Storage],
     """The views over this root (``ctx.storage``, ``found``) and the peers' roots (and this
     group's RAM snapshot); None when no root holds a whole checkpoint."""
     manifests = [usable_manifests(found), *(usable_manifests(f) for f in peer_found)]
-    views = StripedViews(ctx, [ctx.storage, *peers], manifests, ram)
+    views = StripedViews([ctx.storage, *peers], manifests, ram, ctx.catalog.wants)
     if not views.bases:
         if any(manifests):
             raise NoCheckpointError(
@@ -202,3 +205,16 @@ def restore_striped(ctx: RestoreContext, found: Committed, peers: Sequence[Stora
     return RestoreOutcome(values=rec.values, base=rec.base, head=views.head_for(rec.base),
                           ledger=ledger, lost=lost, sources=sources, units_from=units_from,
                           warnings=rec.warnings)
+
+
+def stitched_manifest(views: StripedViews, rec: Recovered) -> Manifest:
+    """A manifest standing for the whole checkpoint ``rec`` restored (offline export): its
+    first part's bookkeeping, the whole's name, a view naming where each key came from."""
+    first = views.wholes[rec.base.name].parts[0][1]
+    where = {}
+    for k in rec.values:
+        info = parse_key(k)
+        src = rec.unit_source.get((info.layer, info.expert, info.part)) if info.is_expert \
+            else None
+        where[k] = src.name if src is not None else rec.base.name
+    return dataclasses.replace(first, name=rec.base.name, view=where)
