@@ -119,6 +119,7 @@ class _Session:
                                        quorum_timeout_s=cfg.ft.quorum_timeout_s,
                                        transport=str(cfg.ft.transport))
         self.width = cfg.ft.groups
+        _warn_on_timeouts(cfg)
         joined()  # a warm spare's supervisor (if any) restarts this process from now on
         metrics.write({"event": "ft_join", "time": time.time(), "pid": os.getpid(),
                        "ppid": os.getppid(), "spare": int(os.environ.get("MOEPEC_SPARE_LIFE", -1)),
@@ -176,6 +177,24 @@ class _Session:
         self.group.agree_on_restore(self.cfg.ft.groups, start.step + 1 if start else 0,
                                     start.lost_total if start else 0)
         self.quorum(result)
+
+
+def _warn_on_timeouts(cfg: TrainConfig) -> None:
+    """A group of several ranks whose rank other than 0 hangs keeps heartbeating (rank 0
+    is fine) until its own collectives time out (--dist-timeout); torchft's Lighthouse
+    forms no quorum of half or fewer of the heartbeating groups (split brain), so with
+    two groups the survivor waits that long for its quorum: past --ft-quorum-timeout it
+    fails and restarts too."""
+    import torch.distributed as dist
+
+    assert cfg.ft is not None
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    if ranks > 1 and cfg.ft.groups > 1 and cfg.dist_timeout_s >= cfg.ft.quorum_timeout_s:
+        log.warning("--dist-timeout %.0fs >= --ft-quorum-timeout %.0fs: a hung rank other than "
+                    "0 in one group would make the other groups' quorum time out first and "
+                    "restart them too; set --dist-timeout below --ft-quorum-timeout (minus "
+                    "the Lighthouse heartbeat timeout)", cfg.dist_timeout_s,
+                    cfg.ft.quorum_timeout_s)
 
 
 def _train_ft_step(s: _Session, step: int, result: TrainResult) -> tuple[Any, float, float] | None:
