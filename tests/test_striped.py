@@ -16,6 +16,7 @@ import torch
 
 from moepec import CheckpointConfig, CheckpointManager
 from moepec.errors import NoCheckpointError
+from moepec.keys import parse_key
 from moepec.store.committed import committed_manifests
 from moepec.store.meta import Part
 from moepec.store.storage import Storage
@@ -160,3 +161,38 @@ def test_parts_without_a_whole_checkpoint_are_refused(tmp_path):
     _lockstep(tmp_path, INTERVAL, stop_b_at=0)
     with pytest.raises(NoCheckpointError, match="no whole one"):
         _restored(tmp_path / "group-0", [tmp_path / "group-1"])
+
+
+@pytest.mark.parametrize("ranks,parts", [(2, 2), (4, 2), (2, 3)])
+def test_the_write_plan_over_all_groups_ranks_is_disjoint_complete_and_even(ranks, parts):
+    """rank_share over ``parts`` groups of ``ranks`` ranks: every tensor key written once by
+    exactly one rank of one group, the objects by rank 0 of each group, no rank more than
+    the mean share plus one item (an expert unit is written whole: the greedy bound)."""
+    from moepec.state.catalog import StateCatalog
+    from moepec.state.checkpoint_keys import CheckpointKeys, rank_share
+    from moepec.state.experts import discover
+
+    model, opt, sched = make(0)
+    train_step(model, opt, sched, torch.Generator().manual_seed(0))
+    opt.step()
+    catalog = StateCatalog(model, opt, discover(model), {"scheduler": sched})
+    keys = CheckpointKeys(catalog, pec_scope="all", rank=0, world_size=ranks, ep_size=1,
+                          write_mode="adaptive").keys_for([[0], [1]])
+    shares = {(p, r): rank_share(keys, catalog, rank=r, world_size=ranks, ep_size=1,
+                                 mode="adaptive", part=p, parts=parts)
+              for p in range(parts) for r in range(ranks)}
+    tensors = [k for k in keys if not k.startswith("objects/")]
+    owners = {k: [pr for pr, share in shares.items() if k in share] for k in tensors}
+    assert all(len(o) == 1 for o in owners.values()), owners
+    for (_, r), share in shares.items():
+        objects = [k for k in share if k.startswith("objects/")]
+        assert objects == ([k for k in keys if k.startswith("objects/")] if r == 0 else [])
+    load = [sum(catalog.nbytes(k) for k in share if not k.startswith("objects/"))
+            for share in shares.values()]
+    items: dict = {}
+    for k in tensors:
+        info = parse_key(k)
+        unit = (info.layer, info.expert, info.part) if info.is_expert else k
+        items[unit] = items.get(unit, 0) + catalog.nbytes(k)
+    assert max(load) <= sum(load) / len(load) + max(items.values()), load
+    assert min(load) > 0
