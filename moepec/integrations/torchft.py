@@ -15,9 +15,11 @@ For a loop of your own (as torchtitan's torchft experiment has)::
 
     from moepec.integrations.torchft import ReplicaGroup, TrainingState
 
+    # striped checkpoints: CheckpointConfig(path=group_root(P, I), peer_paths=(the other
+    # groups' group_root(P, J)), ...); without peer_paths each group writes a whole copy
     state = TrainingState(model, optimizer, extra_state={"scheduler": sched, "data": loader},
                           manager=ckpt_manager)            # the CheckpointManager or None
-    group = ReplicaGroup.join(state, group=I, lighthouse=URL)   # after init_process_group
+    group = ReplicaGroup.join(state, group=I, groups=G, lighthouse=URL)  # after init_process_group
     group.start_quorum()
     if group.cold:                       # nobody trained yet: the first start, or every
         report = ckpt_manager.restore()  # group was lost -> PEC storage / RAM as today
@@ -28,6 +30,7 @@ For a loop of your own (as torchtitan's torchft experiment has)::
     while group.step < total_steps:
         batch = ...; loss.backward()     # inside the group: your own collectives
         group.allreduce_gradients(model.parameters())
+        group.prepare_checkpoint(group.step)  # striped: this group's part, when one is due
         ckpt_manager.wait_for_snapshot()
         if group.should_commit():
             optimizer.step(); ckpt_manager.step(group.step - 1)
@@ -43,12 +46,15 @@ FSDP's DTensor shards are not sent by this transport).
 
 PEC checkpoints (cold starts): every group keeps its own checkpoint root,
 :func:`group_root` (``<path>/group-<I>``), written by its own ranks with the usual commit
-rule, so a group that dies while writing leaves its last committed checkpoint intact and
-never a half-committed one, and no other group's root is touched. A cold start restores
-each group from its own root, then the groups agree on one restored state
-(:meth:`ReplicaGroup.agree_on_restore`: the newest, then the one that lost least: two
-roots may hold the same step with different PEC views) and the quorum that follows heals
-the others from it, so all groups continue from the same state.
+rule, so a group that dies while writing leaves its last committed part intact and never
+a half-committed one, and no other group's root is touched. With ``peer_paths`` (striped,
+the reference trainer's default) each checkpoint is striped over the quorum's groups
+(:meth:`ReplicaGroup.prepare_checkpoint`: one write plan over all their ranks) and counts
+once every part committed; without, each group writes a whole copy. A cold start
+restores each group (striped: the newest whole checkpoint over all roots), then the
+groups agree on one restored state (:meth:`ReplicaGroup.agree_on_restore`: the newest,
+then the one that lost least) and the quorum that follows heals the others from it, so
+all groups continue from the same state.
 
 Failure detection: a killed rank's group leaves the quorum one Lighthouse heartbeat
 timeout (``--heartbeat-timeout-ms``) after its rank 0's heartbeats stop; an all-reduce with
