@@ -170,6 +170,12 @@ def _survive_heal_and_cold_start(tmp: Path, lighthouse: str, ram: str) -> None:
     summary = json.loads((tmp / "out" / "group-0" / "summary.json").read_text())
     assert summary["final_step"] == STEPS - 1
     _assert_striped(tmp / "ckpt")
+    # A healed group's lineage in its root is new: the next checkpoint saves every expert
+    # (also when the heal happened between two checkpoints of the same quorum).
+    commits = _events(healed, "commit")
+    for h in heals:
+        first = next(c for c in commits if c["step"] >= h["step"])
+        assert first["full"], (h["step"], first)
 
 
 def _assert_striped(ckpt: Path) -> None:

@@ -19,6 +19,7 @@ from moepec.errors import NoCheckpointError
 from moepec.keys import parse_key
 from moepec.store.committed import committed_manifests
 from moepec.store.meta import Part
+from moepec.store.parts import protected
 from moepec.store.storage import Storage
 from tests.toy import Counter, full_state, make, train_step
 
@@ -132,6 +133,8 @@ def test_a_part_never_committed_restores_the_newest_whole_one_kept_by_retention(
     steps = sorted(m.step for m in _manifests(tmp_path / "group-0").values())
     assert steps[-1] == last and 2 * INTERVAL - 1 in steps
     assert max(m.step for m in _manifests(tmp_path / "group-1").values()) == 2 * INTERVAL - 1
+    kept = protected(_manifests(tmp_path / "group-0"), [_manifests(tmp_path / "group-1")])
+    assert any(f"step{2 * INTERVAL - 1:08d}" in name for name in kept), kept
     want, want_state, _ = _restored(tmp_path / "whole")
     got, state, _ = _restored(tmp_path / "group-0", [tmp_path / "group-1"])
     assert got.step == want.step == 2 * INTERVAL - 1

@@ -194,6 +194,9 @@ class ReplicaGroup:
         """Which part of each striped checkpoint this group writes (healed with the state)."""
         state.extra.setdefault("moepec_stripes", self.stripes)
         self._pending: Part | None = None
+        self._wrote_part = False
+        """A part was handed to this process's checkpoint manager (its root's lineage is
+        this process's from then on)."""
         self.heals: list[Heal] = []
         """Every state received from a peer, oldest first."""
         self.cold = False
@@ -315,23 +318,28 @@ class ReplicaGroup:
         """On a step whose checkpoint is due (striped checkpoints only; nothing otherwise):
         learn the quorum's groups (one all-reduce) and so this group's part; the part is
         handed to the checkpoint manager when the step commits (:meth:`should_commit`).
-        The quorum changed since the last checkpoint (a group left or joined): this one
-        saves every expert, so no expert's newest copy stays only in a root that left the
-        stripe or in a restarted group's abandoned lineage. Before should_commit."""
+        The quorum changed since the last checkpoint (a group left or joined), or some
+        group has written no part since its process started (it restarted and healed, even
+        between two checkpoints of one quorum): this one saves every expert, so no
+        expert's newest copy stays only in a root that left the stripe or in a restarted
+        group's abandoned lineage. Before should_commit."""
         manager = self.state.manager
         self._pending = None
         if manager is None or not manager.config.peer_paths or not manager.due(step):
             return
         assert self.groups is not None, "checked by join()"
-        present = torch.zeros(self.groups, dtype=torch.float64)
-        present[self.group] = 1.0
-        self.allreduce_sum(present)  # garbage on a failure: the step does not commit then
-        members = tuple(g for g in range(self.groups) if present[g].item() > 0.5)
+        # [g]: group g is in the quorum; [groups + g]: its lineage in its root is new
+        table = torch.zeros(2 * self.groups, dtype=torch.float64)
+        table[self.group] = 1.0
+        table[self.groups + self.group] = 0.0 if self._wrote_part else 1.0
+        self.allreduce_sum(table)  # garbage on a failure: the step does not commit then
+        members = tuple(g for g in range(self.groups) if table[g].item() > 0.5)
         if self.group not in members:
             return
+        fresh = bool((table[self.groups:] > 0.5).any())
         self._pending = Part(index=members.index(self.group), count=len(members),
                              members=members, epoch=self.stripes.epoch,
-                             full=members != self.stripes.members)
+                             full=fresh or members != self.stripes.members)
 
     def should_commit(self) -> bool:
         """Whether the step may be applied: every rank of this group saw a healthy
@@ -342,6 +350,7 @@ class ReplicaGroup:
         if ok and part is not None:
             self.state.manager.share(part)
             self.stripes.members = part.members
+            self._wrote_part = True
         return ok
 
     def close(self) -> None:

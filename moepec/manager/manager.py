@@ -142,8 +142,7 @@ class CheckpointManager(LivePeers):
                                    keep_last=config.keep_last, release=self.ram_tier.release,
                                    guard=lambda: self.root_claim.check(),
                                    hooks=self._hooks, on_commit=self._on_commit,
-                                   peers=[Storage(p, config.storage_options, config.serialization)
-                                          for p in config.peer_paths])
+                                   peers=self.peers)
 
     def _init_run(self) -> None:
         """This run's id and its claim on the root (the lease: taken at the first save or
@@ -363,7 +362,7 @@ class CheckpointManager(LivePeers):
         head = found.manifests.get(found.newest) if found.manifests else None
         ram = self.ram_tier.recovered(
             lambda meta: admissible(meta, head.meta if head is not None else None))
-        if self.peers:  # striped over replica groups: whole over all roots, from storage
+        if self.peers:  # striped over replica groups: whole over all roots (and RAM)
             outcome = restore_striped(self._restore_context(), found, self.peers,
                                       [committed_manifests(p) for p in self.peers], ram)
         else:

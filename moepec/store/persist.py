@@ -118,6 +118,7 @@ class Persister:
         """Called on the worker thread after each commit with its CommitRecord."""
         self._error: BaseException | None = None
         self._known: dict[str, Manifest] = {}
+        self._peers_known: list[dict[str, Manifest]] = [{} for _ in self.peers]
         """Committed manifests read or written so far (retention reads only new ones)."""
         self._idle = threading.Event()
         self._idle.set()
@@ -353,6 +354,12 @@ class Persister:
             except Exception:  # noqa: BLE001 - an observer must not fail the checkpoint
                 log.exception("on_commit callback failed")
 
+    def _peer_manifests(self) -> list[dict[str, Manifest]]:
+        """The committed manifests of the other groups' roots (only new ones are read)."""
+        for i, peer in enumerate(self.peers):
+            self._peers_known[i] = dict(committed_manifests(peer, self._peers_known[i]).manifests)
+        return self._peers_known
+
     def _retain(self) -> None:
         """Delete what no retained view needs (rank 0, after a commit; only while this run
         holds the root's lease)."""
@@ -369,8 +376,7 @@ class Persister:
             log.warning("retention deletes nothing: a newer moepec wrote checkpoints here")
             return
         self._known = found.manifests  # committed manifests never change
-        keep = (protected(found.manifests, [committed_manifests(p).manifests for p in self.peers])
-                if self.peers else set())
+        keep = protected(found.manifests, self._peer_manifests()) if self.peers else set()
         for name in to_delete(found.manifests, found.uncommitted, self.keep_last, keep):
             log.info("retention deletes %s", name)
             self.storage.delete(name)
