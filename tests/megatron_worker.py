@@ -8,8 +8,8 @@ PHASE ``save``: four saves (sync, and async through the usage code of docs/megat
 which is run as written) with the weights and Adam moments changed before each, then a
 fresh model and optimizer load the last folder with the guide's load(); the loaded
 state must equal, bit for bit, the oracle: non-expert state as of the last save, each
-expert as of the last save whose documented round-robin turn (K=1: layer m saves expert
-(m + c) mod N at checkpoint c; all at c = 0) included it. PHASE ``save-crash``: the same,
+expert as of the last save whose documented round-robin turn (K=1: all at c = 0, then
+layer m saves expert (m + c - 1) mod N at checkpoint c) included it. PHASE ``save-crash``: the same,
 then change the weights, start an async save and SIGKILL the writer and the rank
 mid-save. PHASE
 ``resume``: the killed folder is not committed; the last committed one loads bit-exact
@@ -98,6 +98,24 @@ def train_a_bit(model, opt, seed: int) -> None:
     opt.optimizer.step()
 
 
+def route(model, seed: int) -> torch.Tensor:
+    """Route a batch through every MoE router's own routing function (the router's
+    forward moves weights to CUDA, so the hooks moepec registered with
+    ``track_routing`` are called here with what the forward would return). Returns the
+    tokens per (layer, expert) summed over ranks, Megatron's own count."""
+    counts = []
+    for name in mg.moe_layer_names(model):
+        router = model.get_submodule(name)
+        g = torch.Generator().manual_seed(seed * 10 + dist.get_rank())
+        out = router.routing(torch.randn(6, 2, N_EXPERTS, generator=g))
+        for hook in router._forward_hooks.values():
+            hook(router, (None,), out)
+        counts.append(out[1].sum(dim=0))
+    total = torch.stack(counts).to(torch.int64)
+    dist.all_reduce(total)
+    return total
+
+
 def expert_of(name: str) -> tuple[int, int] | None:
     """(MoE layer, global expert) of a SequentialMLP parameter name."""
     parts = name.split(".")
@@ -127,8 +145,8 @@ def oracle(history: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     for key in history[last]:
         unit = expert_of(key.split(":", 1)[1])
         c = last
-        if unit is not None:
-            while c > 0 and (unit[0] + c) % N_EXPERTS != unit[1]:
+        if unit is not None:  # c = 0 is full; then layer m saves (m + c - 1) mod N
+            while c > 0 and (unit[0] + c - 1) % N_EXPERTS != unit[1]:
                 c -= 1
         out[key] = history[c][key]
     return out
@@ -170,10 +188,12 @@ def load_and_compare(root: str, folder: str, expected: dict[str, torch.Tensor]) 
     diff = [k for k in got if not torch.equal(got[k], expected[k])]
     assert not diff, f"rank {dist.get_rank()}: {len(diff)} differ, e.g. {diff[:3]}"
     report = mg.last_load_report()
-    assert report is not None and report.folder == folder
+    assert report is not None and report.checkpoint == folder
+    stale = sorted(s["step"] for s in report.sources.values() if s["checkpoint"] != folder)
     # One write with its newline: unbuffered (PYTHONUNBUFFERED), print() writes the text
     # and the newline apart, and the two ranks' lines, on one pipe, can interleave.
-    sys.stdout.write(f"rank {dist.get_rank()} OK {folder} {report.summary()}\n")
+    sys.stdout.write(f"rank {dist.get_rank()} OK {folder} {len(stale)} stale from steps "
+                     f"{stale} of {len(report.sources)} PLT {report.plt:.6f}\n")
     sys.stdout.flush()
 
 
@@ -194,10 +214,16 @@ def main() -> None:
     model, opt = build(seed=1)
     if phase in ("save", "save-crash"):
         history = []
+        mg.track_routing(model)
+        routed = torch.zeros(N_LAYERS, N_EXPERTS, dtype=torch.int64)
         for i in range(4):
             train_a_bit(model, opt, seed=i)
+            routed += route(model, seed=i)
             history.append(snapshot(model, opt))
             save(model, opt, os.path.join(root, iter_name(i * 10)), i % 2 == 1, queue)
+        with open(os.path.join(root, iter_name(30), "moepec.json")) as f:
+            recorded = json.load(f)["schedule"]["counts"]
+        assert recorded == routed.tolist(), (recorded, routed.tolist())
         expected = oracle(history)
         torch.save(expected, oracle_path(root))
         load_and_compare(root, iter_name(30), expected)

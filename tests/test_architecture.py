@@ -28,7 +28,7 @@ LAYERS = {
     "store": 3,
     "ram": 4,
     "recovery": 5,
-    "manager": 6,
+    "manager": 6, "flat": 6,
     "__init__": 7, "__main__": 11,
     # the app
     "models": 8, "train": 9, "integrations": 9, "bench": 10, "cli": 11,

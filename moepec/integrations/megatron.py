@@ -10,9 +10,11 @@ strategy registry::
     dist_checkpointing.save(sd, f"{save}/iter_{it:07d}", sharded_strategy=("moepec", 1))
     state = dist_checkpointing.load(sd, f"{save}/iter_{it:07d}")  # no strategy argument
 
-Every non-expert shard is written at every save; of each MoE layer's experts, K are
-(round-robin, ``moepec.recovery.flat_view``). Expert identity comes from the sharded
-state dict itself: the expert axis of SequentialMLP's (and GroupedMLP's factories')
+Every non-expert shard is written at every save; of each MoE layer's experts, K are,
+chosen by the engine's schedule (``moepec.flat``: the same selection policies, K,
+``full_every``, dynamic K and PLT ledger as ``CheckpointManager``; :func:`register`
+takes the same field names). Expert identity comes from the sharded state dict itself:
+the expert axis of SequentialMLP's (and GroupedMLP's factories')
 ``...experts.experts.*`` shards, or the per-expert keys ``...experts.<e>.*`` of
 ``metadata={'singleton_local_shards': True}``; optimizer state keyed by the parameter's
 key (``optimizer.state.<name>.<param key>``: a plain optimizer, or the distributed
@@ -20,7 +22,9 @@ optimizer's ``fully_reshardable`` format) goes with its expert. The distributed
 optimizer's ``dp_reshardable`` buckets lose which expert a value belongs to and are
 refused. Each iteration folder is a moepec flat checkpoint (``moepec.store.flat``) whose
 view names the sibling folders that hold older expert copies; ``load`` stitches each
-expert's newest copy and reports the lost expert-steps (:func:`last_load_report`);
+expert's newest copy and reports it as a ``moepec.RestoreReport``
+(:func:`last_load_report`: per-expert source steps, PLT in tokens from the routing
+counts given to :func:`observe_routing` or counted by :func:`track_routing`);
 ``moepec verify SAVE_DIR`` says which folders each one still needs.
 
 ``ShardedObject`` s (e.g. ``_extra_state``) are stored as tagged JSON
@@ -38,7 +42,6 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,25 +61,13 @@ from megatron.core.dist_checkpointing.strategies.base import (
     register_default_strategy,
 )
 
-from moepec.errors import MoepecError
-from moepec.keys import MANIFEST_NAME
-from moepec.recovery.flat_view import (
-    StitchReport,
+import moepec
+from moepec.flat import (
+    FlatFrontEnd,
+    FlatPlan,
     Unit,
-    keys_to_write,
-    next_view,
-    select_units,
-    stitch_report,
-)
-from moepec.state.objects import decode_object, encode_object
-from moepec.store.flat import (
-    FlatManifest,
-    commit,
-    empty_like_item,
-    read_keys,
-    read_manifest,
-    read_records,
-    scan,
+    decode_object,
+    encode_object,
     split_folder,
     write_rank,
 )
@@ -91,13 +82,28 @@ _SINGLETON = re.compile(r"^(.*?)(?:^|\.)experts\.(\d+)\.")
 _GROUPED = re.compile(r"^(.*?)(?:^|\.)experts\.")
 _BUCKETS = "optimizer.distributed."
 _ITER = re.compile(r"(\d+)$")
-_last_report: list[StitchReport] = []
+_door: list[FlatFrontEnd] = []
 
 
-def last_load_report() -> StitchReport | None:
+def _front() -> FlatFrontEnd:
+    """The front end the registered strategies share (the last :func:`register`)."""
+    return _door[-1]
+
+
+def observe_routing(counts: Any) -> None:
+    """Add this rank's tokens routed per (MoE layer L, global expert E) since the last
+    call: a 2-D tensor or nested sequence, layers in the model's order (the order of
+    :func:`moe_layer_names`). Summed over ranks at the next save; drives load-aware
+    selection, dynamic K and the PLT of :func:`last_load_report`. :func:`track_routing`
+    calls it from Megatron's routers."""
+    _front().observe_routing(counts)
+
+
+def last_load_report() -> moepec.RestoreReport | None:
     """What the last ``dist_checkpointing.load`` of a moepec folder in this process
-    restored: the experts that came from older folders and the lost expert-steps."""
-    return _last_report[-1] if _last_report else None
+    restored: ``sources["L/E"]`` (the step and folder of each expert's copy), ``lost``
+    and ``plt`` (paper Eq. 7, from the routing counts the saves recorded)."""
+    return _front().last_load_report()
 
 
 def flat_key(sh: ShardedTensor) -> str:
@@ -184,23 +190,6 @@ def _main_shards(sharded_state_dict: Any) -> dict[str, Shard]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """One save as planned on every rank (the same on all but ``tensors``)."""
-
-    root: str
-    name: str
-    seq: int
-    step: int
-    parent: str | None
-    view: dict[str, str]
-    experts: dict[str, Unit]
-    saved: list[Unit]
-    written: frozenset[str]
-    k_persist: int
-    world_size: int
-
-
 def _stage(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The consistent snapshot: a host copy of every tensor to write, taken when the
     request is scheduled (training may change the live tensors right after)."""
@@ -208,7 +197,8 @@ def _stage(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class MoepecSaveStrategy(AsyncSaveShardedStrategy):
-    """Saves non-expert shards and K experts per layer into a moepec flat checkpoint.
+    """Saves non-expert shards and K experts per layer into a moepec flat checkpoint,
+    on the engine's schedule (``moepec.flat``).
 
     ``async_save`` (all ranks, training thread) gathers every rank's keys, picks the
     experts, and returns an ``AsyncRequest`` whose preload copies the chosen tensors to
@@ -217,14 +207,10 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
     has rank 0 commit the manifest once every rank's record exists.
     """
 
-    def __init__(self, k_persist: int = 1, backend: str = BACKEND,
+    def __init__(self, front: FlatFrontEnd, backend: str = BACKEND,
                  version: int = VERSION) -> None:
         super().__init__(backend, version)
-        if not isinstance(k_persist, int) or k_persist < 1:
-            raise ValueError(f"k_persist must be an int >= 1 (got {k_persist!r})")
-        self.k_persist = k_persist
-        self._pending: _Plan | None = None
-        self._head: _Plan | None = None  # the last save this process committed
+        self.front = front
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -234,110 +220,25 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
                    ) -> AsyncRequest:
         root, name = split_folder(checkpoint_dir)
         shards = _main_shards(sharded_state_dict)
-        units = {k: _unit_of(sh) for k, sh in shards.items()}
-        every: list[dict[str, Unit | None]] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(every, units)
-        parent = self._parent(root, name)
-        plan = self._plan(root, name, every, parent)
-        written = [k for k in shards if k in plan.written]
-        tensors = {k: _value(shards[k]) for k in written}
-        self._pending = plan
+        m = _ITER.search(name)
+        try:
+            plan = self.front.plan_save(root, name, int(m[1]) if m else -1,
+                                        {k: _unit_of(sh) for k, sh in shards.items()})
+        except moepec.MoepecError as exc:
+            raise CheckpointingException(f"moepec: {exc}") from exc
+        tensors = {k: _value(shards[k]) for k in shards if k in plan.written}
         folder = os.path.join(root, name)
         return AsyncRequest(write_rank, (folder, tensors, dist.get_rank()),
                             [functools.partial(self._finalize, plan)],
                             preload_fn=functools.partial(_stage, tensors))
 
-    def _parent(self, root: str, name: str) -> tuple[str, int, dict[str, str]] | None:
-        """(name, seq, view) of the folder this save continues: the pending save of this
-        process, else the newest committed one (rank 0 reads, all ranks agree)."""
-        box: list[Any] = [None]
-        if dist.get_rank() == 0:
-            try:  # whatever happens, the other ranks must hear of it (they wait below)
-                box[0] = self._read_parent(root, name)
-            except OSError as exc:
-                box[0] = f"moepec: {root} cannot be read ({exc})"
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise CheckpointingException(box[0])
-        return box[0]
-
-    def _read_parent(self, root: str, name: str) -> tuple[str, int, dict[str, str]] | str | None:
-        """Rank 0: the parent as :meth:`_parent` returns it, or an error message."""
-        known = self._pending or self._head
-        if known is not None and known.root == root and known.name != name and \
-                (known is self._pending or _committed(root, known.name)):
-            return known.name, known.seq, known.view  # no need to read it again
-        found = scan(root)
-        if name in found.manifests:
-            return f"moepec: {root}/{name} is a committed checkpoint; save into a new folder"
-        head = found.head
-        return (head.name, head.seq, dict(head.view)) if head is not None else None
-
-    def _plan(self, root: str, name: str, every: list[dict[str, Unit | None]],
-              parent: tuple[str, int, dict[str, str]] | None) -> _Plan:
-        n_per_layer: dict[str, int] = {}
-        experts: dict[str, Unit] = {}
-        for units in every:
-            for key, unit in units.items():
-                if unit is not None:
-                    experts[key] = unit
-                    n_per_layer[unit[0]] = max(n_per_layer.get(unit[0], 0), unit[1] + 1)
-        seq = parent[1] + 1 if parent else 0
-        view = parent[2] if parent else None
-        selected = select_units(n_per_layer, seq, self.k_persist)
-        written = frozenset(k for units in every for k in keys_to_write(units, view, selected))
-        all_keys = [k for units in every for k in units]
-        m = _ITER.search(name)
-        return _Plan(root=root, name=name, seq=seq, step=int(m[1]) if m else seq,
-                     parent=parent[0] if parent else None,
-                     view=next_view(view, name, all_keys, written), experts=experts,
-                     saved=sorted({experts[k] for k in written if k in experts}),
-                     written=written, k_persist=self.k_persist,
-                     world_size=len(every))
-
-    def _finalize(self, plan: _Plan) -> None:
-        """All ranks, after every rank's writer finished: rank 0 commits; every rank
-        learns the outcome (CheckpointingException on all ranks when it failed)."""
-        # Megatron joins each rank's writer on that rank only: meet before reading the
-        # records (its torch_dist finalize meets in a gather).
-        dist.barrier()
-        box: list[str | None] = [None]
-        if dist.get_rank() == 0:
-            try:
-                _commit(plan)
-            except (MoepecError, OSError, ValueError) as exc:  # every rank must hear it
-                box[0] = f"moepec: {plan.root}/{plan.name} not committed: {exc}"
-        dist.broadcast_object_list(box, src=0)
-        if self._pending is plan:
-            self._pending = None
-        if box[0] is not None:
-            raise CheckpointingException(box[0])
-        self._head = plan
-
-
-def _commit(plan: _Plan) -> None:
-    """Rank 0: check every rank wrote what the plan says and every folder the view
-    needs is committed, then write the manifest."""
-    items = read_records(os.path.join(plan.root, plan.name), plan.world_size)
-    if set(items) != plan.written:
-        raise MoepecError(f"the ranks wrote {len(items)} items, the plan has "
-                          f"{len(plan.written)}")
-    gone = sorted(f for f in set(plan.view.values()) - {plan.name}
-                  if not _committed(plan.root, f))
-    if gone:
-        raise MoepecError(f"its view needs {', '.join(gone)}, which is not committed (an "
-                          f"earlier save failed or was deleted)")
-    commit(plan.root, FlatManifest(
-        name=plan.name, seq=plan.seq, step=plan.step, parent=plan.parent, items=items,
-        view=plan.view, experts={k: plan.experts[k] for k in plan.view if k in plan.experts},
-        experts_saved=plan.saved, k_persist=plan.k_persist, world_size=plan.world_size))
-    log.info("moepec: committed %s/%s (%d items, %d expert unit(s) written)", plan.root,
-             plan.name, len(items), len(plan.saved))
-
-
-def _committed(root: str, name: str) -> bool:
-    """Whether folder ``name`` of ``root`` has its manifest (the commit rule)."""
-    return os.path.exists(os.path.join(root, name, MANIFEST_NAME))
+    def _finalize(self, plan: FlatPlan) -> None:
+        """All ranks, after every rank's writer finished (Megatron joins each rank's
+        writer on that rank only; the front end meets before reading the records)."""
+        try:
+            self.front.finish_save(plan)
+        except moepec.MoepecError as exc:
+            raise CheckpointingException(f"moepec: {exc}") from exc
 
 
 class MoepecLoadStrategy(LoadShardedStrategy):
@@ -359,33 +260,19 @@ class MoepecLoadStrategy(LoadShardedStrategy):
             raise CheckpointingException(f"moepec reads backend version {VERSION}, not "
                                          f"{loaded_version}: use the moepec that wrote it")
 
-    def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike) -> Any:
-        try:
-            return self._load(sharded_state_dict, checkpoint_dir)
-        except MoepecError as exc:
-            raise CheckpointingException(f"moepec: {exc}") from exc
+    def __init__(self, front: FlatFrontEnd) -> None:
+        super().__init__()
+        self.front = front
 
-    def _load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike) -> Any:
+    def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike) -> Any:
         root, name = split_folder(checkpoint_dir)
-        head = read_manifest(root, name)
-        manifests = {name: head} | {n: read_manifest(root, n) for n in head.needs()}
         shards = _shards(sharded_state_dict)
-        missing = [k for k in shards if k not in head.view]
-        if missing:
-            raise MoepecError(f"{root}/{name} has no shard {missing[0]!r:.160} (and "
-                              f"{len(missing) - 1} more): load with the parallel layout "
-                              f"the checkpoint was saved with")
-        sources = {k: head.view[k] for k in shards}
-        targets = {k: empty_like_item(manifests[sources[k]].items[k]) for k in shards}
-        bad = read_keys(root, manifests, sources, targets)
-        if bad:
-            raise MoepecError(f"{len(bad)} shard(s) are damaged (e.g. {sources[bad[0]]}:"
-                              f"{bad[0]}); run `moepec verify {root}`")
-        report = stitch_report(head, {n: m.step for n, m in manifests.items()})
-        _last_report[:] = [report]
-        log.info("moepec: loaded %s", report.summary())
+        try:
+            targets, _ = self.front.load(root, name, list(shards))
+        except moepec.MoepecError as exc:
+            raise CheckpointingException(f"moepec: {exc}") from exc
         loaded = {id(sh): _into(sh, targets[k]) if isinstance(sh, ShardedTensor)
-                  else decode_object(targets[k], f"{sources[k]}:{k}")
+                  else decode_object(targets[k], f"{name}:{k}")
                   for k, sh in shards.items()}
         return dict_list_map_inplace(
             lambda x: loaded[id(x)] if isinstance(x, (ShardedTensor, ShardedObject)) else x,
@@ -409,13 +296,53 @@ def _into(sh: ShardedTensor, value: torch.Tensor) -> torch.Tensor:
     return value.view(sh.local_shape) if sh.flattened_range is None else value
 
 
-def register(k_persist: int = 1) -> None:
-    """(Re-)register the ``("moepec", 1)`` backend with Megatron's strategy registry:
-    saves with ``k_persist`` experts per layer; loads. Called at import with K = 1."""
+def register(**fields: Any) -> None:
+    """(Re-)register the ``("moepec", 1)`` backend with Megatron's strategy registry, on
+    a fresh front end with ``fields``: the CheckpointConfig fields that apply
+    (``k_persist``, ``selection``, ``full_every``, ``plt_budget``, ``dynamic_k``,
+    ``dynamic_k_down``; same names, defaults and validation). Called at import with the
+    defaults (K = 1, sequential). Raises moepec.ConfigError for a bad or foreign field."""
+    front = FlatFrontEnd(**fields)
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
-                              MoepecSaveStrategy(k_persist))
+                              MoepecSaveStrategy(front))
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION,
-                              MoepecLoadStrategy())
+                              MoepecLoadStrategy(front))
+    _door[:] = [front]
+
+
+def moe_layer_names(model: torch.nn.Module) -> list[str]:
+    """The names of the model's MoE routers, in the order of layer L of
+    :func:`observe_routing` (module order, which is depth order)."""
+    return [name for name, mod in model.named_modules() if _is_router(mod)]
+
+
+def _is_router(mod: torch.nn.Module) -> bool:
+    return type(mod).__name__.endswith("Router") and hasattr(mod, "topk")
+
+
+def routed_tokens(routing_map: torch.Tensor) -> torch.Tensor:
+    """Tokens per expert of one router call: Megatron's count of a routing map
+    (``[tokens, experts]``, True where a token goes), as its router and token
+    dispatchers compute ``tokens_per_expert`` (this rank's tokens)."""
+    return routing_map.sum(dim=0)
+
+
+def track_routing(model: torch.nn.Module) -> list[Any]:
+    """Count every routed token of ``model`` for moepec: a forward hook on each MoE
+    router (no fork; the hook reads the ``(probs, routing_map)`` it returns). Layer L is
+    the L-th router of :func:`moe_layer_names`; with pipeline parallelism, where a rank
+    holds only some layers, call :func:`observe_routing` with global layer indices
+    instead. Returns the hook handles (``handle.remove()`` stops counting)."""
+    names = moe_layer_names(model)
+    modules = dict(model.named_modules())
+    handles = []
+    for index, name in enumerate(names):
+        def hook(_mod: Any, _inp: Any, out: Any, index: int = index) -> None:
+            routing_map = out[1] if isinstance(out, tuple) else out
+            per_expert = routed_tokens(routing_map.detach()).to("cpu", torch.int64)
+            observe_routing([[] for _ in range(index)] + [per_expert])
+        handles.append(modules[name].register_forward_hook(hook))
+    return handles
 
 
 register()

@@ -10,7 +10,7 @@ or collectives.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from moepec.errors import ConfigError
@@ -76,12 +76,20 @@ class ExpertSchedule:
     def resume(self, meta: CheckpointMeta, ledger: PLTLedger) -> None:
         """Continue from a restored base: its selectors, K and index, and ``ledger``
         (the base's, plus the recoveries since)."""
+        self.resume_from(dict(index=meta.index, k_persist=meta.k_persist,
+                              k_snapshot=meta.k_snapshot, selectors=meta.selectors,
+                              k_history=meta.k_history), ledger)
+
+    def resume_from(self, fields: Mapping[str, Any], ledger: PLTLedger) -> None:
+        """Continue after the checkpoint whose :meth:`meta_fields` are ``fields`` (its
+        selectors, K and index; the flat front end keeps them in its manifest), with
+        ``ledger``. Raises StructureMismatchError when the experts per layer differ."""
         self.ledger = ledger
-        self.persist_selector.load_state_dict(meta.selectors["persist"])
-        self.ram_selector.load_state_dict(meta.selectors["ram"])
-        self.k_persist, self.k_snapshot = meta.k_persist, meta.k_snapshot
-        self.k_history = [list(x) for x in meta.k_history]
-        self.index = meta.index + 1
+        self.persist_selector.load_state_dict(fields["selectors"]["persist"])
+        self.ram_selector.load_state_dict(fields["selectors"]["ram"])
+        self.k_persist, self.k_snapshot = int(fields["k_persist"]), int(fields["k_snapshot"])
+        self.k_history = [list(x) for x in fields["k_history"]]
+        self.index = int(fields["index"]) + 1
 
     def live_state(self) -> dict[str, Any]:
         """The schedule as a live peer hands it over (JSON-able, a copy)."""

@@ -1,45 +1,18 @@
-"""Partial experts over flat checkpoints (``moepec.store.flat``): which experts a save
-writes, the view it commits, what a stitched load lost, and verify of a save directory.
-
-An *expert unit* is ``(layer, expert)``: ``layer`` a string naming one MoE layer (the
-framework's key prefix and the layer's offsets), ``expert`` its global index. A save
-writes every non-expert key and, for each layer, K of its N experts in staggered
-round-robin order (``policy.selection.sequential_pick``: layer m (the m-th layer name
-in natural order: numbers by value), checkpoint c starts at
-expert (m + c*K) mod N, so every expert is saved at least every ceil(N/K) checkpoints);
-a key the parent's view lacks is always written. Pure except :func:`verify_root`, which
-reads the save directory.
+"""Views over flat checkpoints (``moepec.store.flat``): which keys a save writes, the
+view it commits, and verify of a save directory. Which experts a save selects is the
+engine's schedule (``moepec.flat.plan``). Pure except :func:`verify_root`, which reads
+the save directory.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from moepec.policy.selection import sequential_pick
-from moepec.store.flat import FlatManifest, empty_like_item, read_keys, scan
+from moepec.store.flat import empty_like_item, read_keys, scan
 
 Unit = tuple[str, int]
 """(layer, expert)."""
-
-
-def select_units(experts_per_layer: Mapping[str, int], index: int, k: int) -> set[Unit]:
-    """The units checkpoint number ``index`` writes: ``k`` of each layer's experts
-    (all of them when ``k`` >= N). ``experts_per_layer`` must be the same on every rank
-    (the union over ranks), so all ranks pick alike."""
-    out: set[Unit] = set()
-    for m, layer in enumerate(sorted(experts_per_layer, key=_natural)):
-        n = experts_per_layer[layer]
-        taken, _ = sequential_pick((m + index * k) % n, n, k)
-        out.update((layer, e) for e in taken)
-    return out
-
-
-def _natural(name: str) -> list[str | int]:
-    """Sort key that orders numbers by value (``layers.2`` before ``layers.10``): layer m
-    of the rotation is the m-th layer in this order."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def keys_to_write(units: Mapping[str, Unit | None], parent_view: Mapping[str, str] | None,
@@ -66,41 +39,6 @@ def next_view(parent_view: Mapping[str, str] | None, name: str, all_keys: Iterab
         else:
             raise ValueError(f"{key!r:.120} is neither written nor in the parent's view")
     return view
-
-
-@dataclass(frozen=True, slots=True)
-class StitchReport:
-    """What a stitched load of one folder restored."""
-
-    folder: str
-    step: int
-    stale: dict[Unit, int] = field(default_factory=dict)
-    """Units restored from an older folder -> the step of that copy."""
-    lost_expert_steps: int = 0
-    """Sum over units of the steps between the folder and the copy restored (the updates
-    the load lost); 0 when every expert is as new as the folder."""
-
-    def summary(self) -> str:
-        if not self.stale:
-            return f"{self.folder}: every expert as of step {self.step}"
-        oldest = min(self.stale.values())
-        return (f"{self.folder}: {len(self.stale)} expert(s) from older folders (oldest "
-                f"from step {oldest}); lost expert-steps {self.lost_expert_steps}")
-
-
-def stitch_report(manifest: FlatManifest, steps: Mapping[str, int],
-                  keys: Iterable[str] | None = None) -> StitchReport:
-    """The stale units of a load of ``manifest`` over ``keys`` (default: its whole
-    view); ``steps`` maps folder names to their steps."""
-    stale: dict[Unit, int] = {}
-    for key in manifest.view if keys is None else keys:
-        unit, src = manifest.experts.get(key), manifest.view[key]
-        if unit is None or src == manifest.name:
-            continue
-        stale[unit] = min(stale.get(unit, steps[src]), steps[src])
-    lost = sum(manifest.step - s for s in stale.values())
-    return StitchReport(folder=manifest.name, step=manifest.step, stale=stale,
-                        lost_expert_steps=lost)
 
 
 @dataclass(slots=True)

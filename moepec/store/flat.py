@@ -29,7 +29,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,7 @@ from moepec.store.storage import single_process_dcp
 
 log = logging.getLogger(__name__)
 
-FORMAT = "moepec-flat/1"
+FORMAT = "moepec-flat/2"
 """The one flat-manifest format; any other is refused in one line."""
 FOLDER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 """A checkpoint folder is a plain name inside the save directory."""
@@ -85,6 +85,11 @@ class FlatManifest:
     """The (layer, expert) units whose keys this folder wrote."""
     k_persist: int
     world_size: int
+    layers: Sequence[str] = ()
+    """The MoE layers in schedule order (layer L of ``"L/E"`` and of ``schedule``)."""
+    schedule: Mapping[str, Any] | None = None
+    """The PEC schedule after this save (``ExpertSchedule.meta_fields``: selectors, K,
+    index, routing counts, the PLT ledger); None when the state has no experts."""
     committed_at: float = field(default_factory=time.time)
     format: str = FORMAT
 
@@ -101,6 +106,7 @@ class FlatManifest:
                 "experts": {k: [lay, e] for k, (lay, e) in self.experts.items()},
                 "experts_saved": [[lay, e] for lay, e in self.experts_saved],
                 "k_persist": self.k_persist, "world_size": self.world_size,
+                "layers": list(self.layers), "schedule": self.schedule,
                 "committed_at": self.committed_at}
 
     @classmethod
@@ -134,6 +140,8 @@ class FlatManifest:
                             for k, v in data["experts"].items()},
                    experts_saved=[_unit(v, where) for v in data["experts_saved"]],
                    k_persist=data["k_persist"], world_size=data["world_size"],
+                   layers=_layers(data.get("layers"), where),
+                   schedule=_schedule(data.get("schedule"), data.get("layers"), where),
                    committed_at=float(data.get("committed_at", 0.0)))
 
 
@@ -141,6 +149,31 @@ def _key(key: Any, where: str) -> str:
     if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY:
         raise ManifestError(f"{where}: a key is not a string of 1..{MAX_KEY} characters")
     return key
+
+
+def _layers(v: Any, where: str) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, str) and 0 < len(x) <= MAX_KEY
+                                          for x in v) or len(set(v)) != len(v):
+        raise ManifestError(f"{where}: manifest field 'layers' is not a list of distinct "
+                            f"layer names")
+    return v
+
+
+def _schedule(v: Any, layers: list[str], where: str) -> dict[str, Any] | None:
+    """The schedule's fields, shape-checked where the load reads them (the counts per
+    layer and expert); the rest is checked by the selectors and the ledger on use."""
+    if v is None:
+        return None
+    ok = isinstance(v, dict) and all(isinstance(v.get(k), kind) for k, kind in (
+        ("index", int), ("k_persist", int), ("k_snapshot", int), ("counts", list),
+        ("ledger", dict), ("selectors", dict), ("k_history", list)))
+    counts = v.get("counts") if ok else None
+    if not ok or len(counts) != len(layers) or not all(
+            isinstance(row, list) and row and all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in row)
+            for row in counts):
+        raise ManifestError(f"{where}: manifest field 'schedule' is malformed")
+    return v
 
 
 def _unit(v: Any, where: str) -> tuple[str, int]:

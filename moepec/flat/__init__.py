@@ -1,0 +1,11 @@
+"""The flat front end (public): PEC for a framework's own per-rank sharded state dict,
+on the engine the manager uses (:mod:`moepec.flat.front`). A door imports only this and
+:mod:`moepec`."""
+
+from moepec.flat.front import FlatFrontEnd
+from moepec.flat.plan import FLAT_FIELDS, FlatPlan, Unit, natural
+from moepec.state.objects import decode_object, encode_object
+from moepec.store.flat import split_folder, write_rank
+
+__all__ = ["FLAT_FIELDS", "FlatFrontEnd", "FlatPlan", "Unit", "decode_object",
+           "encode_object", "natural", "split_folder", "write_rank"]

@@ -1,0 +1,234 @@
+"""The flat front end: PEC for a framework that hands moepec its own per-rank sharded
+state dict (Megatron-Core's ``dist_checkpointing`` today), on the engine the manager uses.
+
+A door turns the framework's shards into flat keys (one string per shard), expert units
+and CPU tensors, and calls, in order:
+
+1. :meth:`FlatFrontEnd.observe_routing` (any time, training thread): the tokens routed
+   per (MoE layer, expert) on this rank, as the manager's ``observe_routing``;
+2. :meth:`FlatFrontEnd.plan_save` (all ranks, collective): the experts this save writes
+   (the schedule: selection policy, K, ``full_every``, dynamic K), the view it commits;
+3. :func:`moepec.store.flat.write_rank` (any process, no collective): this rank's keys;
+4. :meth:`FlatFrontEnd.finish_save` (all ranks, collective): rank 0 commits;
+5. :meth:`FlatFrontEnd.load` (all ranks, no collective): a stitched load of a folder,
+   each expert's newest intact copy, with a :class:`moepec.RestoreReport` (PLT, paper
+   Eq. 7, from the routing counts kept in the manifests).
+
+Collectives run on the default process group of ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moepec.errors import CheckpointError, ConfigError, MoepecError
+from moepec.flat.plan import (
+    FlatPlan,
+    Parent,
+    Unit,
+    account_load,
+    flat_config,
+    layer_sizes,
+    plan_save,
+    schedule_for,
+)
+from moepec.keys import MANIFEST_NAME
+from moepec.recovery.outcome import RestoreReport
+from moepec.store.flat import commit, empty_like_item, read_keys, read_manifest, read_records, scan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    """The folder this process last loaded, for the next save to continue."""
+
+    root: str
+    parent: Parent
+
+
+class FlatFrontEnd:
+    """One door's PEC state in this process: its settings, the routing counts since the
+    last save, the save in flight and the last one committed or loaded."""
+
+    def __init__(self, **fields: Any) -> None:
+        """``fields``: :data:`moepec.flat.plan.FLAT_FIELDS` of CheckpointConfig
+        (``k_persist``, ``selection``, ``full_every``, ``plt_budget``, ``dynamic_k``,
+        ``dynamic_k_down``). Raises ConfigError for anything else."""
+        self.config = flat_config(**fields)
+        self._counts: list[list[int]] = []
+        self._pending: FlatPlan | None = None
+        self._head: FlatPlan | None = None
+        self._loaded: _Loaded | None = None
+        self._report: RestoreReport | None = None
+
+    # -- routing ---------------------------------------------------------------------
+    def observe_routing(self, counts: Any) -> None:
+        """Add this rank's token assignments per (MoE layer L, global expert E): a nested
+        sequence or a 2-D tensor, layers in the model's order. Summed over ranks at the
+        next save. Raises ConfigError for a negative count or a ragged input."""
+        rows = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+        for li, row in enumerate(rows):
+            row = row.tolist() if isinstance(row, torch.Tensor) else list(row)
+            if any(int(c) < 0 for c in row):
+                raise ConfigError("routing counts must be >= 0")
+            while len(self._counts) <= li:
+                self._counts.append([])
+            mine = self._counts[li]
+            mine.extend([0] * (len(row) - len(mine)))
+            for e, c in enumerate(row):
+                mine[e] += int(c)
+
+    def _take_counts(self, sizes: Sequence[int]) -> list[list[int]] | None:
+        """All ranks: the counts since the last save summed over ranks, shaped to the
+        model's layers; None when no rank observed any."""
+        if len(self._counts) > len(sizes) or any(
+                len(r) > n for r, n in zip(self._counts, sizes)):
+            raise ConfigError(f"observe_routing got counts for {len(self._counts)} layers "
+                              f"x up to {max(map(len, self._counts), default=0)} experts; "
+                              f"the model has experts per MoE layer {list(sizes)}")
+        t = torch.zeros(len(sizes) + 1, max(sizes, default=0) + 1, dtype=torch.int64)
+        for li, row in enumerate(self._counts):
+            t[li, :len(row)] = torch.tensor(row, dtype=torch.int64)
+        t[-1, -1] = 1 if self._counts else 0
+        dist.all_reduce(t)
+        self._counts = []
+        if not int(t[-1, -1]):
+            return None
+        return [t[li, :n].tolist() for li, n in enumerate(sizes)]
+
+    # -- saving ----------------------------------------------------------------------
+    def plan_save(self, root: str, name: str, step: int, units: Mapping[str, Unit | None]
+                  ) -> FlatPlan:
+        """All ranks: plan the save of folder ``name`` of save directory ``root``.
+        ``units``: this rank's keys to save -> expert unit (None: non-expert state).
+        Raises CheckpointError (on every rank) when the directory cannot be read or the
+        folder is committed already."""
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, dict(units))
+        sizes = layer_sizes(every)
+        counts = self._take_counts(list(sizes.values()))
+        parent = self._parent(root, name)
+        schedule = schedule_for(sizes, self.config, parent, dist.get_rank(), step)
+        plan = plan_save(root, name, step, every, parent, schedule, counts)
+        self._pending = plan
+        return plan
+
+    def _parent(self, root: str, name: str) -> Parent | None:
+        """The folder this save continues: the pending save of this process, the last
+        it committed, the one it loaded, else the newest committed (rank 0 reads)."""
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:  # whatever happens, the other ranks must hear of it (they wait below)
+                box[0] = self._read_parent(root, name)
+            except (OSError, MoepecError) as exc:
+                box[0] = f"{root} cannot be read ({exc})"
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise CheckpointError(box[0])
+        return box[0]
+
+    def _read_parent(self, root: str, name: str) -> Parent | str | None:
+        if os.path.exists(os.path.join(root, name, MANIFEST_NAME)):
+            return f"{root}/{name} is a committed checkpoint; save into a new folder"
+        known = self._pending or self._head
+        if known is not None and known.root == root and (
+                known is self._pending or _committed(root, known.name)):
+            return Parent(known.name, known.seq, known.view, known.layers, known.schedule)
+        if self._loaded is not None and self._loaded.root == root \
+                and _committed(root, self._loaded.parent.name):
+            return self._loaded.parent
+        head = scan(root).head
+        return None if head is None else Parent(head.name, head.seq, dict(head.view),
+                                                list(head.layers), head.schedule)
+
+    def finish_save(self, plan: FlatPlan) -> None:
+        """All ranks, after every rank's writer finished: rank 0 checks the records and
+        commits; raises CheckpointError on every rank when the save is not committed."""
+        dist.barrier()
+        box: list[str | None] = [None]
+        if dist.get_rank() == 0:
+            try:
+                _commit(plan)
+            except (MoepecError, OSError, ValueError) as exc:  # every rank must hear it
+                box[0] = f"{plan.root}/{plan.name} not committed: {exc}"
+        dist.broadcast_object_list(box, src=0)
+        if self._pending is plan:
+            self._pending = None
+        if box[0] is not None:
+            raise CheckpointError(box[0])
+        self._head = plan
+
+    # -- loading ---------------------------------------------------------------------
+    def load(self, root: str, name: str, keys: Sequence[str]
+             ) -> tuple[dict[str, torch.Tensor], RestoreReport]:
+        """Any rank, no collective: ``keys`` of folder ``name``, each from the folder its
+        view names (an expert's newest copy), checksums verified. Raises CheckpointError
+        for a key the folder does not hold, a damaged item or a missing folder."""
+        started = time.monotonic()
+        head = read_manifest(root, name)
+        manifests = {name: head} | {n: read_manifest(root, n) for n in head.needs()}
+        missing = [k for k in keys if k not in head.view]
+        if missing:
+            raise CheckpointError(f"{root}/{name} has no shard {missing[0]!r:.160} (and "
+                                  f"{len(missing) - 1} more): load with the parallel layout "
+                                  f"the checkpoint was saved with")
+        sources = {k: head.view[k] for k in keys}
+        targets = {k: empty_like_item(manifests[sources[k]].items[k]) for k in keys}
+        bad = read_keys(root, manifests, sources, targets)
+        if bad:
+            raise CheckpointError(f"{len(bad)} shard(s) are damaged (e.g. {sources[bad[0]]}:"
+                                  f"{bad[0]}); run `moepec verify {root}`")
+        report, ledger = self._report_of(head, manifests, time.monotonic() - started)
+        self._loaded = _Loaded(root, Parent(
+            head.name, head.seq, dict(head.view), list(head.layers), head.schedule,
+            ledger.state_dict() if ledger is not None else None))
+        self._pending = self._head = None
+        self._report = report
+        return targets, report
+
+    def _report_of(self, head: Any, manifests: Mapping[str, Any], seconds: float):
+        sources, lost, ledger = account_load(head, manifests, head.view)
+        stale = sum(1 for s in sources.values() if s["checkpoint"] != head.name)
+        report = RestoreReport(step=head.step, checkpoint=head.name, tier="storage",
+                               sources=sources, lost=lost,
+                               plt=ledger.plt() if ledger is not None else 0.0,
+                               warnings=[], seconds=seconds,
+                               units_from={"storage": len(sources)})
+        log.info("moepec: loaded %s (step %d): %d of %d expert(s) from older folders, "
+                 "PLT %.3f%%", head.name, head.step, stale, len(sources), 100 * report.plt)
+        return report, ledger
+
+    def last_load_report(self) -> RestoreReport | None:
+        """What the last :meth:`load` in this process restored, or None."""
+        return self._report
+
+
+def _commit(plan: FlatPlan) -> None:
+    """Rank 0: check every rank wrote what the plan says and every folder the view
+    needs is committed, then write the manifest."""
+    items = read_records(os.path.join(plan.root, plan.name), plan.world_size)
+    if set(items) != plan.written:
+        raise MoepecError(f"the ranks wrote {len(items)} items, the plan has "
+                          f"{len(plan.written)}")
+    gone = sorted(f for f in set(plan.view.values()) - {plan.name}
+                  if not _committed(plan.root, f))
+    if gone:
+        raise MoepecError(f"its view needs {', '.join(gone)}, which is not committed (an "
+                          f"earlier save failed or was deleted)")
+    commit(plan.root, plan.manifest(items))
+    log.info("moepec: committed %s/%s (%d items, %d expert unit(s) written)", plan.root,
+             plan.name, len(items), len(plan.saved))
+
+
+def _committed(root: str, name: str) -> bool:
+    """Whether folder ``name`` of ``root`` has its manifest (the commit rule)."""
+    return os.path.exists(os.path.join(root, name, MANIFEST_NAME))

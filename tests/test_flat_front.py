@@ -1,0 +1,117 @@
+"""The flat front end (moepec.flat) on the engine's schedule, without any framework: the
+selection policies, ``full_every``, dynamic K under a PLT budget, and a stitched load
+whose RestoreReport (sources, lost, PLT) equals an independent computation from the
+routing counts. One process, a one-rank gloo group (the front end's collectives)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moepec
+from moepec.flat import FlatFrontEnd, write_rank
+
+N = 4
+LAYERS = ("decoder.layers.mlp@(0,)", "decoder.layers.mlp@(1,)")
+UNITS = {"dense": None} | {f"e{li}.{e}": (LAYERS[li], e) for li in range(2) for e in range(N)}
+
+
+@pytest.fixture(autouse=True)
+def one_rank(tmp_path):
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def values(step: int) -> dict[str, torch.Tensor]:
+    return {k: torch.full((3,), float(step * 100 + i)) for i, k in enumerate(UNITS)}
+
+
+def save(front: FlatFrontEnd, root, step: int):
+    plan = front.plan_save(str(root), f"iter_{step:07d}", step, UNITS)
+    vals = values(step)
+    write_rank(str(root / plan.name), {k: vals[k] for k in plan.written}, 0)
+    front.finish_save(plan)
+    return plan
+
+
+def per_layer(plan) -> list[list[int]]:
+    return [[e for lay, e in plan.saved if lay == layer] for layer in LAYERS]
+
+
+def test_load_aware_selection_follows_the_routing_counts(tmp_path):
+    front = FlatFrontEnd(k_persist=1, selection="load_aware")
+    assert per_layer(save(front, tmp_path, 0)) == [[0, 1, 2, 3]] * 2  # the first is full
+    front.observe_routing([[1, 2, 90, 3], [5, 0, 1, 70]])
+    assert per_layer(save(front, tmp_path, 10)) == [[2], [3]]
+    front.observe_routing(torch.tensor([[50, 2, 1, 3], [5, 60, 1, 0]]))
+    front.observe_routing([[0, 0, 0, 1]])  # layer 0 only: rows may be short
+    assert per_layer(save(front, tmp_path, 20)) == [[0], [1]]
+
+
+def test_sequential_rotation_and_full_every(tmp_path):
+    front = FlatFrontEnd(k_persist=1, full_every=3)
+    got = [per_layer(save(front, tmp_path, s)) for s in range(0, 70, 10)]
+    # full at checkpoints 0, 3, 6; between them layer m saves (m + j) mod N, j = 0, 1, ...
+    assert got == [[[0, 1, 2, 3]] * 2, [[0], [1]], [[1], [2]], [[0, 1, 2, 3]] * 2,
+                   [[2], [3]], [[3], [0]], [[0, 1, 2, 3]] * 2]
+
+
+def test_a_stitched_load_reports_sources_and_plt_from_the_counts(tmp_path):
+    rng = random.Random(7)
+    front = FlatFrontEnd(k_persist=1, dynamic_k=False)
+    saves, intervals = [], []
+    for step in (0, 10, 20, 30):
+        counts = [[rng.randrange(100) for _ in range(N)] for _ in LAYERS]
+        intervals.append(counts)
+        front.observe_routing(counts)
+        saves.append((step, save(front, tmp_path, step)))
+    fresh = FlatFrontEnd(k_persist=1, dynamic_k=False)
+    targets, report = fresh.load(str(tmp_path), "iter_0000030", list(UNITS))
+    assert isinstance(report, moepec.RestoreReport) and report.step == 30
+    assert fresh.last_load_report() is report
+    # Independent: each expert's copy is from the newest save that wrote it; the tokens
+    # routed to it after that save (through the last one) are lost.
+    lost = [[0] * N for _ in LAYERS]
+    for li, layer in enumerate(LAYERS):
+        for e in range(N):
+            i = max(i for i, (_, plan) in enumerate(saves) if (layer, e) in plan.saved)
+            step = saves[i][0]
+            assert report.sources[f"{li}/{e}"]["step"] == step
+            assert torch.equal(targets[f"e{li}.{e}"], values(step)[f"e{li}.{e}"])
+            lost[li][e] = sum(intervals[j][li][e] for j in range(i + 1, len(saves)))
+    assert torch.equal(targets["dense"], values(30)["dense"])
+    assert report.lost == lost
+    totals = [sum(sum(c[li]) for c in intervals) for li in range(len(LAYERS))]
+    expected = sum(sum(lost[li]) / totals[li] for li in range(len(LAYERS))) / len(LAYERS)
+    assert report.plt == pytest.approx(expected, rel=1e-12) and report.plt > 0
+
+
+def test_dynamic_k_raises_k_after_a_load_over_the_plt_budget(tmp_path):
+    front = FlatFrontEnd(k_persist=1, plt_budget=0.01)
+    for step in (0, 10, 20):
+        front.observe_routing([[10, 20, 30, 40], [40, 30, 20, 10]])
+        save(front, tmp_path, step)
+    fresh = FlatFrontEnd(k_persist=1, plt_budget=0.01)
+    _, report = fresh.load(str(tmp_path), "iter_0000020", list(UNITS))
+    assert report.plt > 0.01
+    plan = save(fresh, tmp_path, 30)
+    assert plan.parent == "iter_0000020" and plan.k_persist == 2
+    assert [len(x) for x in per_layer(plan)] == [2, 2]
+    # the ledger carries the recovery: a later load counts it once more, not less
+    _, again = FlatFrontEnd().load(str(tmp_path), "iter_0000030", list(UNITS))
+    assert again.plt >= report.plt
+
+
+def test_a_door_takes_only_the_fields_that_apply():
+    with pytest.raises(moepec.ConfigError, match="interval.*k_persist"):
+        FlatFrontEnd(interval=3)
+    with pytest.raises(moepec.ConfigError, match="k_persist must be >= 1"):
+        FlatFrontEnd(k_persist=0)
+    with pytest.raises(moepec.ConfigError, match="selection"):
+        FlatFrontEnd(selection="random")
