@@ -16,12 +16,18 @@ and ``dict`` with string keys; everything else is a JSON object with exactly one
 - ``{"__tensor__": {"dtype", "shape", "data"}}``: a torch tensor, ``data`` the base64 of
   its raw little-endian bytes (decoded on the CPU); dtypes in :data:`TENSOR_DTYPES`;
 - ``{"__ndarray__": {...}}`` / ``{"__npscalar__": {...}}``: a numpy array / scalar,
-  the same fields, dtypes in :data:`NDARRAY_DTYPES`.
+  the same fields, dtypes in :data:`NDARRAY_DTYPES`;
+- ``{"__bytes__": "<base64>"}`` / ``{"__bytesio__": "<base64>"}``: bytes, or an
+  ``io.BytesIO`` (its whole buffer; it comes back at position 0). The bytes are opaque:
+  handed back as they came, never interpreted (Transformer Engine's ``_extra_state`` is
+  an ``io.BytesIO`` that TE itself reads);
+- ``{"__set__": [...]}`` / ``{"__frozenset__": [...]}``: a set of plain keys (None,
+  bool, int, float, str, tuples of them), sorted by their JSON text.
 
 Decoding is ``json.loads`` plus a strict walker that builds only those types:
 anything unexpected (not JSON, an unknown tag, a dtype off the list, data of the wrong
 length, pickle bytes) raises :class:`~moepec.errors.CorruptCheckpointError` naming the
-item's key. Encoding refuses anything else (a function, a set, a custom class) with a
+item's key. Encoding refuses anything else (a function, a custom class) with a
 :class:`~moepec.errors.ConfigError` naming where it sits, so nothing is lost silently.
 Pure: no I/O, no collectives.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import io
 import json
 import math
 import types
@@ -64,7 +71,8 @@ NDARRAY_DTYPES: dict[str, np.dtype] = {
 }
 """Numpy dtypes an object may hold (uint32 for numpy's RNG state), by name."""
 
-_TAGS = ("__tuple__", "__dict__", "__float__", "__tensor__", "__ndarray__", "__npscalar__")
+_TAGS = ("__tuple__", "__dict__", "__float__", "__tensor__", "__ndarray__", "__npscalar__",
+         "__bytes__", "__bytesio__", "__set__", "__frozenset__")
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.BuiltinMethodType, functools.partial)
@@ -164,7 +172,22 @@ def _enc(x: Any, path: _Path, depth: int) -> Any:
         return [_enc(v, path / i, depth + 1) for i, v in enumerate(x)]
     if isinstance(x, dict):  # OrderedDict and defaultdict come back as dict
         return _enc_dict(x, path, depth)
+    if type(x) in (bytes, io.BytesIO):
+        raw = x if type(x) is bytes else x.getvalue()
+        tag = "__bytes__" if type(x) is bytes else "__bytesio__"
+        return {tag: base64.b64encode(raw).decode()}
+    if type(x) in (set, frozenset):
+        return _enc_set(x, path, depth)
     raise _Refused(path, _describe(x))
+
+
+def _enc_set(x: set | frozenset, path: _Path, depth: int) -> Any:
+    for v in x:
+        if not _plain_key(v):
+            raise _Refused(path, f"a set holding {_describe(v)}; set members must be None, "
+                           f"bool, int, float, str or tuples of them")
+    members = sorted((_enc(v, path, depth + 1) for v in x), key=json.dumps)
+    return {"__set__" if type(x) is set else "__frozenset__": members}
 
 
 def _enc_dict(x: dict, path: _Path, depth: int) -> Any:
@@ -289,6 +312,14 @@ def _dec_tagged(tag: str, body: Any, path: _Path, depth: int) -> Any:
         return _SPECIAL_FLOATS[body]
     if tag == "__tensor__":
         return _dec_tensor(body, path)
+    if tag in ("__bytes__", "__bytesio__"):
+        raw = _b64(body, path)
+        return raw if tag == "__bytes__" else io.BytesIO(raw)
+    if tag in ("__set__", "__frozenset__"):
+        members = [_dec(v, path, depth + 1) for v in _list(body, path)]
+        if not all(_plain_key(v) for v in members) or len(set(members)) != len(members):
+            raise _Bad(f"{path}: a set member is of a type moepec does not write, or repeated")
+        return set(members) if tag == "__set__" else frozenset(members)
     arr = _dec_array(body, path)
     return arr if tag == "__ndarray__" else _scalar(arr, path)
 
@@ -328,13 +359,17 @@ def _raw(body: Any, path: _Path, names: dict[str, Any]) -> tuple[Any, list[int],
     if (type(shape) is not list or len(shape) > MAX_NDIM
             or not all(type(n) is int and n >= 0 for n in shape)):
         raise _Bad(f"{path}: shape is not a list of at most {MAX_NDIM} sizes")
+    return names[dtype], shape, _b64(data, path)
+
+
+def _b64(data: Any, path: _Path) -> bytes:
     try:
         raw = base64.b64decode(data, validate=True) if type(data) is str else None
     except binascii.Error:
         raw = None
     if raw is None:
         raise _Bad(f"{path}: data is not base64")
-    return names[dtype], shape, raw
+    return raw
 
 
 def _check_length(raw: bytes, shape: list[int], itemsize: int, path: _Path) -> None:
