@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 
 from tqdm import tqdm
 
-from moepec.errors import ConfigError
+from moepec.errors import ConfigError, NoCheckpointError
 
 BENCHES = ("size", "overhead", "sharding", "restore", "report", "gpu", "validate", "ft")
 
@@ -43,26 +43,70 @@ def _add_inspect(p: argparse.ArgumentParser) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
+    from moepec.recovery.offline_paths import RootKind, root_kind
+
+    opts = _storage_options(args)
+    kind = root_kind(args.path, opts)
+    if kind == RootKind.FLAT:
+        from moepec.recovery.offline_flat import format_inspect_flat, inspect_flat
+
+        info = inspect_flat(args.path)
+        rows, text = info["checkpoints"], format_inspect_flat
+    elif kind == RootKind.GROUPS:
+        from moepec.recovery.offline_groups import format_inspect_groups, inspect_groups
+
+        info = inspect_groups(args.path, opts)
+        rows = [r for sub in info["groups"].values() for r in sub["checkpoints"]]
+        text = format_inspect_groups
+    else:
+        info, rows, text = _inspect_manager(args.path, opts)
+    if args.json:
+        print(json.dumps(_jsonable(info), indent=1))
+    elif rows:
+        print(text(info))
+    return _nothing_committed(args.path, rows)
+
+
+def _inspect_manager(path: str, opts: dict):
     from moepec.recovery.offline import format_inspect, inspect_path
     from moepec.recovery.records import read_recoveries
     from moepec.store.storage import Storage
 
-    opts = _storage_options(args)
-    info = inspect_path(args.path, opts)
-    recoveries = read_recoveries(Storage(args.path, opts))
-    if args.json:
-        out = dict(info, checkpoints=[asdict(r) for r in info["checkpoints"]],
-                   recoveries=recoveries)
-        print(json.dumps(out, indent=1))
+    info = inspect_path(path, opts)
+    info["recoveries"] = read_recoveries(Storage(path, opts))
+
+    def text(info: dict) -> str:
+        lines = [format_inspect(info)]
+        if info["recoveries"]:
+            lines.append(f"\n{len(info['recoveries'])} recovery(ies):")
+        for r in info["recoveries"]:
+            lines.append(f"  step {r['step']:>7} from {r['checkpoint']} ({r['tier']}), "
+                         f"{r['seconds']:.2f}s, lost {sum(map(sum, r['lost']))} token "
+                         f"assignments, PLT {100 * r['plt']:.3f}%, K_persist {r['k_persist']}")
+        return "\n".join(lines)
+
+    return info, info["checkpoints"], text
+
+
+def _jsonable(x):
+    """``x`` with its dataclasses (checkpoint rows, the whole striped checkpoint) as dicts."""
+    if is_dataclass(x) and not isinstance(x, type):
+        return asdict(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _nothing_committed(path: str, rows) -> int:
+    """0 when some checkpoint is committed (intact or damaged); otherwise raises the one-line
+    NoCheckpointError (``moepec`` exits 2)."""
+    from moepec.recovery.offline_paths import nothing_committed
+
+    if any(r.committed or r.error for r in rows):
         return 0
-    print(format_inspect(info))
-    if recoveries:
-        print(f"\n{len(recoveries)} recovery(ies):")
-        for r in recoveries:
-            print(f"  step {r['step']:>7} from {r['checkpoint']} ({r['tier']}), "
-                  f"{r['seconds']:.2f}s, lost {sum(map(sum, r['lost']))} token assignments, "
-                  f"PLT {100 * r['plt']:.3f}%, K_persist {r['k_persist']}")
-    return 0
+    raise NoCheckpointError(nothing_committed(path, [r.name for r in rows]))
 
 
 def _add_verify(p: argparse.ArgumentParser) -> None:
@@ -71,9 +115,11 @@ def _add_verify(p: argparse.ArgumentParser) -> None:
 
 def _run_verify(args: argparse.Namespace) -> int:
     from moepec.recovery.offline import verify_path
-    from moepec.store.flat import is_flat_root
+    from moepec.recovery.offline_paths import RootKind, nothing_committed, root_kind
 
-    if is_flat_root(args.path):  # a save directory of flat checkpoints (Megatron-Core)
+    opts = _storage_options(args)
+    kind = root_kind(args.path, opts)
+    if kind == RootKind.FLAT:  # a save directory of flat checkpoints (Megatron-Core)
         return _run_verify_flat(args.path)
     bar = tqdm(total=0, unit="item", desc="verifying", disable=not sys.stderr.isatty())
 
@@ -81,7 +127,12 @@ def _run_verify(args: argparse.Namespace) -> int:
         bar.total = total
         bar.update(done - bar.n)
 
-    res = verify_path(args.path, _storage_options(args), progress)
+    if kind == RootKind.GROUPS:  # every group root, and the newest whole striped one
+        from moepec.recovery.offline_groups import verify_groups
+
+        res = verify_groups(args.path, opts, progress)
+    else:
+        res = verify_path(args.path, opts, progress)
     bar.close()
     for msg in res.damaged_manifests:
         print(f"DAMAGED manifest: {msg}")
@@ -90,7 +141,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     for view in res.broken_views:
         print(f"BROKEN view (cannot be restored): {view}")
     if res.views == 0 and not res.damaged_manifests:
-        print(f"no committed checkpoint under {args.path}")
+        raise NoCheckpointError(nothing_committed(args.path, res.uncommitted))
     if res.uncommitted:
         print(f"{len(res.uncommitted)} uncommitted checkpoint(s) (ignored by restore): "
               + ", ".join(res.uncommitted))
@@ -105,12 +156,13 @@ def _run_verify_flat(path: str) -> int:
     """``moepec verify`` of a save directory with one folder per iteration: each folder's
     items, and which sibling folders each view still needs."""
     from moepec.recovery.flat_view import verify_root
+    from moepec.recovery.offline_paths import nothing_committed
 
     res = verify_root(path)
     for line in res.lines():
         print(line)
     if not res.needs and not res.damaged:
-        print(f"no committed checkpoint under {path}")
+        raise NoCheckpointError(nothing_committed(path, res.uncommitted))
     status = "OK" if res.ok else "FAILED"
     print(f"{status}: {res.checked} item(s) checked, {len(res.bad)} bad, "
           f"{len(res.damaged)} damaged manifest(s), {len(res.needs)} folder(s) checked, "
@@ -127,9 +179,20 @@ def _add_export(p: argparse.ArgumentParser) -> None:
 
 def _run_export(args: argparse.Namespace) -> int:
     from moepec.recovery.offline import export_view
+    from moepec.recovery.offline_paths import RootKind, root_kind
 
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "dcp")
-    report = export_view(args.path, args.out, fmt, _storage_options(args))
+    opts = _storage_options(args)
+    if root_kind(args.path, opts) == RootKind.FLAT:
+        from moepec.recovery.offline_flat import export_flat
+
+        flat = export_flat(args.path, args.out, fmt)
+        m = flat.view.manifest
+        print(f"exported {flat.tensors} tensors of the view of {m.name} (step {m.step}) of "
+              f"{args.path} to {args.out} ({fmt}): {flat.whole} whole, {flat.shards} "
+              f"shard(s) under their flat key, {flat.objects} object(s) as bytes")
+        return 0
+    report = export_view(args.path, args.out, fmt, opts)
     view = report.view.manifest
     print(f"exported {report.tensors} tensors of the view of {view.name} (step {view.step}) "
           f"of {args.path} to {args.out} ({fmt})")

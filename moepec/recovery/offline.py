@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 
 from moepec.errors import CheckpointError, ManifestError, NoCheckpointError
 from moepec.keys import newest, parse_checkpoint_name, parse_key, split_chunk
+from moepec.recovery.offline_paths import group_roots, nothing_committed
 from moepec.recovery.stitch import read_verified, recover, storage_source
 from moepec.recovery.striped import StripedViews, stitched_manifest
 from moepec.recovery.views import Fallback, fallbacks, recover_stored, usable_manifests
@@ -217,20 +217,12 @@ def read_view(path: str, storage_options: dict | None = None) -> StitchedView:
         groups = group_roots(st)
         if groups:
             return _read_striped(st, groups, storage_options)
+        if not found.damaged:
+            raise NoCheckpointError(nothing_committed(path, found.uncommitted))
     rec = recover_stored(st, found)
     assert rec.base.manifest is not None and found.newest is not None, "a stored base"
     return StitchedView(manifest=rec.base.manifest, values=rec.values, newest=found.newest,
                         fallbacks=fallbacks(rec), warnings=rec.warnings)
-
-
-def group_roots(st: Storage) -> list[str]:
-    """The replica groups' roots directly under ``st`` (``group-<I>``), in group order."""
-    try:
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in st.fs.ls(st.root, detail=False)]
-    except (FileNotFoundError, OSError):
-        return []
-    found = sorted((int(n[6:]), n) for n in names if re.fullmatch(r"group-\d{1,6}", n))
-    return [n for _, n in found]
 
 
 def _read_striped(st: Storage, groups: list[str], storage_options: dict | None
@@ -239,6 +231,9 @@ def _read_striped(st: Storage, groups: list[str], storage_options: dict | None
     storages = [Storage(f"{st.url}/{g}", storage_options) for g in groups]
     found = [committed_manifests(s) for s in storages]
     views = StripedViews(storages, [usable_manifests(f) for f in found])
+    if not any(f.manifests for f in found):
+        raise NoCheckpointError(nothing_committed(
+            st.url, [f"{g}/{n}" for g, f in zip(groups, found) for n in f.uncommitted]))
     if not views.bases:
         raise NoCheckpointError(f"{st.url}: the replica groups' roots ({', '.join(groups)}) "
                                 f"hold no checkpoint whose parts all committed")
@@ -247,7 +242,7 @@ def _read_striped(st: Storage, groups: list[str], storage_options: dict | None
                         newest=views.bases[0].name, fallbacks=[], warnings=rec.warnings)
 
 
-def _check_output(path: str, out: str) -> None:
+def check_output(path: str, out: str) -> None:
     """An export never writes into the checkpoint root it reads."""
     local = "://" not in path or path.startswith("file://")
     if local and "://" not in out:
@@ -343,7 +338,7 @@ def export_view(path: str, out: str, fmt: str, storage_options: dict | None = No
     checkpoint root, a view with no intact copy of some key and a view that lacks an
     expert (the export would hold zeros for it); raises a CheckpointError naming the
     problem."""
-    _check_output(path, out)
+    check_output(path, out)
     view = read_view(path, storage_options)
     manifest, values = view.manifest, view.values
     missing = missing_experts(manifest)
@@ -390,7 +385,8 @@ def format_inspect(info: dict[str, Any]) -> str:
             ",".join(map(str, layer)) for layer in r.experts_saved)
         plt = f"{100 * r.plt:.3f}%" if r.plt is not None else "-"
         k = str(r.k_persist) if r.k_persist is not None else "-"
-        lines.append(f"{r.name:<28}{r.step:>8}  {state:<12}{r.bytes / 1e6:>9.2f}  {k:>2}  "
+        step = "-" if r.step is None else r.step
+        lines.append(f"{r.name:<28}{step:>8}  {state:<12}{r.bytes / 1e6:>9.2f}  {k:>2}  "
                      f"{plt:>8}  {experts if r.committed else (r.error or '')}")
         if r.committed and len(r.bytes_per_rank) > 1:
             lines.append(f"{'':<28}{'':>8}  bytes per rank: "
