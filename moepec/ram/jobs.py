@@ -35,6 +35,13 @@ def root_identity(url: str, local: bool) -> str:
     return os.path.abspath(url) if local and "://" not in url else url
 
 
+def job_dir(ram_dir: str, url: str, local: bool) -> Path:
+    """The folder of one checkpoint root's slots under ``ram_dir`` (all its ranks' slots
+    and the replicas this node holds): what the RAM tier opens for the root at ``url``
+    (``local``: a local path). Pure: creates nothing."""
+    return Path(ram_dir) / job_name(root_identity(url, local))
+
+
 def free_shm_bytes(directory: str) -> int:
     """Free bytes of the filesystem holding ``directory`` (or its nearest parent)."""
     p = Path(directory)

@@ -9,8 +9,9 @@ Kinds (``FaultPlan`` entries):
   ENOSPC, or are slowed, through :class:`FaultyFileSystem` (an fsspec filesystem);
 - ``corrupt``: flip bytes in a committed checkpoint's data file;
 - ``kill_copy``: SIGKILL while the RAM snapshot of this step is copied (a torn slot);
-- ``ram_lost``: remove this node's shared-memory ``ram_dir``, then SIGKILL (the node's
-  RAM is gone: recovery comes from a replica or storage).
+- ``ram_lost``: remove this run's folder of the shared-memory RAM tier on this node (the
+  one the manager resolved, :meth:`FaultInjector.use_ram`), then SIGKILL (the node's RAM
+  is gone: recovery comes from a replica or storage). Refused without such a tier.
 
 Faults fire once: a marker file under ``state_dir`` records those already fired, so a
 restarted worker (torchrun ``--max-restarts``) does not fire the same fault again.
@@ -247,7 +248,7 @@ class FaultInjector:
     def __init__(self, plan: FaultPlan, rank: int, ckpt_url: str | None, seed: int = 0,
                  storage_fault_steps: int = 16,
                  on_event: Callable[[dict], None] | None = None,
-                 log_path: str | None = None, ram_dir: str | None = None) -> None:
+                 log_path: str | None = None) -> None:
         self.plan = plan
         self.rank = rank
         self.ckpt_url = ckpt_url
@@ -257,7 +258,8 @@ class FaultInjector:
         self.log_path = log_path
         self._storage_until = -1
         self._step = -1
-        self.ram_dir = ram_dir
+        self.ram_folder: str | None = None
+        """What ``ram_lost`` removes: this run's shared-memory folder (:meth:`use_ram`)."""
         self._copy_kill: int | None = None
         """The step whose snapshot copy is to be killed (armed by kill_copy), or None."""
         self._persist_kill: tuple[Fault, int, float] | None = None
@@ -305,13 +307,28 @@ class FaultInjector:
                 self._fire(fault, step)
                 self._arm_copy_kill(step)
             elif fault.kind == "ram_lost":
-                if self.ram_dir:
-                    shutil.rmtree(self.ram_dir, ignore_errors=True)
-                self._fire(fault, step, ram_dir=self.ram_dir)
+                if self.ram_folder is None:  # use_ram refuses such a plan at set-up
+                    raise ConfigError("ram_lost needs the shared-memory RAM tier's folder "
+                                      "(FaultInjector.use_ram)")
+                self._fire(fault, step, ram_dir=self.ram_folder)
+                shutil.rmtree(self.ram_folder, ignore_errors=True)
                 kill_self()
             elif fault.kind == "corrupt":
                 target = corrupt_newest(self.ckpt_url, self.rng) if self.ckpt_url else None
                 self._fire(fault, step, target=target)
+
+    def use_ram(self, folder: str | None) -> None:
+        """Where ``ram_lost`` strikes: ``folder``, the folder holding this run's slots in
+        shared memory on this node (the RAM tier's resolved folder, never the raw
+        ``ram_dir`` setting such as ``"auto"``), or None where the run has no shared-memory
+        tier. Called by the set-up on every rank once the manager is built. Raises
+        ConfigError when the plan has a ``ram_lost`` fault and ``folder`` is None (the
+        fault would lose nothing: snapshots in the process die with it anyway)."""
+        if folder is None and any(f.kind == "ram_lost" for f in self.plan.faults):
+            raise ConfigError("the ram_lost fault needs a shared-memory RAM tier, and this run "
+                              "keeps its snapshots in the process; give --ram-dir a folder "
+                              "on shared memory (e.g. /dev/shm/moepec) or drop ram_lost")
+        self.ram_folder = folder
 
     def after_backward(self, step: int) -> None:
         for fault in self.plan.due(step, self.rank, kinds=("exception", "kill_allreduce")):

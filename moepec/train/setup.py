@@ -23,6 +23,7 @@ from moepec.train.checkpointing import (
     build_injector,
     build_manager,
     log_plt_outlook,
+    ram_folder,
 )
 from moepec.train.config import Device, TrainConfig
 from moepec.train.data import TokenLoader, eval_batches, load_corpus
@@ -211,6 +212,12 @@ def setup(cfg: TrainConfig, info: dist.DistInfo, metrics: MetricsWriter | None =
                             NO_EXPERT_PARALLEL if cfg.fsdp else ep, checkpoints=checkpoints,
                             metrics=metrics if info.rank == 0 else None,
                             hooks=injector.hooks if injector is not None else None)
+    if injector is not None:  # faults need checkpoints (TrainConfig): the manager exists
+        try:
+            injector.use_ram(ram_folder(manager))
+        except ConfigError:  # every rank refuses the same plan: close (collective), raise
+            manager.close()
+            raise
     if info.rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         log.info("training %s (%.2fM params) on %d rank(s), ep %d%s, %s, %d steps, "
