@@ -1,24 +1,43 @@
 # Two entry points, both self-installing: `make demo` and `make test`.
+# Two stamps: DEMO_STAMP (torch, the package with its runtime dependencies, and torchft:
+# what `moepec demo` needs) and STAMP (every extra: what the tests need). STAMP implies
+# DEMO_STAMP: `make test` after `make demo` installs the rest, `make demo` after
+# `make test` installs nothing.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+DEMO_STAMP := $(VENV)/.moepec-demo-installed
 STAMP := $(VENV)/.moepec-installed
 
 .PHONY: demo test lint bench report clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	# torch is pinned: 2.13.0 is the CPU build the set-up path is tested with.
-	# Byte-compiled at install (pip's default), on purpose: with PYTHONDONTWRITEBYTECODE
-	# set, as on this machine, nothing is compiled later, and every test process would
-	# compile torch from source again (a --no-compile install made the suite 16% slower).
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps megatron-core==0.16.1
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,hf,ft,megatron,titan-deps]'
-	# torchtitan's metadata caps datasets below dev's fsspec (pyproject.toml, titan-deps).
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0
-	touch $(STAMP)
+# torch is pinned: 2.13.0 is the CPU build the set-up path is tested with.
+# Byte-compiled at install (pip's default), on purpose: with PYTHONDONTWRITEBYTECODE
+# set, as on this machine, nothing is compiled later, and every test process would
+# compile torch from source again (a --no-compile install made the suite 16% slower).
+# A venv whose full install is current only gets the stamp (dated as STAMP, so that
+# STAMP stays up to date).
+$(DEMO_STAMP): pyproject.toml
+	@if [ $(STAMP) -nt pyproject.toml ]; then touch -r $(STAMP) $@; else \
+	  echo "moepec: installing torch 2.13.0 (CPU), moepec and torchft into $(VENV)" \
+	    "(once; a few minutes: torch alone is a large download)"; \
+	  { test -x $(PY) || python3 -m venv $(VENV); } && \
+	  $(PIP) torch==2.13.0 && $(PIP) -e '.[ft]' && touch $@; fi
 
-demo: $(STAMP)
+# The frameworks of the integrations' tests (Hugging Face, Megatron-Core, torchtitan and
+# what it imports), and the test tools. megatron-core first, with --no-deps (pyproject.toml,
+# megatron); torchtitan last, with --no-deps: its metadata caps datasets below dev's fsspec
+# (pyproject.toml, titan-deps).
+$(STAMP): $(DEMO_STAMP) pyproject.toml
+	@echo "moepec: installing the test extras (transformers, megatron-core, torchtitan," \
+	  "datasets, test tools) into $(VENV)"
+	$(PIP) --no-deps megatron-core==0.16.1
+	$(PIP) -e '.[dev,hf,ft,megatron,titan-deps]'
+	$(PIP) --no-deps torchtitan==0.3.0
+	touch $(DEMO_STAMP)
+	touch -r $(DEMO_STAMP) $(STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) -m moepec demo
 
 lint: $(STAMP)
