@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -53,6 +52,7 @@ from moepec.recovery.striped import restore_striped
 from moepec.state.catalog import StateCatalog
 from moepec.state.checkpoint_keys import CheckpointKeys
 from moepec.state.experts import ExpertSpec, structure_of
+from moepec.state.optimizers import Optimizers, joint
 from moepec.store.committed import committed_manifests
 from moepec.store.meta import Part
 from moepec.store.persist import Persister
@@ -65,7 +65,9 @@ class CheckpointManager(LivePeers):
     """Partial-experts, two-level, sharded checkpointing for one training job.
 
     Construct on every rank (after ``torch.distributed`` is initialised when
-    running with several ranks) with the model and optimizer the loop uses.
+    running with several ranks) with the model and optimizer the loop uses: one torch
+    optimizer, several over disjoint parameters (a list: each one's per-expert state goes
+    with its expert), or None.
     Raises ConfigError for invalid settings and ExpertDiscoveryError when the
     experts cannot be found unambiguously (pass ``expert_spec``), or none are found and
     ``config.require_experts`` (by default) asks for them.
@@ -78,7 +80,7 @@ class CheckpointManager(LivePeers):
     (:class:`moepec.FaultHooks`) are fault-injection seams, for tests.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    def __init__(self, model: nn.Module, optimizer: Optimizers,
                  config: CheckpointConfig, *, extra_state: Mapping[str, Any] | None = None,
                  expert_spec: ExpertSpec | None = None,
                  expert_parallel: tuple[int, int] | None = None,
@@ -101,7 +103,7 @@ class CheckpointManager(LivePeers):
         self.restores: list[RestoreReport] = []
         self._closed = False
 
-    def _init_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    def _init_state(self, model: nn.Module, optimizer: Optimizers,
                     extra_state: Mapping[str, Any] | None, spec: ExpertSpec | None,
                     expert_parallel: tuple[int, int] | None) -> None:
         """Ranks and the expert-parallel layout; find the experts and catalogue the
@@ -111,7 +113,7 @@ class CheckpointManager(LivePeers):
                                                         layout.world_size)
         self.ep_rank, self.ep_size = layout.ep_rank, layout.ep_size
         self.emap, self.n_experts = find_experts(model, spec, self.config, self.ep_size)
-        self.catalog = StateCatalog(model, optimizer, self.emap, extra_state,
+        self.catalog = StateCatalog(model, joint(optimizer), self.emap, extra_state,
                                     ep_rank=self.ep_rank, ep_size=self.ep_size)
         self.structure = structure_of(model, self.emap, self.ep_size)
         self.keys = CheckpointKeys(self.catalog, pec_scope=self.config.pec_scope,
