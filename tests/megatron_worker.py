@@ -19,6 +19,7 @@ mid-save. PHASE
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import signal
@@ -36,6 +37,11 @@ megatron_shims.install()
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+)
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
@@ -180,7 +186,7 @@ def save(model, opt, folder: str, use_async: bool, queue: AsyncCallsQueue) -> No
         dist_checkpointing.save(sharded(model, opt), folder, sharded_strategy=("moepec", 1))
 
 
-def load_and_compare(root: str, folder: str, expected: dict[str, torch.Tensor]) -> None:
+def load_and_compare(root: str, folder: str, expected: dict[str, torch.Tensor]):
     model, opt = build(seed=12345)
     GUIDE["load"](model, opt, os.path.join(root, folder))
     got = snapshot(model, opt)
@@ -194,6 +200,65 @@ def load_and_compare(root: str, folder: str, expected: dict[str, torch.Tensor]) 
     # and the newline apart, and the two ranks' lines, on one pipe, can interleave.
     sys.stdout.write(f"rank {dist.get_rank()} OK {folder} {len(stale)} stale from steps "
                      f"{stale} of {len(report.sources)} PLT {report.plt:.6f}\n")
+    sys.stdout.flush()
+    return model, opt
+
+
+def save_reference(model, opt, root: str) -> None:
+    """The stitched state, saved with Megatron's own torch_dist backend: what a load at
+    another layout must equal (Megatron reshards it itself)."""
+    make_folder(os.path.join(root, "ref", "iter_0000030"))
+    dist_checkpointing.save(sharded(model, opt), os.path.join(root, "ref", "iter_0000030"))
+
+
+def objects_and_errors(root: str) -> None:
+    """An io.BytesIO sharded object (Transformer Engine's _extra_state) saves and loads
+    back as it came; an object only rank 1 cannot store fails the save on every rank at
+    once (no rank left waiting in a collective)."""
+    rank = dist.get_rank()
+    blob = io.BytesIO()
+    torch.save({"scale": torch.full((2,), float(rank))}, blob)  # TE's own bytes
+    folder = os.path.join(root, "objects", "iter_0000001")
+    make_folder(folder)
+
+    def sd(value):
+        return {"te": ShardedObject(f"layer{rank}.linear._extra_state", value, (1,), (0,),
+                                    replica_id=0),
+                "w": ShardedTensor.from_rank_offsets("w", torch.ones(2) * rank, (0, rank, 2))}
+    dist_checkpointing.save(sd(blob), folder, sharded_strategy=("moepec", 1))
+    back = dist_checkpointing.load(sd(None), folder)
+    assert isinstance(back["te"], io.BytesIO) and back["te"].getvalue() == blob.getvalue()
+    assert torch.equal(back["w"], torch.ones(2) * rank)
+    bad = os.path.join(root, "objects", "iter_0000002")
+    make_folder(bad)
+    try:
+        dist_checkpointing.save(sd(print if rank == 1 else blob), bad,
+                                sharded_strategy=("moepec", 1))
+    except CheckpointingException as exc:
+        assert "rank 1" in str(exc) and "function" in str(exc), exc
+    else:
+        raise AssertionError("a save with an object rank 1 cannot store committed")
+    sys.stdout.write(f"rank {rank} OBJECTS OK\n")
+    sys.stdout.flush()
+
+
+def reshard(root: str) -> None:
+    """Load the EP 2 save at this run's layout (EP 1, one rank) with moepec, and the
+    torch_dist reference with Megatron's own resharding: bit for bit the same."""
+    model, opt = build(seed=4242)
+    GUIDE["load"](model, opt, os.path.join(root, iter_name(30)))
+    ref_model, ref_opt = build(seed=4343)
+    state = dist_checkpointing.load(sharded(ref_model, ref_opt, loading=True),
+                                    os.path.join(root, "ref", "iter_0000030"))
+    ref_model.load_state_dict(state["model"])
+    ref_opt.load_state_dict(state["optimizer"])
+    got, expected = snapshot(model, opt), snapshot(ref_model, ref_opt)
+    assert got.keys() == expected.keys() and len(got) > 0
+    diff = [k for k in got if not torch.equal(got[k], expected[k])]
+    assert not diff, f"{len(diff)} differ, e.g. {diff[:3]}"
+    report = mg.last_load_report()
+    sys.stdout.write(f"RESHARD OK {len(got)} tensors, {len(report.sources)} experts, "
+                     f"PLT {report.plt:.6f}\n")
     sys.stdout.flush()
 
 
@@ -240,9 +305,14 @@ def main() -> None:
             time.sleep(0.001)  # kill it once it writes (it may be done: still uncommitted)
         os.kill(writer.pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+    elif phase == "reshard":
+        reshard(root)
     elif phase == "resume":
         expected = torch.load(oracle_path(root), weights_only=True)
-        load_and_compare(root, iter_name(30), expected)
+        # torch_dist's writer starts a spawned helper process that a SIGKILLed rank
+        # would orphan (holding the test's pipes): use it in this phase, which exits.
+        save_reference(*load_and_compare(root, iter_name(30), expected), root)
+        objects_and_errors(root)
         save(model, opt, os.path.join(root, iter_name(50)), True, queue)
         if dist.get_rank() == 0:
             with open(os.path.join(root, iter_name(50), "moepec.json")) as f:

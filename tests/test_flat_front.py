@@ -115,3 +115,59 @@ def test_a_door_takes_only_the_fields_that_apply():
         FlatFrontEnd(k_persist=0)
     with pytest.raises(moepec.ConfigError, match="selection"):
         FlatFrontEnd(selection="random")
+
+
+def test_regions_cut_any_box_or_flat_slice_from_saved_shards():
+    from moepec.flat import Region, parse_shard_key, shard_key
+    from moepec.flat.regions import assemble
+    whole = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
+    key = shard_key("w", (2, 0), (2, 8), (3, 11))
+    assert key == "w#2,0+2,8~3:11" and parse_shard_key(key) == Region("w", (2, 0), (2, 8),
+                                                                       (3, 11))
+    assert parse_shard_key("object:x") is None and parse_shard_key("w#1,2+3") is None
+    # saved: three uneven row blocks, the middle one as two flat slices
+    saved = {Region("w", (0, 0), (1, 8)): whole[0:1],
+             Region("w", (1, 0), (3, 8), (0, 10)): whole[1:4].reshape(-1)[:10],
+             Region("w", (1, 0), (3, 8), (10, 24)): whole[1:4].reshape(-1)[10:],
+             Region("w", (4, 0), (2, 8)): whole[4:6]}
+    for want, expect in [
+            (Region("w", (0, 0), (6, 8)), whole),                     # the whole tensor
+            (Region("w", (0, 4), (6, 4)), whole[:, 4:]),              # a column split
+            (Region("w", (3, 2), (2, 3)), whole[3:5, 2:5]),            # a box across blocks
+            (Region("w", (2, 0), (3, 8), (5, 20)), whole[2:5].reshape(-1)[5:20])]:
+        assert torch.equal(assemble(want, saved), expect), want
+    with pytest.raises(moepec.CheckpointError, match="cover 32 of the 48"):
+        assemble(Region("w", (0, 0), (6, 8)), {r: t for r, t in saved.items()
+                                               if r.offset != (4, 0)})
+
+
+def test_a_load_at_another_layout_cuts_shards_and_keeps_the_accounting(tmp_path):
+    """Saved as two row blocks per expert tensor (like TP 2); loaded as whole tensors (TP
+    1) and as column halves: bit for bit, with the same sources and PLT as a load at the
+    save's own layout."""
+    from moepec.flat import shard_key
+    full = {f"x{e}": torch.randn(4, 6, generator=torch.Generator().manual_seed(e))
+            for e in range(N)}
+    units = {shard_key(f"x{e}", (e, r * 2, 0), (1, 2, 6)): (LAYERS[0], e)
+             for e in range(N) for r in range(2)}
+    front = FlatFrontEnd(k_persist=2)
+    saved_at = {}
+    for step in (0, 10):
+        vals = {k: full[k.split("#")[0]][None, int(k.split(",")[1]):][:, :2] + step
+                for k in units}
+        front.observe_routing([[5, 6, 7, 8]])
+        plan = front.plan_save(str(tmp_path), f"iter_{step:07d}", step, units)
+        write_rank(str(tmp_path / plan.name), {k: vals[k] for k in plan.written}, 0)
+        front.finish_save(plan)
+        saved_at.update({e: step for (_, e) in plan.saved})
+    same, report = FlatFrontEnd().load(str(tmp_path), "iter_0000010", list(units))
+    whole = {shard_key(f"x{e}", (e, 0, 0), (1, 4, 6)): e for e in range(N)}
+    cols = {shard_key(f"x{e}", (e, 0, 3), (1, 4, 3)): e for e in range(N)}
+    got, other = FlatFrontEnd().load(str(tmp_path), "iter_0000010", [*whole, *cols])
+    for k, e in whole.items():
+        assert torch.equal(got[k][0], full[f"x{e}"] + saved_at[e])
+    for k, e in cols.items():
+        assert torch.equal(got[k][0], full[f"x{e}"][:, 3:] + saved_at[e])
+    assert other.sources == report.sources and other.plt == report.plt > 0
+    with pytest.raises(moepec.CheckpointError, match="no saved shard"):
+        FlatFrontEnd().load(str(tmp_path), "iter_0000010", [shard_key("y", (0,), (2,))])

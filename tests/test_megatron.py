@@ -120,3 +120,10 @@ def test_ep2_saves_a_killed_save_and_the_resume(tmp_path):
     assert ok_lines(resumed) == ok_lines(proc)  # the same stitched state, bit-exact
     assert "PARENT iter_0000030" in resumed.stdout  # the killed save is not a parent
     assert verify_root(str(tmp_path)).ok
+    assert resumed.stdout.count("OBJECTS OK") == 2  # BytesIO objects; one rank's error
+    # Saved at EP 2, loaded at EP 1 (one rank): equal to Megatron's own resharding of a
+    # torch_dist save of the same state, with the PLT of the EP 2 load.
+    moved = torchrun(1, "reshard", tmp_path)
+    assert moved.returncode == 0, moved.stdout[-3000:] + moved.stderr[-3000:]
+    [line] = [x for x in moved.stdout.splitlines() if x.startswith("RESHARD OK")]
+    assert line.endswith(ok_lines(proc)[0].rsplit(" ", 1)[1]), (line, ok_lines(proc))

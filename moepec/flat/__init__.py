@@ -4,8 +4,10 @@ on the engine the manager uses (:mod:`moepec.flat.front`). A door imports only t
 
 from moepec.flat.front import FlatFrontEnd
 from moepec.flat.plan import FLAT_FIELDS, FlatPlan, Unit, natural
+from moepec.flat.regions import Region, parse_shard_key, shard_key
 from moepec.state.objects import decode_object, encode_object
 from moepec.store.flat import split_folder, write_rank
 
-__all__ = ["FLAT_FIELDS", "FlatFrontEnd", "FlatPlan", "Unit", "decode_object",
-           "encode_object", "natural", "split_folder", "write_rank"]
+__all__ = ["FLAT_FIELDS", "FlatFrontEnd", "FlatPlan", "Region", "Unit", "decode_object",
+           "encode_object", "natural", "parse_shard_key", "shard_key", "split_folder",
+           "write_rank"]

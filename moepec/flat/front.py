@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from moepec.flat.plan import (
     plan_save,
     schedule_for,
 )
+from moepec.flat.regions import Region, assemble, parse_shard_key
 from moepec.keys import MANIFEST_NAME
 from moepec.recovery.outcome import RestoreReport
 from moepec.store.flat import commit, empty_like_item, read_keys, read_manifest, read_records, scan
@@ -106,14 +107,19 @@ class FlatFrontEnd:
         return [t[li, :n].tolist() for li, n in enumerate(sizes)]
 
     # -- saving ----------------------------------------------------------------------
-    def plan_save(self, root: str, name: str, step: int, units: Mapping[str, Unit | None]
-                  ) -> FlatPlan:
+    def plan_save(self, root: str, name: str, step: int, units: Mapping[str, Unit | None],
+                  error: str | None = None) -> FlatPlan:
         """All ranks: plan the save of folder ``name`` of save directory ``root``.
-        ``units``: this rank's keys to save -> expert unit (None: non-expert state).
-        Raises CheckpointError (on every rank) when the directory cannot be read or the
-        folder is committed already."""
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, dict(units))
+        ``units``: this rank's keys to save -> expert unit (None: non-expert state);
+        ``error``: why this rank cannot save (it reaches every rank). Raises
+        CheckpointError on every rank when a rank had an error, the directory cannot be
+        read or the folder is committed already."""
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (dict(units), error))
+        failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e is not None]
+        if failed:
+            raise CheckpointError(f"{root}/{name} not saved; {'; '.join(failed)}")
+        every = [u for u, _ in gathered]
         sizes = layer_sizes(every)
         counts = self._take_counts(list(sizes.values()))
         parent = self._parent(root, name)
@@ -171,29 +177,57 @@ class FlatFrontEnd:
     def load(self, root: str, name: str, keys: Sequence[str]
              ) -> tuple[dict[str, torch.Tensor], RestoreReport]:
         """Any rank, no collective: ``keys`` of folder ``name``, each from the folder its
-        view names (an expert's newest copy), checksums verified. Raises CheckpointError
-        for a key the folder does not hold, a damaged item or a missing folder."""
+        view names (an expert's newest copy), checksums verified. A shard key
+        (:func:`moepec.flat.regions.shard_key`) the save did not write, as after a change
+        of the parallel layout, is cut from the saved shards of its tensor that overlap
+        it. Raises CheckpointError for a key the saved shards do not cover, a damaged
+        item or a missing folder."""
         started = time.monotonic()
         head = read_manifest(root, name)
         manifests = {name: head} | {n: read_manifest(root, n) for n in head.needs()}
-        missing = [k for k in keys if k not in head.view]
-        if missing:
-            raise CheckpointError(f"{root}/{name} has no shard {missing[0]!r:.160} (and "
-                                  f"{len(missing) - 1} more): load with the parallel layout "
-                                  f"the checkpoint was saved with")
-        sources = {k: head.view[k] for k in keys}
-        targets = {k: empty_like_item(manifests[sources[k]].items[k]) for k in keys}
+        cut = {k: parse_shard_key(k) for k in keys if k not in head.view}
+        if any(r is None for r in cut.values()):
+            k = next(k for k, r in cut.items() if r is None)
+            raise CheckpointError(f"{root}/{name} has no {k!r:.160}")
+        pieces = _pieces(head.view, cut.values())
+        direct = [k for k in keys if k in head.view]
+        wanted = direct + sorted({k for ks in pieces.values() for k in ks})
+        sources = {k: head.view[k] for k in wanted}
+        targets = {k: empty_like_item(manifests[sources[k]].items[k]) for k in wanted}
         bad = read_keys(root, manifests, sources, targets)
         if bad:
             raise CheckpointError(f"{len(bad)} shard(s) are damaged (e.g. {sources[bad[0]]}:"
                                   f"{bad[0]}); run `moepec verify {root}`")
+        out = {k: targets[k] for k in direct}
+        for k, want in cut.items():  # another layout than the save's: cut from its shards
+            out[k] = assemble(want, {parse_shard_key(p): targets[p] for p in pieces[want]})
         report, ledger = self._report_of(head, manifests, time.monotonic() - started)
         self._loaded = _Loaded(root, Parent(
             head.name, head.seq, dict(head.view), list(head.layers), head.schedule,
             ledger.state_dict() if ledger is not None else None))
         self._pending = self._head = None
         self._report = report
-        return targets, report
+        return out, report
+
+    def keys(self, root: str, name: str) -> list[str]:
+        """Any rank: every key of folder ``name``'s view (all ranks' shards)."""
+        return list(read_manifest(root, name).view)
+
+    def shapes(self, root: str, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Any rank: every tensor of folder ``name`` by its key (the part of a shard key
+        before ``#``) -> (global shape, dtype name), from the manifests alone."""
+        head = read_manifest(root, name)
+        manifests = {name: head} | {n: read_manifest(root, n) for n in head.needs()}
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for key, folder in head.view.items():
+            r = parse_shard_key(key)
+            if r is None:
+                continue
+            end = tuple(o + n for o, n in zip(r.offset, r.shape))
+            shape, _ = out.get(r.key, (end, ""))
+            out[r.key] = (tuple(max(a, b) for a, b in zip(shape, end)),
+                          manifests[folder].items[key].dtype)
+        return out
 
     def _report_of(self, head: Any, manifests: Mapping[str, Any], seconds: float):
         sources, lost, ledger = account_load(head, manifests, head.view)
@@ -210,6 +244,22 @@ class FlatFrontEnd:
     def last_load_report(self) -> RestoreReport | None:
         """What the last :meth:`load` in this process restored, or None."""
         return self._report
+
+
+def _pieces(view: Mapping[str, str], wants: Iterable[Region]) -> dict[Region, list[str]]:
+    """For each wanted region, the saved keys of its tensor whose boxes overlap it."""
+    by_tensor: dict[str, list[tuple[Region, str]]] = {}
+    for key in view:
+        r = parse_shard_key(key)
+        if r is not None:
+            by_tensor.setdefault(r.key, []).append((r, key))
+    out: dict[Region, list[str]] = {}
+    for want in wants:
+        out[want] = [k for r, k in by_tensor.get(want.key, ())
+                     if len(r.offset) == len(want.offset) and all(
+                         a < b + m and b < a + n for a, n, b, m in
+                         zip(r.offset, r.shape, want.offset, want.shape))]
+    return out
 
 
 def _commit(plan: FlatPlan) -> None:

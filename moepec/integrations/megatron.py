@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -68,6 +69,7 @@ from moepec.flat import (
     Unit,
     decode_object,
     encode_object,
+    shard_key,
     split_folder,
     write_rank,
 )
@@ -82,6 +84,7 @@ _SINGLETON = re.compile(r"^(.*?)(?:^|\.)experts\.(\d+)\.")
 _GROUPED = re.compile(r"^(.*?)(?:^|\.)experts\.")
 _BUCKETS = "optimizer.distributed."
 _ITER = re.compile(r"(\d+)$")
+_OBJECT = "object:"
 _door: list[FlatFrontEnd] = []
 
 
@@ -107,14 +110,13 @@ def last_load_report() -> moepec.RestoreReport | None:
 
 
 def flat_key(sh: ShardedTensor) -> str:
-    """One shard's key in the flat checkpoint: the sharded key, its global offsets and
-    local shape (prepended axes included) and, for a flattened shard, its range."""
+    """One shard's key in the flat checkpoint (``moepec.flat.shard_key``): the sharded
+    key, its global offsets and local shape (prepended axes included) and, for a
+    flattened shard, its range."""
     shape = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-    key = (f"{sh.key}#{','.join(map(str, sh.global_offset))}"
-           f"+{','.join(map(str, shape))}")
-    if sh.flattened_range is not None:
-        key += f"~{sh.flattened_range.start}:{sh.flattened_range.stop}"
-    return key
+    rng = sh.flattened_range
+    return shard_key(sh.key, sh.global_offset, shape,
+                     None if rng is None else (rng.start, rng.stop))
 
 
 def expert_unit(sh: ShardedTensor) -> Unit | None:
@@ -154,7 +156,7 @@ Shard = ShardedTensor | ShardedObject
 
 
 def _flat_key_of(x: Shard) -> str:
-    return flat_key(x) if isinstance(x, ShardedTensor) else f"object:{x.unique_key}"
+    return flat_key(x) if isinstance(x, ShardedTensor) else f"{_OBJECT}{x.unique_key}"
 
 
 def _unit_of(x: Shard) -> Unit | None:
@@ -176,6 +178,15 @@ def _shards(sharded_state_dict: Any) -> dict[str, Shard]:
             if isinstance(x, (ShardedTensor, ShardedObject))}
 
 
+def _empty(sh: Shard) -> bool:
+    """A shard with no values (a rank's zero-length part of an uneven split): nothing to
+    write, and the load makes it without reading."""
+    if not isinstance(sh, ShardedTensor):
+        return False
+    rng = sh.flattened_range
+    return (rng.stop - rng.start if rng is not None else math.prod(sh.local_shape)) == 0
+
+
 def _main_shards(sharded_state_dict: Any) -> dict[str, Shard]:
     """This rank's main-replica shards by flat key; refuses dp_reshardable."""
     out: dict[str, Shard] = {}
@@ -185,7 +196,7 @@ def _main_shards(sharded_state_dict: Any) -> dict[str, Shard]:
                 "moepec: the distributed optimizer's 'dp_reshardable' format stores flat "
                 "buckets that lose which expert a value belongs to; save with "
                 "metadata={'distrib_optim_sharding_type': 'fully_reshardable'}")
-        if is_main_replica(sh.replica_id):
+        if is_main_replica(sh.replica_id) and not _empty(sh):
             out[key] = sh
     return out
 
@@ -219,14 +230,20 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike
                    ) -> AsyncRequest:
         root, name = split_folder(checkpoint_dir)
-        shards = _main_shards(sharded_state_dict)
         m = _ITER.search(name)
+        try:  # a rank's error must reach every rank: they all wait in the plan's gather
+            shards = _main_shards(sharded_state_dict)
+            values = {k: _value(sh) for k, sh in shards.items()
+                      if isinstance(sh, ShardedObject)}
+            units, error = {k: _unit_of(sh) for k, sh in shards.items()}, None
+        except (CheckpointingException, moepec.MoepecError) as exc:
+            shards, values, units, error = {}, {}, {}, str(exc).removeprefix("moepec: ")
         try:
-            plan = self.front.plan_save(root, name, int(m[1]) if m else -1,
-                                        {k: _unit_of(sh) for k, sh in shards.items()})
+            plan = self.front.plan_save(root, name, int(m[1]) if m else -1, units, error)
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
-        tensors = {k: _value(shards[k]) for k in shards if k in plan.written}
+        tensors = {k: values[k] if k in values else shards[k].data
+                   for k in shards if k in plan.written}
         folder = os.path.join(root, name)
         return AsyncRequest(write_rank, (folder, tensors, dist.get_rank()),
                             [functools.partial(self._finalize, plan)],
@@ -268,9 +285,12 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         root, name = split_folder(checkpoint_dir)
         shards = _shards(sharded_state_dict)
         try:
-            targets, _ = self.front.load(root, name, list(shards))
+            targets, _ = self.front.load(root, name, [k for k, sh in shards.items()
+                                                      if not _empty(sh)])
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
+        targets |= {k: torch.empty(0, dtype=sh.dtype) for k, sh in shards.items()
+                    if _empty(sh)}
         loaded = {id(sh): _into(sh, targets[k]) if isinstance(sh, ShardedTensor)
                   else decode_object(targets[k], f"{name}:{k}")
                   for k, sh in shards.items()}
@@ -279,9 +299,32 @@ class MoepecLoadStrategy(LoadShardedStrategy):
             sharded_state_dict)
 
     def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike) -> Any:
-        raise CheckpointingException("moepec: tensor metadata without a sharded state dict "
-                                     "is not supported; load with the model's sharded "
-                                     "state dict")
+        """Every tensor of the folder as a ShardedTensor without data or sharding (its
+        global shape and dtype), by its key: what ``load_plain_tensors`` and Megatron's
+        tools read first. From moepec's manifests; reads no tensor."""
+        root, name = split_folder(checkpoint_dir)
+        try:
+            shapes = self.front.shapes(root, name)
+        except moepec.MoepecError as exc:
+            raise CheckpointingException(f"moepec: {exc}") from exc
+        return {key: ShardedTensor.from_rank_offsets(
+                    key, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+                ).without_data() for key, (shape, dtype) in shapes.items()}
+
+    def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike) -> Any:
+        """:meth:`load_tensors_metadata` and the folder's sharded objects (without
+        data), by sharded key."""
+        root, name = split_folder(checkpoint_dir)
+        out = self.load_tensors_metadata(checkpoint_dir)
+        try:
+            keys = self.front.keys(root, name)
+        except moepec.MoepecError as exc:
+            raise CheckpointingException(f"moepec: {exc}") from exc
+        for key in keys:
+            if key.startswith(_OBJECT):
+                obj = ShardedObject.empty_from_unique_key(key.removeprefix(_OBJECT))
+                out[obj.unique_key] = obj
+        return out
 
 
 def _into(sh: ShardedTensor, value: torch.Tensor) -> torch.Tensor:
