@@ -112,10 +112,11 @@ class CheckpointConfig:
     tier that cannot fit is refused before training starts."""
     require_experts: bool | None = None
     """What the manager does when discovery finds no experts: True raises
-    ExpertDiscoveryError (listing what it looked at and a ready ExpertSpec), False logs a
-    warning and takes full checkpoints. None (default): True unless ``full_every=1`` asked
-    for full checkpoints anyway -- a partial-experts checkpointer that silently checkpoints
-    in full is the failure this guards against."""
+    ExpertDiscoveryError (listing what it looked at and a ready ExpertSpec), False takes
+    full checkpoints, with a warning when something looked like experts but was not
+    taken. None (default): True unless ``full_every=1`` asked for full checkpoints anyway
+    -- a partial-experts checkpointer that silently checkpoints in full is the failure
+    this guards against."""
     peer_paths: tuple[str, ...] = ()
     """The other replica groups' roots when checkpoints are striped over groups
     (:meth:`CheckpointManager.share`; the reference trainer's ``--ft-checkpoints

@@ -60,7 +60,11 @@ def find_experts(model: nn.Module, spec: ExpertSpec | None, config: CheckpointCo
             raise ExpertDiscoveryError(
                 f"{found}\nto checkpoint this model in full on purpose, pass "
                 f"CheckpointConfig(require_experts=False)")
-        log.warning("%s\nrequire_experts=False: every checkpoint will be a full one", found)
+        if any(not c.taken for c in emap.candidates):  # something looked like experts
+            log.warning("%s\nrequire_experts=False: every checkpoint will be a full one",
+                        found)
+        else:  # a dense model, checkpointed in full on purpose (the caller says so)
+            log.debug("%s; require_experts=False: every checkpoint will be a full one", found)
     elif emap.ragged and ep_size > 1:
         raise ConfigError("ExpertSpec(ragged=True) does not work with expert parallelism; "
                           "run without expert_parallel")

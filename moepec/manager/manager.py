@@ -21,13 +21,14 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
-from moepec.errors import CheckpointError
+from moepec.errors import CheckpointError, ConfigError
 from moepec.events import CheckpointEvent, CommitRecord, SnapshotRecord
 from moepec.hooks import FaultHooks
 from moepec.keys import next_seq
@@ -343,32 +344,38 @@ class CheckpointManager(LivePeers):
         return self._reporter.blocked
 
     # -- restore ----------------------------------------------------------------
-    def restore(self) -> RestoreReport | None:
-        """Restore the newest view into the model, optimizer and extra state.
+    def restore(self, step: int | None = None) -> RestoreReport | None:
+        """Restore the newest view into the model, optimizer and extra state; with
+        ``step``, the newest view at or before that training step (that step's when whole,
+        else an older one; ConfigError with ``peer_paths``).
 
         Uses RAM snapshots where processes survived (the loop restarted in the same
-        process), else storage. Returns None when there is nothing to restore.
-        Raises StructureMismatchError (nothing changed, on disk or in memory) when
-        the checkpoint is of a different model, NoCheckpointError /
-        CorruptCheckpointError when no intact copy remains. With several ranks,
-        every rank calls it and all restore the same step.
+        process), else storage. Returns None when there is nothing to restore. Raises
+        StructureMismatchError (nothing changed, on disk or in memory) for a checkpoint
+        of another model, NoCheckpointError / CorruptCheckpointError when no intact copy
+        remains. With several ranks, every rank calls it and all restore the same step.
         """
+        if step is not None and self.peers:
+            raise ConfigError("restore(step=...) with peer_paths: restore the newest view")
         t0 = time.perf_counter()
         self._drain()
         with no_gc():  # many small objects, a large heap: see store.storage.no_gc
-            return self._restore(t0)
+            return self._restore(t0, step)
 
-    def _restore(self, t0: float) -> RestoreReport | None:
+    def _restore(self, t0: float, upto: int | None = None) -> RestoreReport | None:
         found = committed_manifests(self.storage)
         self.seq = max(self.seq, next_seq(n for n, _ in found.listing))
-        head = found.manifests.get(found.newest) if found.manifests else None
-        ram = self.ram_tier.recovered(
-            lambda meta: admissible(meta, head.meta if head is not None else None))
+        limit = sys.maxsize if upto is None else upto  # restore(step): nothing newer
+        usable = replace(found, manifests={n: m for n, m in found.manifests.items()
+                                           if m.step <= limit})
+        head = usable.manifests.get(usable.newest) if usable.manifests else None
+        ram = self.ram_tier.recovered(lambda meta: meta.step <= limit and admissible(
+            meta, head.meta if head is not None else None))
         if self.peers:  # striped over replica groups: whole over all roots (and RAM)
             outcome = restore_striped(self._restore_context(), found, self.peers,
                                       [committed_manifests(p) for p in self.peers], ram)
         else:
-            outcome = restore_state(self._restore_context(), found, ram)
+            outcome = restore_state(self._restore_context(), usable, ram)
         # The lease once the restore succeeded: a refused restore leaves the root as it was.
         self.root_claim.claim()
         if outcome is None:

@@ -47,12 +47,14 @@ class SnapshotBuilder:
                 part: Part | None = None) -> bool:
         """Whether the next checkpoint saves every expert: when it is persisted while the
         committed view (of ``head``) lacks one of this rank's experts (the first checkpoint
-        of a run, or every one after failed persists), and every ``full_every``-th. A part
-        of a striped checkpoint: when the part says so (every group decides alike; one
-        root's view never holds every expert)."""
+        of a run, or every one after failed persists), every ``full_every``-th, and every
+        one of a model without experts (it holds the whole state). A part of a striped
+        checkpoint: when the part says so (every group decides alike; one root's view
+        never holds every expert)."""
         if part is not None:
             return part.full or self.schedule.is_full_by_period()
-        return (persist and not self._covers(head, view)) or self.schedule.is_full_by_period()
+        return (not self.catalog.n_global or (persist and not self._covers(head, view))
+                or self.schedule.is_full_by_period())
 
     def _covers(self, head: str | None, view: Mapping[str, str]) -> bool:
         """Whether the committed view holds a copy of every expert this rank owns."""
