@@ -61,6 +61,14 @@ def test_expert_identity_from_the_sharded_state_dict():
     assert mg.expert_unit(opt) == mg.expert_unit(seq)
     assert mg.expert_unit(single) == ("decoder.layers.1.mlp.experts@()", 3)
     assert mg.expert_unit(shared) is None
+    alone = ShardedTensor.from_rank_offsets(  # a SequentialMLP on its own: prefix "0."
+        "0.experts.linear_fc1.weight", t, (0, 5, 8), prepend_axis_num=1)
+    assert mg.expert_unit(alone) == ("0@()", 5)
+    grouped = ShardedTensor.from_rank_offsets(  # GroupedMLP in a decoder: 2 per shard
+        "decoder.layers.mlp.experts.linear_fc1.weight", torch.zeros(2, 4), (0, 1, 2),
+        (1, 1, 4), prepend_axis_num=1)
+    with pytest.raises(CheckpointingException, match="several experts in one shard"):
+        mg.expert_unit(grouped)
     extra = ShardedObject("decoder.layers.mlp.experts.experts.linear_fc1._extra_state", None,
                           (2, 4), (1, 3))
     attn = ShardedObject("decoder.layers.self_attention.linear_proj._extra_state", None,

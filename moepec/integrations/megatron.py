@@ -130,6 +130,8 @@ def expert_unit(sh: ShardedTensor) -> Unit | None:
         axis = sh.prepend_axis_num - 1
     elif m := _GROUPED.match(key):  # GroupedMLP's factories: the first local axis
         axis = sh.prepend_axis_num
+        if _standalone_sequential(sh, m[1]):
+            axis = sh.prepend_axis_num - 1
     else:
         return None
     if axis < 0 or (axis >= sh.prepend_axis_num
@@ -138,6 +140,15 @@ def expert_unit(sh: ShardedTensor) -> Unit | None:
             f"moepec: shard {sh.key!r} holds several experts in one shard; save with "
             f"metadata={{'singleton_local_shards': True}} so each expert is a shard")
     return f"{m[1]}@{offsets[:axis]}", offsets[axis]
+
+
+def _standalone_sequential(sh: ShardedTensor, prefix: str) -> bool:
+    """A SequentialMLP's shard outside a decoder (keys ``<prefix>experts.<name>``, as
+    when it is built on its own): its one expert per shard sits on the last prepended
+    axis, and its first local axis is the weight's own. (A GroupedMLP shard holds its
+    experts on the first local axis; inside a decoder the prepended axis is the layers'.)"""
+    return (sh.prepend_axis_num >= 1 and sh.local_shape[0] != 1
+            and "layers" not in prefix.split("."))
 
 
 def object_unit(obj: ShardedObject) -> Unit | None:
