@@ -47,8 +47,8 @@ test: lint
 	$(PY) -m pytest -q -ra
 
 bench: $(STAMP)
-	$(PY) benchmarks/size.py
-	$(PY) benchmarks/overhead.py
+	$(PY) -m moepec bench size
+	$(PY) -m moepec bench overhead
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moepec.bench.simulate import simulate, strategy
-from moepec.bench.workload import (
+from moepec.cli import main as cli
+from moepec.plan.simulate import simulate, strategy
+from moepec.plan.workload import (
     Cluster,
     Failures,
     ModelShape,
@@ -19,7 +20,6 @@ from moepec.bench.workload import (
     meta_mtbf_hours,
     shape_from_hf,
 )
-from moepec.cli import main as cli
 from moepec.policy.plt import expected_plt_sequential
 from moepec.policy.plt_forecast import plt_outlook, plt_per_fault
 
@@ -186,7 +186,7 @@ def test_replica_groups_lost_width_equals_its_integral(seed: int) -> None:
     """Faults close together in 4 groups (never all down): the job-seconds lost to
     reduced width equal the integral, on a 1 ms grid, of the share of groups healing
     at times outside every survivors' pause."""
-    from moepec.bench.replicas import ReplicaGroups
+    from moepec.plan.replicas import ReplicaGroups
 
     rng, groups, heal, pause = np.random.default_rng(seed), 4, 3.0, 1.0
     peers = ReplicaGroups(groups, heal, pause, seed)
@@ -218,7 +218,7 @@ def test_pec_ft_fault_aborts_the_checkpoint_being_written(live: bool) -> None:
     """A fault in a training group while a persist runs: that checkpoint never commits
     (its writers included the failed group) and the next write may start at once; a
     fault in a group that was already healing changes nothing."""
-    from moepec.bench.simulate import SimRun
+    from moepec.plan.simulate import SimRun
 
     shape = ModelShape(name="big", expert_params=8 * 10**11, non_expert_params=2 * 10**11,
                        n_moe_layers=4, n_experts=8, top_k=1)

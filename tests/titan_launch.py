@@ -8,7 +8,7 @@ Hooks, by environment variable (test-only; they wrap torchtitan's Trainer, not m
   rank writes its data-loader position as JSON beside it.
 - ``TITAN_KILL_AT=S``: at the start of step S, wait for the checkpoint being written, then
   SIGKILL every rank (a crash between checkpoints).
-- ``TITAN_BENCH=FILE`` (benchmarks/torchtitan.py): rank 0 records the seconds the training
+- ``TITAN_BENCH=FILE`` (``moepec bench torchtitan``): rank 0 records the seconds the training
   loop spends in the checkpointer's ``save`` and ``maybe_wait_for_staging`` at each step
   and the step times, as JSON in FILE when the trainer closes.
 """

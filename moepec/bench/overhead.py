@@ -23,7 +23,7 @@ slower than a rewrite into just-freed pages, so a bandwidth measured apart from 
 persists would compare different things.
 Batches are random tokens: this measures time, not learning.
 
-Run: python benchmarks/overhead.py (or: moepec bench overhead) [--steps 60 --interval 10 --threads 1]
+Run: moepec bench overhead [--steps 60 --interval 10 --threads 1] [--out runs/bench/overhead.json]
 """
 
 from __future__ import annotations
@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="model whose 1/--bw-scale copy measures snapshot/persist throughput")
     ap.add_argument("--bw-scale", type=int, default=4)
     ap.add_argument("--bw-saves", type=int, default=8)
-    ap.add_argument("--out", default="benchmarks/results/overhead.json")
+    ap.add_argument("--out", default="runs/bench/overhead.json",
+                    help="where the results go, as JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(dir=os.environ.get("MOEPEC_BENCH_DIR")) as tmp:

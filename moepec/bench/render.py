@@ -373,11 +373,8 @@ def _md_machine(result: dict) -> list[str]:
             ["date (UTC)", result["date"]],
             ["wall time", f"{secs['total'] / 60:.1f} min ("
              + ", ".join(f"{k} {v:.0f} s" for k, v in secs.items() if k != "total") + ")"]]),
-        "", "Regenerate this page, its plots and results.json (fixed seeds) with either of:",
-        "", "```", result["command"],
-        "python benchmarks/report.py" + result["command"].removeprefix(
-            "python -m moepec bench report"),
-        "```", "",
+        "", "Regenerate this page, its plots and results.json (fixed seeds) with:",
+        "", "```", result["command"], "```", "",
         "`--quick` runs tiny settings (a minute or two; what the tests run); `--out DIR` "
         "writes elsewhere; `--render results.json` redraws this page and the plots from "
         "saved results without running anything. The sections call `moepec.bench.size` "

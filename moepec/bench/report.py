@@ -13,7 +13,7 @@ Sections (each a baseline and the method measured in the same run, reported as r
 Writes OUT/results.md, OUT/results.json (every raw number) and OUT/img/*.png. Seeds are
 fixed; on 2 CPU cores the default settings take ~25-40 minutes, ``--quick`` ~1-2.
 
-Run: python benchmarks/report.py (or: moepec bench report) [--quick] [--out docs]
+Run: moepec bench report [--quick] [--out docs]
 """
 
 from __future__ import annotations

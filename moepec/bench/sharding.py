@@ -20,7 +20,7 @@ run on the same state, take ``dcp.save`` of the FSDP2 model and optimizer state 
 (what torchtitan's checkpointer writes): the busiest rank's bytes per checkpoint and the
 time each keeps the training loop blocked.
 
-Run: python benchmarks/sharding.py (or: moepec bench sharding) [--out benchmarks/results/sharding.json] [--no-measure]
+Run: moepec bench sharding [--out runs/bench/sharding.json] [--no-measure]
 """
 
 from __future__ import annotations
@@ -306,7 +306,8 @@ def fsdp_case(config: str, world: int, k: int = 1, steps: int = 8) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/sharding.json")
+    ap.add_argument("--out", default="runs/bench/sharding.json",
+                    help="where the results go, as JSON")
     ap.add_argument("--no-measure", action="store_true", help="computed cases only")
     args = ap.parse_args(argv)
     rows = [computed_case(*case) for case in CASES]

@@ -12,7 +12,7 @@ saving K = 1..N experts per MoE layer, for each pec_scope:
   bytes on disk exceed the tensor bytes only by DCP's `.metadata` file; stock
   `dcp.save` adds ~1.5 KB of torch.save framing per item.
 
-Run: python benchmarks/size.py (or: moepec bench size) [--scale 8] [--out benchmarks/results/size.json]
+Run: moepec bench size [--scale 8] [--out runs/bench/size.json]
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scopes", nargs="+", default=list(SCOPES))
     ap.add_argument("--ks", type=int, nargs="+", default=None,
                     help="the K values measured (default: every K; the analytic rows have all)")
-    ap.add_argument("--out", default="benchmarks/results/size.json")
+    ap.add_argument("--out", default="runs/bench/size.json",
+                    help="where the results go, as JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     result: dict = {"models": {}}

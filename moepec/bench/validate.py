@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moepec.bench.simulate import Plan, SimRun
-from moepec.bench.workload import Cluster, Failures, Timing, shape_from_name
+from moepec.plan.simulate import Plan, SimRun
+from moepec.plan.workload import Cluster, Failures, Timing, shape_from_name
 
 
 def replay(run: SimRun, fault_steps: list[int], total_steps: int) -> dict:

@@ -14,7 +14,21 @@ from tqdm import tqdm
 
 from moepec.errors import ConfigError, NoCheckpointError
 
-BENCHES = ("size", "overhead", "sharding", "restore", "report", "gpu", "validate", "ft")
+BENCHES = {
+    "size": "checkpoint bytes per K, beside the paper's 54.2% smaller",
+    "sharding": "checkpoint work per rank, beside the paper's 76.9% less",
+    "overhead": "the loop's blocking per checkpoint against dcp.save and dcp.async_save",
+    "restore": "stitched restore against dcp.load of one full checkpoint",
+    "ram-restore": "restore from the shared-memory RAM tier against storage (--s3: S3 too)",
+    "report": "size, sharding, overhead, model quality and PLT into docs/results.md",
+    "gpu": "GPU calibration for `moepec simulate --calibration` (one line without CUDA)",
+    "validate": "the simulator against a real faulty run on this machine",
+    "ft": "a fault with replica groups on torchft against restart-all",
+    "megatron": "the Megatron-Core backend against torch_dist async (source checkout)",
+    "torchtitan": "moepec against torchtitan's own checkpointer in its Trainer (source "
+                  "checkout)",
+}
+"""``moepec bench NAME``: module ``moepec.bench.<NAME with - as _>`` and what it measures."""
 
 
 def _storage_options(args: argparse.Namespace) -> dict:
@@ -202,14 +216,17 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", choices=BENCHES, help="which benchmark")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = "benchmarks:\n" + "\n".join(f"  {n:<12} {h}" for n, h in BENCHES.items())
+    p.add_argument("name", choices=list(BENCHES), metavar="NAME",
+                   help="which benchmark (listed below)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    module = importlib.import_module(f"moepec.bench.{args.name}")
+    module = importlib.import_module(f"moepec.bench.{args.name.replace('-', '_')}")
     module.main(args.args)
     return 0
 
@@ -223,6 +240,6 @@ def commands():
          _add_verify, _run_verify),
         ("export", "write the newest view as one plain DCP checkpoint or safetensors file",
          _add_export, _run_export),
-        ("bench", "run a benchmark: size, overhead, sharding, restore, report, gpu, validate, ft",
+        ("bench", "run a benchmark (its baseline in the same run): " + ", ".join(BENCHES),
          _add_bench, _run_bench),
     ]

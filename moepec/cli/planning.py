@@ -1,7 +1,7 @@
 """``moepec simulate`` and ``moepec advise``: plan a run before paying for it.
 
 ``commands()`` returns them for ``moepec.cli.main`` to register. Every flag maps onto
-one field of :class:`~moepec.bench.workload.Cluster`, ``Timing`` or ``Failures`` here,
+one field of :class:`~moepec.plan.workload.Cluster`, ``Timing`` or ``Failures`` here,
 in one place; bad values raise ConfigError (one line, no traceback).
 """
 
@@ -18,7 +18,7 @@ GB = 1e9
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from moepec.bench.workload import FT_GROUPS, FT_HEAL_S, FT_PAUSE_S
+    from moepec.plan.workload import FT_GROUPS, FT_HEAL_S, FT_PAUSE_S
 
     m = p.add_argument_group("model (one of)")
     m.add_argument("--config", default=None, help="named moepec config (see model-info)")
@@ -85,7 +85,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def shape_of(args: argparse.Namespace):
     """The ModelShape of --config, --hf-config or --counts (exactly one)."""
-    from moepec.bench.workload import ModelShape, shape_from_hf, shape_from_name
+    from moepec.plan.workload import ModelShape, shape_from_hf, shape_from_name
 
     given = [x for x in (args.config, args.hf_config, args.counts) if x]
     if len(given) != 1:
@@ -118,7 +118,7 @@ def _calibration(path: str | None) -> dict[str, Any]:
 
 def inputs_of(args: argparse.Namespace):
     """(shape, cluster, timing, failures) from the flags."""
-    from moepec.bench.workload import Cluster, Failures, Timing, meta_mtbf_hours
+    from moepec.plan.workload import Cluster, Failures, Timing, meta_mtbf_hours
 
     shape, cal = shape_of(args), _calibration(args.calibration)
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node,
@@ -153,7 +153,7 @@ def inputs_of(args: argparse.Namespace):
 
 
 def _add_simulate(p: argparse.ArgumentParser) -> None:
-    from moepec.bench.simulate import STRATEGIES
+    from moepec.plan.simulate import STRATEGIES
 
     _add_common(p)
     s = p.add_argument_group("strategies")
@@ -171,7 +171,7 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from moepec.bench.simreport import print_table, run_simulations, write_outputs
+    from moepec.plan.report import print_table, run_simulations, write_outputs
 
     shape, cluster, timing, failures = inputs_of(args)
     result = run_simulations(shape, cluster, timing, failures, args)
@@ -196,7 +196,7 @@ def _add_advise(p: argparse.ArgumentParser) -> None:
 
 
 def _run_advise(args: argparse.Namespace) -> int:
-    from moepec.bench.advise import advise
+    from moepec.plan.advise import advise
 
     shape, cluster, timing, failures = inputs_of(args)
     adv = advise(shape, cluster, timing, failures, budget=args.budget, days=args.days,

@@ -19,7 +19,7 @@ Lost throughput is counted in job-seconds: a window of ``w`` seconds with one of
 missing costs ``w / G``, less the part of the window that falls in a survivors' pause
 (nobody trains then; the pause is counted whole on its own).
 
-Pure computation: no I/O. Owned and driven by :class:`moepec.bench.simulate.SimRun`.
+Pure computation: no I/O. Owned and driven by :class:`moepec.plan.simulate.SimRun`.
 """
 
 from __future__ import annotations

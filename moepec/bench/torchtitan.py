@@ -7,10 +7,11 @@ snapshot and persist), alternating ``--repeats`` times. Per checkpoint it report
 written and the seconds the training loop spent blocked in the checkpointer (its
 ``save()`` and ``maybe_wait_for_staging()`` calls; the last step's synchronous save is left
 out of both), and the ratios. Runs on CPU through the tests' shims (tests/titan_shims.py:
-device type, SDPA attention, gloo-friendly reductions), under torchrun.
+device type, SDPA attention, gloo-friendly reductions), under torchrun, so from a source
+checkout (:mod:`moepec.bench.checkout`).
 
-    python benchmarks/torchtitan.py                 # 1 process, 13 steps, a checkpoint every 3
-    python benchmarks/torchtitan.py --nproc 2 --repeats 2
+    moepec bench torchtitan                 # 1 process, 13 steps, a checkpoint every 3
+    moepec bench torchtitan --nproc 2 --repeats 2
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
+from moepec.bench.checkout import REPO, tests_dir
 
 
 def run_one(kind: str, work: Path, args: argparse.Namespace, assets: tuple[str, str]) -> dict:
     """One training run; returns its timings and checkpoint sizes."""
+    tests = tests_dir("titan_launch.py")
     out = work / kind
     bench = work / f"{kind}.json"
     overrides = ["titan_shims.sdpa_attention"]
@@ -37,7 +38,7 @@ def run_one(kind: str, work: Path, args: argparse.Namespace, assets: tuple[str, 
         overrides.append('moepec.integrations.torchtitan.use_pec='
                          '{"k_persist": 1, "ram_dir": null}')
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", str(TESTS / "titan_launch.py"),
+           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", str(tests / "titan_launch.py"),
            "--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel",
            "--override.imports", *overrides,
            "--parallelism.spmd_backend", "partial_dtensor", "--training.disable_cuda_graphs",
@@ -46,7 +47,7 @@ def run_one(kind: str, work: Path, args: argparse.Namespace, assets: tuple[str, 
            "--training.steps", str(args.steps), "--dump_folder", str(out),
            "--checkpoint.enable", "--checkpoint.interval", str(args.interval),
            "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "0"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(REPO)]),
            "TITAN_BENCH": str(bench)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -65,7 +66,7 @@ def _sizes(kind: str, folder: Path, args: argparse.Namespace) -> list[int]:
     if kind == "stock":
         return [sum(f.stat().st_size for f in (folder / f"step-{s}").rglob("*") if f.is_file())
                 for s in steps]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     info = json.loads(subprocess.run([sys.executable, "-m", "moepec", "inspect", str(folder),
                                       "--json"], env=env, capture_output=True, text=True,
                                      check=True).stdout)
@@ -73,15 +74,17 @@ def _sizes(kind: str, folder: Path, args: argparse.Namespace) -> list[int]:
     return [by_step[s] for s in steps]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--steps", type=int, default=13)
     p.add_argument("--interval", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1)
-    args = p.parse_args()
-    sys.path.insert(0, str(TESTS))
+    args = p.parse_args(argv)
+    tests = str(tests_dir("titan_assets.py"))
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
     from titan_assets import write_assets
 
     rows: dict[str, list[dict]] = {"stock": [], "moepec": []}

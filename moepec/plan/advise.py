@@ -3,7 +3,7 @@ budget, with the runner-up and what a full-checkpoint baseline gives.
 
 Search: every K in 1, 2, 4, ... N (and N), K_snapshot in {K, 2K} and an interval grid
 around the Young/Daly optimum of each K's write time. Each candidate's ETTR comes from
-:func:`moepec.bench.simulate.simulate` without the ledger (fast: the same failure
+:func:`moepec.plan.simulate.simulate` without the ledger (fast: the same failure
 sequence for every candidate), its PLT from :mod:`moepec.policy.plt_forecast`. The winner
 and the runner-up are then re-simulated with the library's ledger and selectors, so the
 PLT shown is measured, not only predicted.
@@ -23,9 +23,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from moepec.bench.simulate import Plan, SimResult, simulate
-from moepec.bench.workload import Cluster, Failures, ModelShape, Timing
 from moepec.errors import ConfigError
+from moepec.plan.simulate import Plan, SimResult, simulate
+from moepec.plan.workload import Cluster, Failures, ModelShape, Timing
 from moepec.policy.plt_forecast import plt_per_fault
 
 __all__ = ["ETTR_TIE", "Advice", "advise", "cold_start_plt", "interval_grid",

@@ -19,7 +19,7 @@ runs, page cache warm for storage (its best case). The restores are checked equa
 restarted worker committing a RAM-only snapshot) and the process start a real restart
 adds to both (``python -c 'import moepec, torch'``).
 
-Run: python benchmarks/ram_restore.py [--configs small gpt-125m-8e/4] [--repeats 5]
+Run: moepec bench ram-restore [--configs small gpt-125m-8e/4] [--repeats 5] [--s3]
 """
 
 from __future__ import annotations
@@ -35,13 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from moepec import CheckpointConfig, CheckpointManager, FaultHooks  # noqa: E402
-from moepec.bench.size import scaled, trained_model  # noqa: E402
-from moepec.models.configs import get_config  # noqa: E402
+from moepec import CheckpointConfig, CheckpointManager, FaultHooks
+from moepec.bench.size import scaled, trained_model
+from moepec.models.configs import get_config
 
 GOAL = 5.0
 """RAM restore should be at least this many times faster than storage restore."""

@@ -18,7 +18,7 @@ Cost model per checkpoint (bytes spread evenly over all ranks, a fully sharded w
   not fit in one iteration, plus ``fixed_block_s``); the write overlaps.
 A checkpoint due while the previous write is still running waits for it.
 
-Replica groups (``pec-ft``, :mod:`moepec.bench.replicas`): a fault in one of G groups
+Replica groups (``pec-ft``, :mod:`moepec.plan.replicas`): a fault in one of G groups
 costs the survivors ``Failures.ft_pause_s`` and the run a share 1/G of its throughput
 until the group rejoins ``Failures.heal_s`` after the fault; nothing is rolled back. A
 checkpoint being taken or written then is aborted (its writers included the failed
@@ -37,9 +37,9 @@ import random
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from moepec.bench.replicas import ReplicaGroups
-from moepec.bench.workload import STRATEGIES, Cluster, Failures, ModelShape, Plan, Timing, strategy
 from moepec.errors import ConfigError
+from moepec.plan.replicas import ReplicaGroups
+from moepec.plan.workload import STRATEGIES, Cluster, Failures, ModelShape, Plan, Timing, strategy
 from moepec.policy.plt import PLTLedger, dynamic_k
 from moepec.policy.plt_forecast import plt_per_fault
 from moepec.policy.selection import Selector, select_two_tier

@@ -1,8 +1,8 @@
 """Megatron-Core: the ("moepec", 1) backend against Megatron's own ``torch_dist`` async
 save, on the same MoE GPTModel (SequentialMLP) and Adam state, in the same run.
 
-    python benchmarks/megatron.py [--layers 4 --experts 8 --hidden 128 --ffn 512
-                                   --checkpoints 8 --k 1]
+    moepec bench megatron [--layers 4 --experts 8 --hidden 128 --ffn 512
+                           --checkpoints 8 --k 1]
 
 Per checkpoint, for each backend: the bytes the save folder holds (Megatron's common
 files included) and the training loop's blocking: the ``dist_checkpointing.save`` call
@@ -10,7 +10,8 @@ plus scheduling the async request (planning, the host snapshot) plus the finaliz
 (commit / metadata), which Megatron-LM runs on the training thread; the writer's own
 time overlaps training and is reported apart. Weights and Adam moments change between
 checkpoints (the forward does not run on CPU). One process (gloo, world size 1), CPU
-shims from tests/megatron_shims.py.
+shims from tests/megatron_shims.py (so it runs from a source checkout:
+:mod:`moepec.bench.checkout`).
 """
 
 from __future__ import annotations
@@ -26,28 +27,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-# This file is named megatron.py: its folder on sys.path would shadow the megatron package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-import megatron_shims  # noqa: E402
+from moepec.bench.checkout import tests_dir
 
-megatron_shims.install()
 
-from megatron.core import dist_checkpointing  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
+def install_shims() -> None:
+    """Megatron-Core's checkpointing path on a CPU-only torch (tests/megatron_shims.py);
+    called before anything imports Megatron."""
+    tests = str(tests_dir("megatron_shims.py"))
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import megatron_shims
 
-import moepec.integrations.megatron as mg  # noqa: E402
+    megatron_shims.install()
 
 
 def build(args: argparse.Namespace):
+    import megatron_shims
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
     torch.manual_seed(0)
     cfg = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
@@ -76,7 +76,9 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def one_save(model, opt, folder: Path, strategy, queue: AsyncCallsQueue) -> dict[str, float]:
+def one_save(model, opt, folder: Path, strategy, queue) -> dict[str, float]:
+    from megatron.core import dist_checkpointing
+
     folder.mkdir(parents=True)
     model_sd = model.sharded_state_dict()
     sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}
@@ -95,7 +97,14 @@ def one_save(model, opt, folder: Path, strategy, queue: AsyncCallsQueue) -> dict
             "writer": t2 - t1, "bytes": folder_bytes(folder)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # Megatron's forked writer
+    install_shims()
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    import moepec.integrations.megatron as mg
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=8)
@@ -103,7 +112,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=512)
     ap.add_argument("--checkpoints", type=int, default=8)
     ap.add_argument("--k", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="moepec-bench-megatron-") as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0,
                                 world_size=1)
@@ -145,5 +154,4 @@ def report(args: argparse.Namespace, rows: dict[str, list[dict[str, float]]]) ->
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

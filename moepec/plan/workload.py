@@ -315,7 +315,7 @@ class Plan:
     """Double K_persist after a recovery that leaves PLT over budget."""
     replica_groups: int = 1
     """Data-parallel replica groups that train on through a fault in one of them (torchft,
-    see :mod:`moepec.bench.replicas`); a cold start only when every group is down. 1: every
+    see :mod:`moepec.plan.replicas`); a cold start only when every group is down. 1: every
     fault restarts the whole job from its checkpoints."""
 
     def __post_init__(self) -> None:

@@ -8,10 +8,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from moepec.bench.advise import young_daly_steps
-from moepec.bench.simulate import simulate, strategy
-from moepec.bench.workload import Cluster, Failures, ModelShape, Timing, meta_mtbf_hours
 from moepec.errors import ConfigError
+from moepec.plan.advise import young_daly_steps
+from moepec.plan.simulate import simulate, strategy
+from moepec.plan.workload import Cluster, Failures, ModelShape, Timing, meta_mtbf_hours
 from moepec.policy.plt_forecast import plt_per_fault
 
 __all__ = ["default_interval", "print_table", "run_simulations", "write_outputs"]
