@@ -171,3 +171,21 @@ def test_a_load_at_another_layout_cuts_shards_and_keeps_the_accounting(tmp_path)
     assert other.sources == report.sources and other.plt == report.plt > 0
     with pytest.raises(moepec.CheckpointError, match="no saved shard"):
         FlatFrontEnd().load(str(tmp_path), "iter_0000010", [shard_key("y", (0,), (2,))])
+
+
+def test_a_folder_deleted_and_written_again_is_not_continued_from_memory(tmp_path):
+    """Megatron's tests reuse folder names in one directory: a save continues the folder
+    on disk, not the one this process remembers under the same name."""
+    import shutil
+    first = FlatFrontEnd(k_persist=1)
+    save(first, tmp_path, 0)
+    shutil.rmtree(tmp_path / "iter_0000000")
+    other = FlatFrontEnd(k_persist=1)  # a new folder of the same name, other keys
+    fewer = {k: u for k, u in UNITS.items() if u is None or u[0] == LAYERS[0]}
+    p0 = other.plan_save(str(tmp_path), "iter_0000000", 0, fewer)
+    write_rank(str(tmp_path / p0.name), {k: values(0)[k] for k in p0.written}, 0)
+    other.finish_save(p0)
+    plan = save(first, tmp_path, 10)
+    assert plan.parent == "iter_0000000"
+    targets, report = FlatFrontEnd().load(str(tmp_path), "iter_0000010", list(UNITS))
+    assert report.step == 10 and torch.equal(targets["dense"], values(10)["dense"])

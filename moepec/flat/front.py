@@ -43,17 +43,38 @@ from moepec.flat.plan import (
 from moepec.flat.regions import Region, assemble, parse_shard_key
 from moepec.keys import MANIFEST_NAME
 from moepec.recovery.outcome import RestoreReport
-from moepec.store.flat import commit, empty_like_item, read_keys, read_manifest, read_records, scan
+from moepec.store.flat import (
+    FlatManifest,
+    commit,
+    empty_like_item,
+    read_keys,
+    read_manifest,
+    read_records,
+    scan,
+)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class _Loaded:
-    """The folder this process last loaded, for the next save to continue."""
+class _Known:
+    """A folder this process committed or loaded last, for the next save to continue."""
 
     root: str
     parent: Parent
+    committed_at: float
+    """Its manifest's commit time: tells it from a later folder of the same name."""
+
+
+def _parent_of(m: FlatManifest, ledger: Mapping[str, Any] | None = None) -> Parent:
+    return Parent(m.name, m.seq, dict(m.view), list(m.layers), m.schedule, ledger)
+
+
+def _manifest_or_none(root: str, name: str) -> FlatManifest | None:
+    try:
+        return read_manifest(root, name)
+    except MoepecError:
+        return None
 
 
 class FlatFrontEnd:
@@ -67,8 +88,8 @@ class FlatFrontEnd:
         self.config = flat_config(**fields)
         self._counts: list[list[int]] = []
         self._pending: FlatPlan | None = None
-        self._head: FlatPlan | None = None
-        self._loaded: _Loaded | None = None
+        self._head: _Known | None = None
+        self._loaded: _Known | None = None
         self._report: RestoreReport | None = None
 
     # -- routing ---------------------------------------------------------------------
@@ -145,16 +166,18 @@ class FlatFrontEnd:
     def _read_parent(self, root: str, name: str) -> Parent | str | None:
         if os.path.exists(os.path.join(root, name, MANIFEST_NAME)):
             return f"{root}/{name} is a committed checkpoint; save into a new folder"
-        known = self._pending or self._head
-        if known is not None and known.root == root and (
-                known is self._pending or _committed(root, known.name)):
-            return Parent(known.name, known.seq, known.view, known.layers, known.schedule)
-        if self._loaded is not None and self._loaded.root == root \
-                and _committed(root, self._loaded.parent.name):
-            return self._loaded.parent
+        if self._pending is not None and self._pending.root == root:
+            p = self._pending
+            return Parent(p.name, p.seq, p.view, p.layers, p.schedule)
+        # A folder this process committed or loaded continues its lineage, if it is still
+        # the same folder (a deleted and rewritten one of the same name is not).
+        for mine in (self._head, self._loaded):
+            if mine is not None and mine.root == root:
+                m = _manifest_or_none(root, mine.parent.name)
+                if m is not None and m.committed_at == mine.committed_at:
+                    return mine.parent
         head = scan(root).head
-        return None if head is None else Parent(head.name, head.seq, dict(head.view),
-                                                list(head.layers), head.schedule)
+        return None if head is None else _parent_of(head)
 
     def finish_save(self, plan: FlatPlan) -> None:
         """All ranks, after every rank's writer finished: rank 0 checks the records and
@@ -171,7 +194,8 @@ class FlatFrontEnd:
             self._pending = None
         if box[0] is not None:
             raise CheckpointError(box[0])
-        self._head = plan
+        m = read_manifest(plan.root, plan.name)
+        self._head = _Known(plan.root, _parent_of(m), m.committed_at)
 
     # -- loading ---------------------------------------------------------------------
     def load(self, root: str, name: str, keys: Sequence[str]
@@ -202,9 +226,8 @@ class FlatFrontEnd:
         for k, want in cut.items():  # another layout than the save's: cut from its shards
             out[k] = assemble(want, {parse_shard_key(p): targets[p] for p in pieces[want]})
         report, ledger = self._report_of(head, manifests, time.monotonic() - started)
-        self._loaded = _Loaded(root, Parent(
-            head.name, head.seq, dict(head.view), list(head.layers), head.schedule,
-            ledger.state_dict() if ledger is not None else None))
+        self._loaded = _Known(root, _parent_of(
+            head, ledger.state_dict() if ledger is not None else None), head.committed_at)
         self._pending = self._head = None
         self._report = report
         return out, report
