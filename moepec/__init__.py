@@ -28,6 +28,7 @@ __all__ = [
     "FaultHooks",
     "MoepecError",
     "NoCheckpointError",
+    "Part",
     "PersistError",
     "RestoreReport",
     "SnapshotRecord",
@@ -42,6 +43,9 @@ def __getattr__(name: str):
     if name == "CheckpointManager":
         from moepec.manager.manager import CheckpointManager
         return CheckpointManager
+    if name == "Part":  # CheckpointManager.share()'s argument (replica groups)
+        from moepec.store.meta import Part
+        return Part
     if name == "RestoreReport":
         from moepec.recovery.outcome import RestoreReport
         return RestoreReport

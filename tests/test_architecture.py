@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
+import typing
 from pathlib import Path
 
 import pytest
@@ -363,3 +365,28 @@ def test_the_contract_check_catches_a_reach_in(tmp_path, source):
     target.parent.mkdir(parents=True)
     target.write_text(source)
     assert contract_violations(target, _library_privates(), set(modules()))
+
+
+def _moepec_classes(tp: object, out: set[type]) -> None:
+    if isinstance(tp, type):
+        out.add(tp)
+    for arg in typing.get_args(tp):
+        _moepec_classes(arg, out)
+
+
+def test_every_type_in_the_managers_public_signatures_is_exported():
+    """A user can name every type CheckpointManager's public methods take or return
+    (``share(part: moepec.Part)``, ``restore() -> moepec.RestoreReport``, ...)."""
+    import moepec
+    from moepec.manager.manager import CheckpointManager
+    missing = set()
+    for name, fn in inspect.getmembers(CheckpointManager, callable):
+        if name.startswith("_") and name != "__init__":
+            continue
+        for hint in typing.get_type_hints(fn).values():
+            found: set[type] = set()
+            _moepec_classes(hint, found)
+            missing |= {f"{c.__qualname__} ({name})" for c in found
+                        if c.__module__.startswith("moepec")
+                        and getattr(moepec, c.__qualname__, None) is not c}
+    assert not missing, f"export these from moepec: {sorted(missing)}"

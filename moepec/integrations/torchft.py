@@ -82,8 +82,8 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
+from moepec import Part
 from moepec.errors import ConfigError
-from moepec.store.meta import Part
 
 try:
     from torchft import Manager
