@@ -12,22 +12,19 @@ per-expert token counts (``MoE.tokens_per_expert_E``). The checkpoint folder is 
 root: ``moepec inspect/verify/export`` work on it, and retention (``keep_latest_k``)
 never deletes a checkpoint that the newest views still need.
 
-Two ways in (docs/torchtitan.md):
+Two ways in (docs/torchtitan.md): on any stock config, the ``@override`` hook
+(``--override.imports 'moepec.integrations.torchtitan.use_pec={"k_persist": 1}'``), or a
+config registry that wraps every upstream config name, so moepec's fields parse as flags
+(``--module moepec.integrations.torchtitan --config NAME --checkpoint.k_persist 2``).
 
-- on any stock config, the ``@override`` hook::
-
-    --override.imports 'moepec.integrations.torchtitan.use_pec={"k_persist": 1}'
-
-- a config registry that wraps every upstream config name, so moepec's fields parse as
-  flags::
-
-    --module moepec.integrations.torchtitan --config deepseek_v3_debugmodel --checkpoint.k_persist 2
-
-torchtitan's ``folder``, ``interval``, ``keep_latest_k`` and ``async_mode`` map onto
-moepec's path, interval, ``keep_last`` and asynchronous snapshot + persist; the options
-moepec does not implement (``load_step``, ``initial_load_path``, HF formats, seed
-checkpoints, pipeline parallelism, several optimizers, torchft's ``ft_manager``) are
-refused with a ``ConfigError`` that says what to do.
+torchtitan's ``folder``, ``interval``, ``keep_latest_k``, ``async_mode`` and ``load_step``
+map onto moepec's path, interval, ``keep_last``, asynchronous snapshot + persist and
+``restore(step)``. Several optimizers per model part (one per ``optimizer_name``) each
+keep their per-expert state with the expert; a model without MoE layers gets full
+checkpoints; a bare tensor in ``states`` is saved with the non-expert state. The options
+moepec does not implement (``initial_load_path``, HF formats, seed checkpoints, pipeline
+parallelism, torchft's ``ft_manager``) are refused with a ``ConfigError`` that says what
+to do.
 
 This is the only moepec module that imports torchtitan; it uses moepec's public API only.
 """
@@ -49,7 +46,7 @@ from torchtitan.components.checkpointer import BaseCheckpointManager, Checkpoint
 from torchtitan.config.override import derive, override
 from torchtitan.tools import filesystem
 
-from moepec import CheckpointConfig, RestoreReport
+from moepec import CheckpointConfig, NoCheckpointError, RestoreReport, StructureMismatchError
 from moepec import CheckpointManager as PecManager
 from moepec.errors import ConfigError, MoepecError
 
@@ -211,8 +208,9 @@ class PecCheckpointManager(BaseCheckpointManager):
             except MoepecError as e:
                 raise ValueError(f"--checkpoint: {e}") from e
 
-        def moepec_config(self, path: str) -> CheckpointConfig:
-            """moepec's CheckpointConfig for a checkpoint root at ``path``."""
+        def moepec_config(self, path: str, dense: bool = False) -> CheckpointConfig:
+            """moepec's CheckpointConfig for a checkpoint root at ``path``; ``dense``: the
+            model has no MoE layer (full checkpoints, not an error)."""
             background = self.async_mode != "disabled"
             return CheckpointConfig(
                 path=path, interval=self.interval, k_persist=self.k_persist,
@@ -222,7 +220,7 @@ class PecCheckpointManager(BaseCheckpointManager):
                 async_persist=background, plt_budget=self.plt_budget,
                 dynamic_k=self.dynamic_k, ram_dir=self.ram_dir, write_mode=self.write_mode,
                 serialization=self.serialization, timeout_s=self.timeout_s,
-                takeover=self.takeover)
+                takeover=self.takeover, require_experts=False if dense else None)
 
     def __init__(self, config: Config, *, dataloader: Any | None, model_parts: list[nn.Module],
                  optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
@@ -240,16 +238,24 @@ class PecCheckpointManager(BaseCheckpointManager):
         distributed = dist.is_available() and dist.is_initialized()
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
                        if distributed else None)
-        extra: dict[str, Any] = {"lr_scheduler": lr_schedulers, **states}
+        torch_optimizers, whole = _optimizers_of(optimizers)
+        extra: dict[str, Any] = {"lr_scheduler": lr_schedulers, **_stateful(states)}
+        if whole is not None:
+            extra["optimizer"] = whole
         self.loader_state = None
         if dataloader is not None:
             self.loader_state = DataLoaderState(dataloader, self._group)
             extra["dataloader"] = self.loader_state
-        self.manager = PecManager(model_parts[0], optimizers.optimizers[0],
-                                  config.moepec_config(self.folder), extra_state=extra)
+        dense = not any(_is_moe(m) for m in model_parts[0].modules())
+        self.manager = PecManager(model_parts[0], torch_optimizers,
+                                  config.moepec_config(self.folder, dense), extra_state=extra)
         self.routing = RoutingTap(model_parts[0], self.manager.n_experts)
-        log.info("moepec: partial-experts checkpoints (K=%d of %s experts per layer) in %s",
-                 self.manager.k_persist, self.manager.n_experts, self.folder)
+        if not self.manager.n_experts:
+            log.info("moepec: the model has no MoE layer: full checkpoints in %s", self.folder)
+        else:
+            log.info("moepec: partial-experts checkpoints (K=%d of %s experts per layer, %d "
+                     "optimizer(s)) in %s", self.manager.k_persist, self.manager.n_experts,
+                     len(torch_optimizers), self.folder)
 
     def _should_save(self, curr_step: int, last_step: bool) -> bool:
         """torchtitan's own rule (CheckpointManager._should_save)."""
@@ -279,16 +285,28 @@ class PecCheckpointManager(BaseCheckpointManager):
 
     def _load(self, step: int = -1) -> bool:
         """Restore the newest view (each expert from its newest copy); False when the
-        folder holds no checkpoint (a fresh start)."""
-        if step != -1:
-            raise ConfigError(f"--checkpoint.load_step {step}: moepec restores the newest "
-                              f"view of {self.folder}; drop the flag (or `moepec export` "
-                              f"an older checkpoint and load it with torchtitan's own manager)")
-        self.report = self.manager.restore()
+        folder holds no checkpoint (a fresh start). ``step`` (``--checkpoint.load_step``):
+        the newest view at or before that step -- that step's own when its view is whole
+        -- and FileNotFoundError when the folder holds none, as torchtitan's manager."""
+        try:
+            self.report = self.manager.restore(None if step == -1 else step)
+        except NoCheckpointError as exc:
+            if step == -1:
+                raise
+            raise FileNotFoundError(
+                f"--checkpoint.load_step={step}: the view at that step is no longer whole "
+                f"({exc}); retention keeps the views of the newest keep_latest_k checkpoints "
+                f"whole: load a newer step (keep_latest_k 0 keeps every view)") from exc
         self.routing.reset()
+        if self.report is None and step != -1:
+            raise FileNotFoundError(f"--checkpoint.load_step={step} not found: {self.folder} "
+                                    f"holds no checkpoint at or before step {step}")
         if self.report is None:
             log.info("moepec: no checkpoint in %s, this is a fresh start", self.folder)
             return False
+        if step not in (-1, self.report.step):
+            log.warning("moepec: --checkpoint.load_step=%d: no whole view at that step; "
+                        "loaded step %d, the newest before it", step, self.report.step)
         log.info("moepec: restored step %d from %s (%s); PLT %.4f%%", self.report.step,
                  self.report.checkpoint, self.report.tier, 100 * self.report.plt)
         return True
@@ -317,10 +335,6 @@ def _refuse_unsupported(config: PecCheckpointManager.Config, model_parts: list[n
         raise ConfigError(f"{len(model_parts)} model parts (pipeline parallelism): moepec "
                           f"checkpoints one model part per rank; run without "
                           f"--parallelism.pipeline_parallel_degree")
-    inner = getattr(optimizers, "optimizers", None)
-    if not isinstance(inner, list) or len(inner) != 1:
-        raise ConfigError("moepec checkpoints one torch optimizer per model part; configure "
-                          "a single optimizer (one optimizer_name in optimizer.param_groups)")
     unsupported = {
         "initial_load_path": "load it with torchtitan's own CheckpointManager first and "
                              "save a moepec checkpoint from that run",
@@ -333,6 +347,58 @@ def _refuse_unsupported(config: PecCheckpointManager.Config, model_parts: list[n
         if getattr(config, name):
             raise ConfigError(f"--checkpoint.{name} is not supported by moepec's checkpoint "
                               f"manager: {fix}")
+
+
+def _optimizers_of(optimizers: Any) -> tuple[list[torch.optim.Optimizer], Any | None]:
+    """(the torch optimizers of torchtitan's ``OptimizersContainer``: one per optimizer
+    name, each keeping its per-expert state with the expert; another stateful object,
+    stored whole with the non-expert state, or None). ConfigError for anything else."""
+    if optimizers is None:
+        return [], None
+    inner = getattr(optimizers, "optimizers", None)
+    if isinstance(inner, list) and all(isinstance(o, torch.optim.Optimizer) for o in inner):
+        return inner, None
+    if hasattr(optimizers, "state_dict") and hasattr(optimizers, "load_state_dict"):
+        log.info("moepec: the optimizers (%s) are not torch optimizers in an "
+                 "OptimizersContainer: their state_dict() is saved whole, every time",
+                 type(optimizers).__name__)
+        return [], optimizers
+    raise ConfigError(f"optimizers: a {type(optimizers).__name__} is neither torchtitan's "
+                      f"OptimizersContainer nor stateful; pass the Trainer's optimizers")
+
+
+def _is_moe(module: nn.Module) -> bool:
+    """A torchtitan MoE layer (it counts the tokens routed to each of its experts)."""
+    return isinstance(getattr(module, "tokens_per_expert_E", None), torch.Tensor)
+
+
+class TensorState:
+    """A bare tensor of torchtitan's ``states`` as ``extra_state``: saved with the
+    non-expert state (its bytes, exactly) and restored into the same tensor, in place."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tensor": self.tensor.detach()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        value = saved.get("tensor")
+        if not (isinstance(value, torch.Tensor) and value.shape == self.tensor.shape
+                and value.dtype == self.tensor.dtype):
+            raise StructureMismatchError(
+                f"the checkpoint holds {getattr(value, 'dtype', type(value).__name__)} "
+                f"{tuple(getattr(value, 'shape', ()))} where the states hold "
+                f"{self.tensor.dtype} {tuple(self.tensor.shape)}; restore into the states "
+                f"the checkpoint was saved from")
+        with torch.no_grad():
+            self.tensor.copy_(value)
+
+
+def _stateful(states: dict[str, Any]) -> dict[str, Any]:
+    """torchtitan's ``states`` as ``extra_state``: a bare tensor wrapped in TensorState."""
+    return {k: TensorState(v) if isinstance(v, torch.Tensor) else v
+            for k, v in states.items()}
 
 
 @override(target=CheckpointManager.Config,
