@@ -1,8 +1,12 @@
-"""Child process for the fencing tests: trains the toy model into a checkpoint root for a
-number of seconds, then reports. Usage:
-    fence_writer.py PATH SECONDS TAKEOVER(0|1) OUT [STORAGE_OPTIONS_JSON]
-Prints "ready" once it committed a checkpoint. OUT receives (torch.save, plain tensors) the
-state of this run's newest committed step and a small JSON report beside it."""
+"""Child process for the fencing tests: trains the toy model into a checkpoint root until
+a condition holds, then reports. Usage:
+    fence_writer.py PATH STOP TAKEOVER(0|1) OUT [STORAGE_OPTIONS_JSON]
+Prints "ready" once it committed a checkpoint. The new holder (TAKEOVER=1) stops once it
+committed COMMITS checkpoints of its own; the old writer (TAKEOVER=0) stops once the file
+STOP exists and it learnt it was fenced, then AFTER more checkpoints on. Each condition
+has a deadline (DEADLINE_S, generous for a busy machine): past it the writer stops and
+its report says what did not happen. OUT receives (torch.save, plain tensors) the state
+of this run's newest committed step and a small JSON report beside it."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -18,9 +23,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moepec import CheckpointConfig, CheckpointManager, PersistError  # noqa: E402
 from tests.toy import Counter, full_state, make, train_step  # noqa: E402
 
+COMMITS = 8
+"""Checkpoints the new holder commits before it stops."""
+AFTER = 5
+"""Checkpoints the old writer starts after it learnt it was fenced and was told to stop."""
+DEADLINE_S = 120.0
+"""How long a writer waits for its condition (its commits; the stop file; its fencing)."""
+
 
 def main() -> None:
-    path, seconds, takeover, out = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", \
+    path, stop, takeover, out = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "1", \
         sys.argv[4]
     options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     model, opt, sched = make(0, "stacked", 4)
@@ -33,8 +45,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1 + takeover)
     saved: dict[int, dict[str, torch.Tensor]] = {}
     errors, step, ready = [], start, False
-    t_end = time.monotonic() + seconds
-    while time.monotonic() < t_end:
+    committed: set[str] = set()  # this run's commits seen (retention deletes the older)
+    told = False  # the old writer saw the stop file
+    after = -1  # checkpoints started since the old writer was told to stop and fenced
+    # The old writer waits for the new holder's whole run before it is told to stop.
+    deadline = time.monotonic() + DEADLINE_S * (1 if takeover else 2)
+    timed_out = True
+    while time.monotonic() < deadline:
         _, counts = train_step(model, opt, sched, gen)
         mgr.wait_for_snapshot()
         opt.step()
@@ -46,12 +63,26 @@ def main() -> None:
                 saved[step] = full_state(model, opt)
                 for old in [s for s in saved if s < step - 60]:
                     del saved[old]
+                after += after >= 0
         except PersistError as exc:
             errors.append(str(exc))
-        if not ready and mgr.storage.committed():
+        if mgr.last_committed is not None and mgr.last_committed.endswith("-" + mgr.run_id):
+            committed.add(mgr.last_committed)
+        if not ready and committed:
             print("ready", flush=True)
             ready = True
         step += 1
+        if takeover and len(committed) >= COMMITS:
+            timed_out = False
+            break
+        if not takeover and not told and stop.exists():
+            told = True
+            deadline = time.monotonic() + DEADLINE_S  # from now: until it learns of its fencing
+        if told and after < 0 and mgr.fenced is not None:
+            after = 0
+        if after >= AFTER:
+            timed_out = False
+            break
         time.sleep(0.01)  # a training step of some length: checkpoints are not back to back
     try:
         mgr.close()
@@ -63,6 +94,7 @@ def main() -> None:
     torch.save(saved.get(newest_step, {}), out)
     with open(out + ".json", "w") as f:
         json.dump({"run_id": mgr.run_id, "fenced": mgr.fenced, "errors": errors,
+                   "timed_out": timed_out, "told": told, "commits_seen": len(committed),
                    "newest": newest, "newest_step": newest_step,
                    "records": [[r.name, r.committed] for r in mgr.persister.records]}, f)
     print("done", flush=True)

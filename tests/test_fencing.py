@@ -1,14 +1,16 @@
 """Fencing (issue 21.1): after a takeover, the old writer never writes, renames or deletes
 anything in the root, and nothing it does can damage the new holder's checkpoints, even
-before it notices (checkpoint names are unique per run). Two live writers, 30 s, on a
+before it notices (checkpoint names are unique per run). Two live writers, on a
 local root and on a real S3-compatible server (moto)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,35 +24,57 @@ from tests.toy import Counter, full_state, make
 
 ROOT = Path(__file__).resolve().parent.parent
 WRITER = str(ROOT / "tests" / "fence_writer.py")
-SECONDS = 15.0
+WAIT_S = 300.0
+"""How long the test waits for a writer's line or exit: the writers' own deadlines
+(fence_writer.DEADLINE_S) come first; this only bounds a writer that hangs."""
 
 
-def _writer(path: str, seconds: float, takeover: bool, out: Path,
+def _writer(path: str, stop: Path, takeover: bool, out: Path,
             options: dict | None) -> subprocess.Popen:
-    args = [sys.executable, WRITER, path, str(seconds), "1" if takeover else "0", str(out)]
+    args = [sys.executable, WRITER, path, str(stop), "1" if takeover else "0", str(out)]
     if options:
         args.append(json.dumps(options))
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # stderr to a file: a pipe nobody reads while the writer runs could fill and stall it
+    with open(str(out) + ".err", "w") as err:
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+
+
+def _wait_line(proc: subprocess.Popen, want: str, err: Path, timeout_s: float) -> None:
+    """Wait for the line ``want`` on the writer's stdout, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            line = proc.stdout.readline()
+            if line.strip() == want:
+                return
+            assert line, f"writer exited before {want!r}: {err.read_text()[-3000:]}"
+    raise AssertionError(f"no {want!r} from the writer in {timeout_s:.0f} s: "
+                         f"{err.read_text()[-3000:]}")
 
 
 class _TwoWriters:
-    """Run A trains into a root; run D takes it over while A lives; both train on."""
+    """Run A trains into a root; run D takes it over while A lives and trains until it
+    committed its checkpoints; then A is told to stop, and stops once it learnt it was
+    fenced and trained on for a few checkpoints (conditions, not times: fence_writer)."""
 
     def __init__(self, path: str, tmp_path: Path, options: dict | None) -> None:
         self.path, self.tmp_path, self.options = path, tmp_path, options
-        self.old = _writer(path, SECONDS + 15, False, tmp_path / "a.pt", options)
+        self.stop = tmp_path / "stop-a"
+        self.old = _writer(path, self.stop, False, tmp_path / "a.pt", options)
         self.new = None
 
     def take_over(self) -> None:
-        assert self.old.stdout.readline().strip() == "ready", self.old.stderr.read()[-3000:]
-        self.new = _writer(self.path, SECONDS, True, self.tmp_path / "d.pt", self.options)
+        _wait_line(self.old, "ready", self.tmp_path / "a.pt.err", WAIT_S)
+        self.new = _writer(self.path, self.stop, True, self.tmp_path / "d.pt", self.options)
 
     def finish(self) -> str:
-        """Wait for both; returns the old writer's stderr."""
+        """Wait for D, tell A to stop, wait for A; returns A's stderr."""
         try:
-            _, new_err = self.new.communicate(timeout=SECONDS + 120)
-            assert self.new.returncode == 0, new_err[-3000:]
-            _, old_err = self.old.communicate(timeout=SECONDS + 120)
+            self.new.wait(timeout=WAIT_S)
+            assert self.new.returncode == 0, (self.tmp_path / "d.pt.err").read_text()[-3000:]
+            self.stop.touch()
+            self.old.wait(timeout=WAIT_S)
+            old_err = (self.tmp_path / "a.pt.err").read_text()
             assert self.old.returncode == 0, old_err[-3000:]
             return old_err
         finally:
@@ -61,11 +85,15 @@ class _TwoWriters:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            if proc is not None:
+                proc.stdout.close()
 
 
 def _check(path: str, tmp_path: Path, options: dict | None, old_err: str) -> None:
     a = json.loads((tmp_path / "a.pt.json").read_text())
     d = json.loads((tmp_path / "d.pt.json").read_text())
+    # Both writers reached their conditions (not their deadlines).
+    assert not d["timed_out"] and not a["timed_out"], (a, d)
     # The old writer learnt it was fenced, said so once, and trained on without errors.
     assert a["fenced"] and "took over the checkpoint root" in a["fenced"]
     assert old_err.count("took over the checkpoint root") == 1, old_err[-3000:]
@@ -76,7 +104,8 @@ def _check(path: str, tmp_path: Path, options: dict | None, old_err: str) -> Non
     res = verify_path(path, options)
     assert res.ok and not res.bad and not res.damaged_manifests, (res.bad, res.damaged_manifests)
     # The old run stopped writing at its fencing: none of its folders is as new as the
-    # new holder's newest checkpoint (it trained on, 15 s longer than the new holder).
+    # new holder's newest checkpoint (it trained on for checkpoints after the new holder
+    # stopped).
     st = Storage(path, options)
     names = [n for n, _ in st.list_checkpoints()]
     newest_seq = parse_checkpoint_name(d["newest"]).seq
@@ -107,7 +136,8 @@ def _check(path: str, tmp_path: Path, options: dict | None, old_err: str) -> Non
 
 @pytest.mark.slow
 def test_two_live_writers_after_a_takeover_local_and_s3(tmp_path):
-    """Both roots at once (the writers sleep between steps: 15 s, the old one 15 s longer)."""
+    """Both roots at once (the writers sleep between steps; the new holder trains until it
+    committed 8 checkpoints, the old one until it learnt it was fenced and 5 more)."""
     pytest.importorskip("s3fs")
     moto_server = pytest.importorskip("moto.server")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
