@@ -1,7 +1,8 @@
-"""Shared fixtures for the model, data, trainer and CLI tests."""
+"""Shared fixtures for the model, data, trainer, CLI and storage tests."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -16,3 +17,22 @@ def text_files(tmp_path: Path) -> Path:
         sub.mkdir(parents=True, exist_ok=True)
         (sub / f"f{i:03d}.txt").write_text(f"file {i:03d}: " + "lorem ipsum dolor " * 20 + "\n")
     return root
+
+
+@pytest.fixture(scope="session")
+def s3_options():
+    """fsspec options of a real S3-compatible server (moto's, over HTTP on loopback, port
+    0) holding the bucket ``moepec-test``; skips without s3fs or moto."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    port = server._server.server_port
+    opts = {"key": "testing", "secret": "testing",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    import s3fs
+
+    s3fs.S3FileSystem(**opts).mkdir("moepec-test")
+    yield opts
+    server.stop()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -12,23 +10,7 @@ from moepec.recovery.offline import verify_path
 from tests.toy import Counter, full_state, make, run_loop
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-
-@pytest.fixture(scope="module")
-def s3_options():
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    port = server._server.server_port
-    opts = {"key": "testing", "secret": "testing",
-            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**opts)
-    fs.mkdir("moepec-test")
-    yield opts
-    server.stop()
+pytest.importorskip("moto.server")  # the server: tests/conftest.py's s3_options
 
 
 def test_s3_round_trip_and_verify(s3_options):

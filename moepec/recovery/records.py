@@ -15,41 +15,40 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from moepec.store.storage import Storage
+
 log = logging.getLogger(__name__)
 
 DIR = "recoveries"
 
 
-def write_recovery(storage, report, *, base_seq: int, next_seq: int, k_persist: int) -> None:
-    """Store the record of a restore (rank 0, after it). ``storage`` is a
-    moepec.store.storage.Storage, ``report`` the RestoreReport; ``base_seq`` is the
-    restored base's sequence number, ``next_seq`` the next checkpoint's, ``k_persist`` K
-    after the recovery."""
+def write_recovery(storage: Storage, report, *, base_seq: int, next_seq: int,
+                   k_persist: int) -> None:
+    """Store the record of a restore (rank 0, after it; one atomic put). ``report`` is
+    the RestoreReport; ``base_seq`` is the restored base's sequence number, ``next_seq``
+    the next checkpoint's, ``k_persist`` K after the recovery."""
     record = {"time": time.time(), "base_seq": base_seq, "next_seq": next_seq,
               "step": report.step, "checkpoint": report.checkpoint, "tier": report.tier,
               "lost": report.lost, "plt": report.plt, "seconds": report.seconds,
               "k_persist": k_persist, "warnings": report.warnings}
-    folder = f"{storage.root}/{DIR}"
     try:
-        storage.fs.makedirs(folder, exist_ok=True)
-        storage.fs.pipe_file(f"{folder}/rec-{next_seq:06d}-{time.time_ns()}.json",
-                             json.dumps(record).encode())
+        storage.makedirs(DIR)
+        storage.put(f"{DIR}/rec-{next_seq:06d}-{time.time_ns()}.json",
+                    json.dumps(record).encode())
     except Exception as exc:  # noqa: BLE001 - the record is advisory; training goes on
         log.warning("could not write the recovery record: %s", exc)
 
 
-def read_recoveries(storage) -> list[dict[str, Any]]:
+def read_recoveries(storage: Storage) -> list[dict[str, Any]]:
     """All recovery records under a checkpoint root, oldest first."""
-    try:
-        paths = sorted(storage.fs.ls(f"{storage.root}/{DIR}", detail=False))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    names = sorted(n for n in storage.listdir(DIR)
+                   if n.startswith("rec-") and n.endswith(".json"))  # not a write's temp file
     out = []
-    for path in paths:
+    for name in names:
         try:
-            out.append(json.loads(storage.fs.cat_file(path)))
+            out.append(json.loads(storage.get(f"{DIR}/{name}")))
         except Exception:  # noqa: BLE001 - a damaged record is skipped
-            log.warning("skipping unreadable recovery record %s", path)
+            log.warning("skipping unreadable recovery record %s/%s", DIR, name)
     return sorted(out, key=lambda r: r.get("time", 0))
 
 

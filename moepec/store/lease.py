@@ -1,16 +1,15 @@
 """One writer per checkpoint root: a lease file that names the run writing there.
 
 ``<root>/moepec.lease`` holds the holder's run id, host, pid and the time it was taken. It
-is created exclusively (``O_EXCL`` on a local disk; a conditional create, S3's
-``If-None-Match: *``, on object stores), so of two runs started on one root the second
-fails at once with a one-line error naming the holder. Only a run acquiring the lease
-writes that file; the holder's heartbeat goes to a file of its own,
-``<root>/moepec.lease.<run id>``, so a run that lost the lease and has not noticed yet
-can never overwrite (or, at exit, remove) the new holder's lease: there is no
-read-then-write race to lose. A lease is free again when its holder's heartbeat is older
-than the timeout, when its holder released it (a clean close), when its holder was a
-process of this host that is no longer alive (a crashed or restarted worker), or when the
-new run asks to take over.
+is created exclusively (``Storage.create``: a hard link on a local disk, a conditional PUT
+on object stores), so of two runs started on one root the second fails at once with a
+one-line error naming the holder. Only a run acquiring the lease writes that file; the
+holder's heartbeat goes to a file of its own, ``<root>/moepec.lease.<run id>``, so a run
+that lost the lease and has not noticed yet can never overwrite (or, at exit, remove) the
+new holder's lease: there is no read-then-write race to lose. A lease is free again when
+its holder's heartbeat is older than the timeout, when its holder released it (a clean
+close), when its holder was a process of this host that is no longer alive (a crashed or
+restarted worker), or when the new run asks to take over.
 Rank 0 holds it; a heartbeat thread refreshes it; ``check`` before every write, commit
 and deletion makes sure a run that lost its lease never touches the root again. Losing
 is final: a lease found held by another run, or gone, is never taken back by this run.
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 from moepec.errors import FencedError, LeaseError
 from moepec.keys import RUN_ID_RE
+from moepec.store.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,10 @@ def pid_alive(pid: object) -> bool:
 class Lease:
     """The lease of one checkpoint root for one run (rank 0 only)."""
 
-    def __init__(self, storage, run_id: str, *, timeout_s: float, takeover: bool) -> None:
+    def __init__(self, storage: Storage, run_id: str, *, timeout_s: float, takeover: bool) -> None:
         self.storage = storage
-        self.path = f"{storage.root}/{LEASE_NAME}"
+        self.path = f"{storage.url}/{LEASE_NAME}"
+        """Where the lease file is (for messages)."""
         self.me = Holder(run_id=run_id, host=socket.gethostname(), pid=os.getpid(),
                          heartbeat=time.time())
         self.timeout_s = timeout_s
@@ -88,8 +89,10 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _beat_path(self, run_id: str) -> str:
-        return f"{self.path}.{run_id}"
+    @staticmethod
+    def _beat_path(run_id: str) -> str:
+        """The heartbeat file of run ``run_id``, under the root."""
+        return f"{LEASE_NAME}.{run_id}"
 
     def acquire(self) -> Holder | None:
         """Take the lease; returns the holder it was taken from (None if it was free).
@@ -98,7 +101,7 @@ class Lease:
             return None
         if self.lost is not None:
             raise FencedError(self.lost)
-        self.storage.fs.makedirs(self.storage.root, exist_ok=True)
+        self.storage.makedirs()
         # The heartbeat exists before the lease names us: a lease is never seen without it.
         self._beat()
         if self._create():
@@ -183,7 +186,7 @@ class Lease:
             if self.lost is not None:
                 return
             try:
-                self._put(self._beat_path(self.me.run_id), b'"released"')
+                self.storage.put(self._beat_path(self.me.run_id), b'"released"')
             except Exception as exc:  # noqa: BLE001 - a stale lease expires by itself
                 log.warning("could not release the lease %s: %s", self.path, exc)
 
@@ -196,52 +199,31 @@ class Lease:
     def _create(self) -> bool:
         """Create the lease file exclusively; False when it exists."""
         try:
-            if self.storage.local:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    os.write(fd, self._data())
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            else:
-                self.storage.fs.pipe_file(self.path, self._data(), mode="create")
+            self.storage.create(LEASE_NAME, self._data())
         except FileExistsError:
             return False
         return True
 
     def _write(self) -> None:
         """Replace the lease file whole (a takeover)."""
-        self._put(self.path, self._data())
-
-    def _put(self, path: str, data: bytes) -> None:
-        """Write a small file whole and atomically (temporary name, fsync, rename locally;
-        one PUT on object stores)."""
-        if self.storage.local:
-            tmp = f"{path}.{self.me.pid}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        else:
-            self.storage.fs.pipe_file(path, data)
+        self.storage.put(LEASE_NAME, self._data())
 
     def _remove_quietly(self, path: str) -> None:
         try:
-            self.storage.fs.rm(path)
+            self.storage.remove(path)
         except Exception:  # noqa: BLE001 - a leftover heartbeat file is harmless
             pass
 
     def _read(self) -> Holder | None:
         try:
-            return Holder.parse(self.storage.fs.cat_file(self.path))
+            return Holder.parse(self.storage.get(LEASE_NAME))
         except FileNotFoundError:
             return None
 
     def _read_beat(self, holder: Holder) -> float | str | None:
         """The holder's last heartbeat time, "released", or None (no heartbeat file)."""
         try:
-            value = json.loads(self.storage.fs.cat_file(self._beat_path(holder.run_id)))
+            value = json.loads(self.storage.get(self._beat_path(holder.run_id)))
         except (FileNotFoundError, ValueError):
             return None
         if value == "released":
@@ -250,7 +232,7 @@ class Lease:
 
     def _beat(self) -> None:
         """Refresh this run's own heartbeat file (never the lease file)."""
-        self._put(self._beat_path(self.me.run_id), json.dumps(time.time()).encode())
+        self.storage.put(self._beat_path(self.me.run_id), json.dumps(time.time()).encode())
 
     def _beat_loop(self) -> None:
         interval = max(1.0, self.timeout_s / 4)

@@ -1,0 +1,70 @@
+"""Keeping the process quiet around moepec's own work: no garbage-collection pauses while
+manifests are parsed (:func:`no_gc`), and no DCP warning at each of our own one-process
+saves and loads (:func:`single_process_dcp`). Any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import warnings
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """No garbage collection inside: parsing manifests (and restoring from them) allocates
+    many small containers, and in a training process (a large heap) the collections they
+    trigger took 10x the parse itself (0.38 s against 0.035 s for 64 manifests,
+    measured). What runs inside makes no reference cycles worth collecting early; the
+    caller's setting is restored after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+_SINGLE_PROCESS = (r"torch\.distributed is .*assuming the intent is to (save|load) in a single "
+                   r"process")
+"""DCP's UserWarning for a one-process save or load (worded alike from torch 2.4 to 2.13)."""
+
+
+@contextlib.contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """Around our own one-process ``dcp.save`` / ``dcp.load``: silences exactly DCP's
+    "torch.distributed is disabled ..., assuming the intent is to save in a single process"
+    UserWarning, which torch raises at every call even with ``no_dist=True`` (the argument
+    that says one process is the intent), so there is no argument that avoids it.
+
+    Not ``warnings.catch_warnings()``: that saves and restores the whole global filter list
+    and ``showwarning``, so on the persist thread it could undo a filter or a warnings
+    recorder the training thread set meanwhile. This adds one filter and removes that one
+    filter again, once the last thread inside has left (warnings merges identical
+    filters into one entry, so each thread removing "its" filter would unfilter the
+    others); any thread may use it."""
+    with _quiet_lock:
+        if _quiet_users[0] == 0:
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
+        _quiet_users[0] += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_users[0] -= 1
+            if _quiet_users[0] == 0:
+                for item in [f for f in warnings.filters if f[0] == "ignore"
+                             and f[2] is UserWarning and f[1] is not None
+                             and f[1].pattern == _SINGLE_PROCESS]:
+                    with contextlib.suppress(ValueError):  # another thread reset the list
+                        warnings.filters.remove(item)
+                # As warnings.filterwarnings does after a change: registries re-check.
+                getattr(warnings, "_filters_mutated", lambda: None)()
+
+
+_quiet_lock = threading.Lock()
+_quiet_users = [0]
+"""Threads inside :func:`single_process_dcp` (the filter is process-wide, so is this)."""
