@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from moepec.errors import CheckpointError, CorruptCheckpointError, ManifestError
 from moepec.keys import MANIFEST_NAME
+from moepec.store.atomic import write_atomic
 from moepec.store.checksum import checksum_matches, tensor_checksum
 from moepec.store.dcp_raw import RAW_DESCRIPTOR, RawFileSystemWriter
 from moepec.store.items import Encoding, Item
@@ -247,30 +248,13 @@ def read_records(folder: str, world_size: int) -> dict[str, Item]:
 
 
 def atomic_write(path: str, data: bytes, overwrite: bool = False) -> None:
-    """Write a small file whole: temporary name, fsync, link (or replace with
-    ``overwrite``), directory fsync. Without ``overwrite`` an existing file is never
-    replaced (CheckpointError)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write a small file whole (``moepec.store.atomic.write_atomic``). Without
+    ``overwrite`` an existing file is never replaced (CheckpointError)."""
     try:
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # unlike rename, fails when the file exists
+        write_atomic(path, data, exclusive=not overwrite)
     except FileExistsError:
         raise CheckpointError(f"{path} exists already; a commit never overwrites a "
                               f"manifest") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def commit(root: str, manifest: FlatManifest) -> None:
