@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.shm_cleanup import _no_shared_memory_left  # noqa: F401 (autouse)
+
 
 @pytest.fixture
 def text_files(tmp_path: Path) -> Path:
