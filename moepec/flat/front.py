@@ -271,8 +271,12 @@ class FlatFrontEnd:
 
 def _pieces(view: Mapping[str, str], wants: Iterable[Region]) -> dict[Region, list[str]]:
     """For each wanted region, the saved keys of its tensor whose boxes overlap it."""
+    wants = list(wants)
+    names = {w.key for w in wants}  # parse only the keys of tensors a cut needs
     by_tensor: dict[str, list[tuple[Region, str]]] = {}
     for key in view:
+        if key.rpartition("#")[0] not in names:
+            continue
         r = parse_shard_key(key)
         if r is not None:
             by_tensor.setdefault(r.key, []).append((r, key))
