@@ -26,6 +26,7 @@ import pytest
 
 from moepec.ram.jobs import DEFAULT_DIR, job_name
 from moepec.recovery.offline import verify_path
+from moepec.train import faults
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,6 +81,24 @@ def test_restarted_workers_restore_from_shared_memory(tmp_path):
     assert len(again) >= 20
     # a clean close removed the slots
     assert not shm.exists() or not any(p.is_file() for p in shm.rglob("*"))
+
+
+@pytest.mark.parametrize("kind", ["kill_commit", "kill_persist"])
+def test_a_persist_kill_strikes_its_checkpoint_not_an_older_one_in_flight(kind, monkeypatch):
+    # The flake this fixes (issue 35.4): under load the persist of step 7 was still in
+    # flight when kill_commit@15 was armed, and the kill struck it; recovery then restored
+    # step 7 where 15 was expected (made certain by slowing rank 0's storage from step 5).
+    kills = []
+    monkeypatch.setattr(faults, "kill_self", lambda: kills.append(1))
+    monkeypatch.setattr(faults.threading, "Timer", lambda delay, fn: type(
+        "T", (), {"start": lambda self: fn()})())
+    injector = faults.FaultInjector(faults.FaultPlan.parse(f"{kind}@15"), rank=0, ckpt_url=None)
+    injector.before_step(15)  # armed
+    where = "before_commit" if kind == "kill_commit" else "write"
+    injector.hooks.on_persist(where, "ckpt-000000-step00000007-0123456789ab")
+    assert kills == []  # the persist of step 7, still in flight: not its target
+    injector.hooks.on_persist(where, "ckpt-000001-step00000015-0123456789ab")
+    assert kills == [1]
 
 
 def run_two_nodes(tmp_path: Path, faults: str) -> list[subprocess.CompletedProcess]:

@@ -4,7 +4,8 @@ Kinds (``FaultPlan`` entries):
 - ``sigkill``: SIGKILL this rank's process at the start of a step;
 - ``exception``: raise :class:`InjectedFault` inside a training step (after backward);
 - ``kill_persist``: SIGKILL while the persist worker writes checkpoint data;
-- ``kill_commit``: SIGKILL after the data is written and before the manifest commit;
+- ``kill_commit``: SIGKILL after the data is written and before the manifest commit
+  (both in the persist of the first checkpoint taken at or after their step);
 - ``storage_error`` / ``enospc`` / ``slow_storage``: storage writes fail, fail with
   ENOSPC, or are slowed, through :class:`FaultyFileSystem` (an fsspec filesystem);
 - ``corrupt``: flip bytes in a committed checkpoint's data file;
@@ -349,10 +350,16 @@ class FaultInjector:
         self._persist_kill = (fault, armed_at, self.rng.uniform(0.0, 0.01))
 
     def _in_persist(self, where: str, name: str) -> None:
-        """``hooks.on_persist``: the persist worker, at each persist point."""
+        """``hooks.on_persist``: the persist worker, at each persist point. An armed kill
+        strikes the persist of a checkpoint taken at or after the step it was armed at,
+        never an older one still in flight (a slow persist of step 7 running when
+        ``kill_commit@15`` is armed would otherwise be killed instead of step 15's)."""
         if self._persist_kill is None:
             return
         fault, armed_at, delay = self._persist_kill
+        parsed = parse_checkpoint_name(name)
+        if parsed is not None and parsed[1] < armed_at:
+            return
         if fault.kind == "kill_persist" and where == "write":
             self._fire_in_persist(fault, armed_at, name)
             threading.Timer(delay, kill_self).start()  # while DCP writes the data
