@@ -35,5 +35,6 @@ def test_s3_round_trip_and_verify(s3_options):
     layer0 = mgr.storage.read_manifest(mgr.storage.committed()[-1]).meta.experts_saved[0][0]
     key = f"model/moe.0.experts.{layer0}.w1"
     assert torch.equal(got[key], saved[5][key])
+    mgr2.close()  # a clean close removes its RAM tier's folder in /dev/shm/moepec
     res = verify_path(url, s3_options)
     assert res.ok and res.checked > 0
