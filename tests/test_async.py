@@ -112,11 +112,11 @@ def test_persist_error_is_raised_only_after_the_snapshot_is_complete(tmp_path):
     hooks = FaultHooks()
     mgr, model, opt, sched, counter = setup(url, hooks, k_persist=4, busy_policy="skip")
     persist_gate, copy_gate = threading.Event(), threading.Event()
-    hooks.on_persist = lambda point, name: persist_gate.wait(10) if point == "write" else None
+    hooks.on_persist = lambda point, name: persist_gate.wait(120) if point == "write" else None
     FaultyFileSystem.mode = "enospc"
     try:
         loop(mgr, model, opt, sched, counter, 2)  # step 1's persist waits at the gate
-        hooks.on_snapshot = lambda point, step: copy_gate.wait(10)
+        hooks.on_snapshot = lambda point, step: copy_gate.wait(120)
         mgr.save(3)  # the persister is busy: RAM only; the copy waits at its gate
         persist_gate.set()
         mgr.wait_for_persist()  # step 1's persist failed: its error is pending
@@ -176,12 +176,16 @@ def test_buffers_are_reused_and_memory_bounded(tmp_path):
 def test_torn_state_slow_snapshot_overlaps_training(tmp_path):
     """The copy of step t runs while step t+1's forward/backward run; the optimizer waits
     for it, so restore gives exactly step t's state, never a mix with t+1."""
-    import time
+    import threading
 
     overlapped = []
+    trained = threading.Event()
+    """Set once the forward/backward after a save ran: the copy may finish from then on."""
 
     def slow(where, step):
-        time.sleep(0.25)  # longer than a toy step even on a loaded 2-core machine
+        # The copy is held until training ran a step beside it (a condition, not a time:
+        # on a loaded machine a step may take longer than any fixed sleep).
+        assert trained.wait(120), "the training thread never ran a step beside the copy"
 
     mgr, model, opt, sched, counter = setup(tmp_path / "c", FaultHooks(on_snapshot=slow),
                                             interval=3, k_persist=4)
@@ -190,15 +194,18 @@ def test_torn_state_slow_snapshot_overlaps_training(tmp_path):
     for step in range(9):
         _, counts = train_step(model, opt, sched, gen)  # runs during the copy
         overlapped.append(mgr.snapshotter.busy)
+        trained.set()
         mgr.wait_for_snapshot()
         opt.step()
         sched.step()
         counter.position += 1
         mgr.observe_routing(counts)
+        trained.clear()
         if mgr.step(step):
             saved[step] = full_state(model, opt)
+    trained.set()  # the last copy has no step after it
     mgr.close()
-    assert any(overlapped)  # forward/backward really ran while a copy was in flight
+    assert overlapped == [s % 3 == 0 and s > 0 for s in range(9)]  # the copy of s - 1 ran
     fresh, model2, opt2, _, c2 = setup(tmp_path / "c", interval=3, k_persist=4)
     report = fresh.restore()
     assert report.step == 8 and c2.position == 9
