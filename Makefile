@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 DEMO_STAMP := $(VENV)/.moepec-demo-installed
 STAMP := $(VENV)/.moepec-installed
 
-.PHONY: demo test lint bench report clean
+.PHONY: demo test test-busy lint bench report clean
 
 # torch is pinned: 2.13.0 is the CPU build the set-up path is tested with.
 # Byte-compiled at install (pip's default), on purpose: with PYTHONDONTWRITEBYTECODE
@@ -25,14 +25,15 @@ $(DEMO_STAMP): pyproject.toml
 	  $(PIP) torch==2.13.0 && $(PIP) -e '.[ft]' && touch $@; fi
 
 # The frameworks of the integrations' tests (Hugging Face, Megatron-Core, torchtitan and
-# what it imports), and the test tools. megatron-core first, with --no-deps (pyproject.toml,
+# what it imports, DeepSpeed built without ops), and the test tools. megatron-core first, with --no-deps (pyproject.toml,
 # megatron); torchtitan last, with --no-deps: its metadata caps datasets below dev's fsspec
 # (pyproject.toml, titan-deps).
 $(STAMP): $(DEMO_STAMP) pyproject.toml
 	@echo "moepec: installing the test extras (transformers, megatron-core, torchtitan," \
-	  "datasets, test tools) into $(VENV)"
+	  "deepspeed, datasets, test tools) into $(VENV)"
 	$(PIP) --no-deps megatron-core==0.16.1
 	$(PIP) -e '.[dev,hf,ft,megatron,titan-deps]'
+	DS_BUILD_OPS=0 $(PIP) -e '.[deepspeed]'
 	$(PIP) --no-deps torchtitan==0.3.0
 	touch $(DEMO_STAMP)
 	touch -r $(DEMO_STAMP) $(STAMP)
@@ -45,6 +46,11 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q -ra
+
+# The suite beside two CPU-bound busy processes (tests/busy.py): it must stay green on a
+# loaded machine.
+test-busy: lint
+	$(PY) tests/busy.py
 
 bench: $(STAMP)
 	$(PY) -m moepec bench size

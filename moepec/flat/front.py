@@ -205,10 +205,40 @@ class FlatFrontEnd:
         (:func:`moepec.flat.regions.shard_key`) the save did not write, as after a change
         of the parallel layout, is cut from the saved shards of its tensor that overlap
         it. Raises CheckpointError for a key the saved shards do not cover, a damaged
-        item or a missing folder."""
+        item or a missing folder. The next save continues this folder's lineage."""
         started = time.monotonic()
+        head, manifests = self._manifests(root, name)
+        out = self.read(root, name, keys, (head, manifests))
+        report, ledger = self._report_of(head, manifests, time.monotonic() - started)
+        self._loaded = _Known(root, _parent_of(
+            head, ledger.state_dict() if ledger is not None else None), head.committed_at)
+        self._pending = self._head = None
+        self._report = report
+        return out, report
+
+    @staticmethod
+    def _manifests(root: str, name: str) -> tuple[FlatManifest, dict[str, FlatManifest]]:
         head = read_manifest(root, name)
-        manifests = {name: head} | {n: read_manifest(root, n) for n in head.needs()}
+        manifests = {name: head}
+        for n in head.needs():
+            if not os.path.isdir(os.path.join(root, n)):
+                raise CheckpointError(f"{root}/{name} reads older expert copies from {n}, "
+                                      f"which is gone; restore that folder or load an "
+                                      f"older checkpoint")
+            try:
+                manifests[n] = read_manifest(root, n)
+            except MoepecError as exc:
+                raise CheckpointError(f"{root}/{name} reads older expert copies from {n}, "
+                                      f"which cannot be read ({exc}); restore that folder "
+                                      f"or load an older checkpoint") from None
+        return head, manifests
+
+    def read(self, root: str, name: str, keys: Sequence[str],
+             known: tuple[FlatManifest, Mapping[str, FlatManifest]] | None = None
+             ) -> dict[str, torch.Tensor]:
+        """As :meth:`load`, without the report and without changing the lineage the
+        next save continues: more keys of a folder already loaded."""
+        head, manifests = known if known is not None else self._manifests(root, name)
         cut = {k: parse_shard_key(k) for k in keys if k not in head.view}
         if any(r is None for r in cut.values()):
             k = next(k for k, r in cut.items() if r is None)
@@ -225,12 +255,7 @@ class FlatFrontEnd:
         out = {k: targets[k] for k in direct}
         for k, want in cut.items():  # another layout than the save's: cut from its shards
             out[k] = assemble(want, {parse_shard_key(p): targets[p] for p in pieces[want]})
-        report, ledger = self._report_of(head, manifests, time.monotonic() - started)
-        self._loaded = _Known(root, _parent_of(
-            head, ledger.state_dict() if ledger is not None else None), head.committed_at)
-        self._pending = self._head = None
-        self._report = report
-        return out, report
+        return out
 
     def keys(self, root: str, name: str) -> list[str]:
         """Any rank: every key of folder ``name``'s view (all ranks' shards)."""

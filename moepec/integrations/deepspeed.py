@@ -1,0 +1,364 @@
+"""DeepSpeed: PEC for ``engine.save_checkpoint`` / ``engine.load_checkpoint``, driven by a
+``"moepec"`` section of the DeepSpeed config.
+
+Import this module once (before or after ``deepspeed.initialize``), and every engine
+whose config has the section saves K of N experts per MoE layer::
+
+    import moepec.integrations.deepspeed  # noqa: F401
+    config = {..., "zero_optimization": {"stage": 2}, "moepec": {"k_persist": 2}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    engine.save_checkpoint(save_dir)       # a PEC save: tag folder, `latest`, as before
+    engine.load_checkpoint(save_dir)       # a stitched load of `latest`
+    moepec.integrations.deepspeed.last_load_report()   # a moepec.RestoreReport
+
+or, without the section, :func:`attach` ``(engine, k_persist=2)``. The section takes the
+fields of ``CheckpointConfig`` that apply (``moepec.flat.FLAT_FIELDS``: ``k_persist``,
+``selection``, ``full_every``, ``plt_budget``, ``dynamic_k``, ``dynamic_k_down``).
+
+The door is a DeepSpeed ``CheckpointEngine`` put in the engine's ``checkpoint_engine``
+seam. DeepSpeed still decides what each file holds and names it; the door gathers the
+files of one save, turns them into moepec flat keys (:mod:`moepec.integrations.ds_files`:
+each expert's weights file, its fragments of the ZeRO-1/2 flat optimizer partitions, a
+ZeRO-0 optimizer's per-parameter state) and saves them on the flat front end
+(``moepec.flat``: the manager's schedule, selection policies, dynamic K, PLT ledger),
+K experts per MoE layer, all non-expert state every time, each expert's keys written by
+one of the ranks that hold it (spread over the expert-data-parallel ranks). The tag
+folder is a moepec flat checkpoint whose view names the older tags that hold the other
+experts' newest copies; `latest` is written by DeepSpeed after moepec committed. A load
+stitches each file back from its keys. Each rank's torch RNG state is saved too and
+restored by ``load_checkpoint`` (DeepSpeed's top-k gating draws from it).
+
+Nothing on the load path unpickles: tensors come from moepec's store, the rest from
+tagged JSON; DeepSpeed's own small types (``fragment_address``, ``ZeroStageEnum``, its
+loss scalers) are rebuilt by name. A tag saved without moepec loads as DeepSpeed loads
+it (``torch.load``). Routing counts for load-aware selection and PLT come from each
+``MoE`` layer's forward (its per-expert token counts), in training mode.
+
+Supported: DeepSpeed's native ``deepspeed.moe.layer.MoE`` at ZeRO stages 0, 1, 2, fp32
+and bf16, any expert parallelism. Refused in one line: ZeRO-3 (native MoE refuses it),
+AutoEP layers, pipeline engines.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+import moepec
+from moepec.errors import CheckpointError, ConfigError, MoepecError
+from moepec.flat import FlatFrontEnd, Unit, write_rank
+from moepec.integrations.ds_files import (
+    file_keys,
+    join_file,
+    layer_name,
+    split_file,
+)
+
+log = logging.getLogger(__name__)
+
+SECTION = "moepec"
+_RNG = "moepec_rng"
+_MANIFEST = "moepec.json"
+_MODEL_FILE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
+_last: list[moepec.RestoreReport] = []
+
+
+def last_load_report() -> moepec.RestoreReport | None:
+    """What the last ``load_checkpoint`` of a moepec tag in this process restored:
+    ``sources["L/E"]["step"]`` (the global step of the save each expert came from; L the
+    MoE layer in ``named_modules()`` order, E the global expert), ``lost``, ``plt``."""
+    return _last[-1] if _last else None
+
+
+def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
+    """Make ``engine``'s checkpoints PEC checkpoints (``fields``: as the config section).
+    Idempotent for the same fields. Raises ConfigError for a field that does not apply
+    or a model the door does not support."""
+    door = getattr(engine, "_moepec_door", None)
+    if door is not None:
+        if door.fields != fields:
+            raise ConfigError("this engine has moepec attached with other settings")
+        return door
+    _check_supported(engine)
+    door = PecCheckpointEngine(engine, FlatFrontEnd(**fields), fields)
+    engine._moepec_door = door
+    engine.checkpoint_engine = door
+    return door
+
+
+def _check_supported(engine: DeepSpeedEngine) -> None:
+    if engine.zero_optimization_stage() >= 3:
+        raise ConfigError("moepec's DeepSpeed door supports ZeRO stages 0, 1 and 2 "
+                          "(DeepSpeed's native MoE refuses ZeRO-3); set "
+                          "zero_optimization.stage to 2 or drop the moepec section")
+    if type(engine).__name__ == "PipelineEngine":
+        raise ConfigError("moepec's DeepSpeed door does not support pipeline engines; "
+                          "drop the moepec section")
+    for _, m in engine.module.named_modules():
+        if type(m).__name__ == "AutoEPMoELayer":
+            raise ConfigError("moepec's DeepSpeed door supports native "
+                              "deepspeed.moe.layer.MoE layers, not AutoEP; drop the "
+                              "moepec section")
+
+
+def _section(engine: DeepSpeedEngine) -> dict[str, Any] | None:
+    params = getattr(getattr(engine, "_config", None), "_param_dict", None)
+    section = params.get(SECTION) if isinstance(params, dict) else None
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError(f'the DeepSpeed config\'s "{SECTION}" section must be an object '
+                          f'such as {{"k_persist": 2}}')
+    return section
+
+
+def _door_of(engine: DeepSpeedEngine) -> PecCheckpointEngine | None:
+    door = getattr(engine, "_moepec_door", None)
+    if door is None and (section := _section(engine)) is not None:
+        door = attach(engine, **section)
+    return door
+
+
+def expert_params(engine: DeepSpeedEngine) -> dict[str, Unit]:
+    """Each expert parameter's name (as ``engine.module.named_parameters()``) -> its
+    unit: (MoE layer L in ``named_modules()`` order, global expert index)."""
+    from deepspeed.utils import groups
+
+    out: dict[str, Unit] = {}
+    layer = 0
+    for prefix, module in engine.module.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        rank = groups._get_expert_parallel_rank(module.expert_group_name)
+        local = module.num_local_experts
+        experts = module.deepspeed_moe.experts.deepspeed_experts
+        base = f"{prefix}." if prefix else ""
+        for e, expert in enumerate(experts):
+            for name, _ in expert.named_parameters():
+                out[f"{base}deepspeed_moe.experts.deepspeed_experts.{e}.{name}"] = (
+                    layer_name(layer), rank * local + e)
+        layer += 1
+    return out
+
+
+def _optimizer_index(engine: DeepSpeedEngine) -> dict[int, str]:
+    """A torch optimizer's state index -> parameter name (ZeRO-0's state_dict(); under
+    bf16/fp16 the optimizer's parameters are fp32 copies of the model's, in the same
+    positions of ``fp32_groups`` and ``fp16_groups``)."""
+    opt = getattr(engine, "optimizer", None)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    low, high = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
+    if low is not None and high is not None:
+        names |= {id(h): names.get(id(lo), "") for gl, gh in zip(low, high)
+                  for lo, h in zip(gl, gh)}
+    inner = getattr(opt, "optimizer", opt)
+    params = [p for g in getattr(inner, "param_groups", []) for p in g["params"]]
+    return {i: names[id(p)] for i, p in enumerate(params) if names.get(id(p))}
+
+
+class PecCheckpointEngine(CheckpointEngine):
+    """The engine's checkpoint engine: gathers one save's files and commits them as one
+    PEC folder; loads each file stitched from its keys."""
+
+    def __init__(self, engine: DeepSpeedEngine, front: FlatFrontEnd,
+                 fields: dict[str, Any]) -> None:
+        super().__init__()
+        self.name = "moepec"
+        self.fields = dict(fields)
+        self.front = front
+        self._inner = engine.checkpoint_engine
+        self._engine = engine
+        self._info: Any = None
+        self._files: dict[str, Any] = {}
+        self._loading: tuple[str, str] | None = None
+        self._rng: torch.Tensor | None = None
+        layers = [m for _, m in engine.module.named_modules() if isinstance(m, MoE)]
+        self._layer = {id(m): i for i, m in enumerate(layers)}
+        self._hooks = [m.register_forward_hook(self._count) for m in layers]
+
+    # -- routing ---------------------------------------------------------------------
+    def _count(self, module: MoE, _inputs: Any, output: Any) -> None:
+        """A MoE layer's forward in training: its tokens per global expert."""
+        if not module.training or not isinstance(output, tuple) or len(output) < 3:
+            return
+        counts = output[2].detach().to("cpu", torch.int64).reshape(-1)
+        self.front.observe_routing([[0]] * self._layer[id(module)] + [counts])
+
+    # -- saving ----------------------------------------------------------------------
+    def create(self, info: Any) -> None:
+        self._info, self._files = info, {}
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        self._inner.makedirs(path, exist_ok=exist_ok)
+
+    def _in_tag(self, path: str) -> bool:
+        info = self._info
+        return info is not None and os.path.dirname(os.path.abspath(path)) == \
+            os.path.abspath(os.path.join(info.save_dir, info.tag))
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self._in_tag(path):
+            self._files[os.path.basename(path)] = state_dict
+        else:  # not a checkpoint tag (e.g. save_16bit_model): DeepSpeed's own write
+            self._inner.save(state_dict, path)
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        # Every expert-data-parallel rank hands over its copy of the experts; the door
+        # picks one writer per expert, spread over those ranks.
+        return True
+
+    def commit(self, info: Any) -> bool:
+        if not self._files:
+            return self._inner.commit(info)
+        files, self._files = self._files, {}
+        root = os.path.abspath(info.save_dir)
+        step = int(self._engine.global_steps)
+        error, tensors, units = None, {}, {}
+        try:
+            for name, sd in files.items():
+                split = split_file(name, sd, expert_params(self._engine),
+                                   _optimizer_index(self._engine))
+                tensors |= split.tensors
+                units |= split.units
+        except MoepecError as exc:
+            error = str(exc)
+        rng = f"{_RNG}/rank_{dist.get_rank()}/torch"
+        tensors[rng], units[rng] = torch.get_rng_state(), None
+        mine = _owned(units)
+        plan = self.front.plan_save(root, info.tag, step, mine, error)
+        folder = os.path.join(root, info.tag)
+        write_rank(folder, {k: tensors[k] for k in mine if k in plan.written},
+                   dist.get_rank())
+        for name in files:  # DeepSpeed's load looks for its files by name
+            _stub(os.path.join(folder, name))
+        self.front.finish_save(plan)
+        return True
+
+    # -- loading ---------------------------------------------------------------------
+    def load(self, path: str, map_location: Any = None) -> Any:
+        folder, name = os.path.split(os.path.abspath(path))
+        root, tag = os.path.split(folder)
+        if not os.path.exists(os.path.join(folder, _MANIFEST)):
+            if _is_stub(path):
+                raise CheckpointError(f"{folder} is a moepec save that never committed (it "
+                                      f"was interrupted); load another tag")
+            return self._inner.load(path, map_location=map_location)
+        view = self.front.keys(root, tag)
+        keys = file_keys(name, view)
+        if not keys:
+            raise CheckpointError(f"{folder} has no {name} (saved with another "
+                                  f"parallel layout?)")
+        if self._loading != (root, tag):
+            tensors, report = self.front.load(root, tag, keys + self._rng_key(view))
+            self._loading = (root, tag)
+            self._rng = tensors.pop(self._rng_key(view)[0], None) \
+                if self._rng_key(view) else None
+            _last.append(report)
+        else:
+            tensors = self.front.read(root, tag, keys)
+        return join_file(name, tensors)
+
+    def model_files(self, root: str, tag: str) -> list[str] | None:
+        """The paths of a moepec tag's non-expert model files (``mp_rank_*``), as
+        DeepSpeed's glob would find them; None for a tag that is not moepec's."""
+        folder = os.path.join(os.path.abspath(root), str(tag))
+        if not os.path.exists(os.path.join(folder, _MANIFEST)):
+            return None
+        names = {k.split("/", 1)[0] for k in self.front.keys(os.path.abspath(root), str(tag))}
+        return sorted(os.path.join(folder, n) for n in names if _MODEL_FILE.match(n))
+
+    @staticmethod
+    def _rng_key(view: Any) -> list[str]:
+        key = f"{_RNG}/rank_{dist.get_rank()}/torch"
+        return [key] if key in view else []
+
+    def after_load(self) -> None:
+        """Restore this rank's RNG state, if the tag loaded had it."""
+        if self._rng is not None:
+            torch.set_rng_state(self._rng)
+        self._rng, self._loading = None, None
+
+
+STUB = (b"moepec: this DeepSpeed file is stored in the moepec checkpoint of this folder "
+        b"(moepec.json); DeepSpeed loads it with `import moepec.integrations.deepspeed`, "
+        b"`moepec export` writes it out\n")
+"""What stands at each DeepSpeed file's path (DeepSpeed checks they exist)."""
+
+
+def _stub(path: str) -> None:
+    with open(path, "wb") as f:
+        f.write(STUB)
+
+
+def _is_stub(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(STUB)) == STUB
+    except OSError:
+        return False
+
+
+def _owned(units: dict[str, Unit | None]) -> dict[str, Unit | None]:
+    """Of this rank's keys, those it writes: a key several ranks hold (an expert on its
+    expert-data-parallel replicas, an identical optimizer file) goes to one of them,
+    experts spread by their index."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, list(units))
+    holders: dict[str, list[int]] = {}
+    for r, keys in enumerate(every):
+        for k in keys:
+            holders.setdefault(k, []).append(r)
+    me = dist.get_rank()
+    out = {}
+    for k, u in units.items():
+        ranks = holders[k]
+        if ranks[(u[1] if u is not None else 0) % len(ranks)] == me:
+            out[k] = u
+    return out
+
+
+_ORIGINAL: dict[str, Any] = {}
+
+
+def _install() -> None:
+    """Route every engine's save and load through its door when its config has one."""
+    if _ORIGINAL:
+        return
+    _ORIGINAL["save"] = save = DeepSpeedEngine.save_checkpoint
+    _ORIGINAL["load"] = load = DeepSpeedEngine.load_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
+        _door_of(self)
+        return save(self, *args, **kwargs)
+
+    @functools.wraps(load)
+    def load_checkpoint(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
+        door = _door_of(self)
+        out = load(self, *args, **kwargs)
+        if door is not None:
+            door.after_load()
+        return out
+
+    _ORIGINAL["names"] = names = DeepSpeedEngine._get_all_ckpt_names
+
+    @functools.wraps(names)
+    def _get_all_ckpt_names(self: DeepSpeedEngine, checkpoints_path: str, tag: str) -> Any:
+        # DeepSpeed finds a tag's model files by glob; a moepec tag lists them itself.
+        door = getattr(self, "_moepec_door", None)
+        found = None if door is None else door.model_files(checkpoints_path, tag)
+        return names(self, checkpoints_path, tag) if found is None else found
+
+    DeepSpeedEngine.save_checkpoint = save_checkpoint
+    DeepSpeedEngine.load_checkpoint = load_checkpoint
+    DeepSpeedEngine._get_all_ckpt_names = _get_all_ckpt_names
+
+
+_install()

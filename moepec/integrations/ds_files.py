@@ -1,0 +1,249 @@
+"""DeepSpeed's checkpoint files as moepec flat keys, and back.
+
+Each file DeepSpeed hands its checkpoint engine (``engine.checkpoint_engine.save(sd,
+path)``) becomes flat keys ``"<file name>/<path in the state dict>"`` (CPU tensors) and
+one skeleton key ``"<file name>/__skeleton__"``: the state dict with every tensor
+replaced by a reference, as tagged JSON (:func:`moepec.flat.encode_object`; nothing is
+unpickled on the way back). Which expert unit ``(layer, expert)`` a key belongs to:
+
+- ``layer_{L}_expert_{E}_mp_rank_{MM}_model_states.pt``: every key (skeleton included) is
+  expert ``E`` of MoE layer ``L`` (DeepSpeed's own numbering: the L-th ``MoE`` module in
+  ``named_modules()`` order, E the global expert index);
+- a flat optimizer partition (ZeRO-1/2's ``zero_pp_rank_*`` files, bf16's optimizer: any
+  dict with ``param_slice_mappings``): each flat tensor of a parameter group that holds
+  expert parameters (the fp32 master partition, each moment of the same length) is cut
+  into one key per parameter fragment, an expert's with its unit, and the gaps between
+  fragments (padding) as keys of their own;
+- a torch optimizer's ``state_dict()`` (ZeRO-0: ``state`` keyed by parameter index):
+  each parameter's state goes with that parameter's unit;
+- anything else (non-expert module state, scalars, RNG) is non-expert state.
+
+Pure: no I/O, no collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from moepec.errors import CorruptCheckpointError
+from moepec.flat import Unit, decode_object, encode_object
+
+EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_\d+_model_states\.pt$")
+SKELETON = "__skeleton__"
+_MARK = "__moepec_ds__"
+_ALLOWED = {
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+}
+"""DeepSpeed's own types found in its checkpoint files, rebuilt by name on load (their
+plain fields), never by unpickling."""
+
+
+def layer_name(layer: int) -> str:
+    """The flat front end's name of DeepSpeed's MoE layer ``layer`` (natural order)."""
+    return f"layer_{layer}"
+
+
+def file_unit(name: str) -> Unit | None:
+    """The expert unit of a whole file (an expert's weights file), None for others."""
+    m = EXPERT_FILE.match(name)
+    return (layer_name(int(m[1])), int(m[2])) if m else None
+
+
+@dataclasses.dataclass(slots=True)
+class Split:
+    """One file as flat keys."""
+
+    tensors: dict[str, torch.Tensor]
+    units: dict[str, Unit | None]
+
+
+class _Splitter:
+    def __init__(self, name: str, params: Mapping[str, Unit], opt_index: Mapping[int, str]):
+        self.name, self.params, self.opt_index = name, params, opt_index
+        self.unit = file_unit(name)
+        self.out = Split({}, {})
+
+    def key(self, path: list[Any]) -> str:
+        return f"{self.name}/" + "/".join(str(p) for p in path)
+
+    def put(self, t: torch.Tensor, path: list[Any], unit: Unit | None) -> dict[str, Any]:
+        k = self.key(path)
+        self.out.tensors[k] = t.detach().cpu()
+        self.out.units[k] = self.unit if self.unit is not None else unit
+        return {_MARK: "t", "k": k}
+
+    def walk(self, x: Any, path: list[Any], unit: Unit | None = None) -> Any:
+        if isinstance(x, torch.Tensor):
+            return self.put(x, path, unit)
+        if isinstance(x, dict):
+            if "param_slice_mappings" in x:
+                return self.flat_optimizer(x, path)
+            if _is_torch_optimizer(x):
+                return self.torch_optimizer(x, path)
+            if _is_grouped(x.get("fp32_groups")):  # fp16/bf16 at ZeRO-0: fp32 copies
+                return {k: self.walk(v, path + [k]) if k != "fp32_groups" else
+                        self.by_position(v, path + [k]) for k, v in x.items()}
+            return {k: self.walk(v, path + [k], unit) for k, v in x.items()}
+        if isinstance(x, list) or (isinstance(x, tuple) and not hasattr(x, "_fields")):
+            return type(x)(self.walk(v, path + [i], unit) for i, v in enumerate(x))
+        return _plain(x)
+
+    def torch_optimizer(self, x: dict, path: list[Any]) -> Any:
+        state = {i: {k: self.walk(v, path + ["state", i, k],
+                                  self.params.get(self.opt_index.get(i, ""), None))
+                     for k, v in s.items()} for i, s in x["state"].items()}
+        rest = {k: self.walk(v, path + [k]) for k, v in x.items() if k != "state"}
+        return {"state": state, **rest}
+
+    def by_position(self, groups: list, path: list[Any]) -> Any:
+        """Per-parameter tensors in the optimizer's order, each with its unit."""
+        out, i = [], 0
+        for g, group in enumerate(groups):
+            row = []
+            for j, t in enumerate(group):
+                row.append(self.walk(t, path + [g, j],
+                                     self.params.get(self.opt_index.get(i, ""))))
+                i += 1
+            out.append(row)
+        return out
+
+    def flat_optimizer(self, x: dict, path: list[Any]) -> Any:
+        maps = x["param_slice_mappings"]
+        flats: dict[int, list[tuple[int, int, Unit | None]]] = {}
+        for g, mapping in enumerate(maps):
+            frags = sorted((a.start, a.numel, self.params.get(n)) for n, a in mapping.items())
+            if any(u is not None for _, _, u in frags):
+                flats[g] = frags
+        out = {}
+        for k, v in x.items():
+            if k == "single_partition_of_fp32_groups":
+                out[k] = [self.cut(t, path + [k, g], flats.get(g)) for g, t in enumerate(v)]
+            elif k == "base_optimizer_state" and isinstance(v, dict) and "state" in v:
+                out[k] = {**{kk: self.walk(vv, path + [k, kk]) for kk, vv in v.items()
+                             if kk != "state"},
+                          "state": {g: {n: self.cut(t, path + [k, "state", g, n],
+                                                    flats.get(g))
+                                        for n, t in s.items()}
+                                    for g, s in v["state"].items()}}
+            else:
+                out[k] = self.walk(v, path + [k])
+        return out
+
+    def cut(self, t: Any, path: list[Any], frags: list[tuple[int, int, Unit | None]] | None
+            ) -> Any:
+        """A flat tensor of an expert group as one key per fragment and gap."""
+        if not isinstance(t, torch.Tensor) or frags is None or t.dim() != 1 \
+                or t.numel() < max(s + n for s, n, _ in frags):
+            return self.walk(t, path)
+        pieces, at = [], 0
+        for start, numel, unit in frags + [(t.numel(), 0, None)]:
+            if start > at:  # a gap (alignment padding) before the next fragment
+                pieces.append([at, start - at, self.put(t[at:start], path + [f"{at}+"
+                                                                           f"{start - at}"],
+                                                        None)["k"]])
+            if numel:
+                pieces.append([start, numel, self.put(t[start:start + numel],
+                                                      path + [f"{start}+{numel}"],
+                                                      unit)["k"]])
+            at = max(at, start + numel)
+        return {_MARK: "flat", "numel": t.numel(), "dtype": str(t.dtype).removeprefix(
+            "torch."), "pieces": pieces}
+
+
+def _is_torch_optimizer(x: dict) -> bool:
+    return set(x) >= {"state", "param_groups"} and isinstance(x["state"], dict) \
+        and all(isinstance(i, int) for i in x["state"])
+
+
+def _is_grouped(x: Any) -> bool:
+    return isinstance(x, list) and all(
+        isinstance(g, list) and all(isinstance(t, torch.Tensor) for t in g) for g in x)
+
+
+def _plain(x: Any) -> Any:
+    """DeepSpeed's own small types as marked plain dicts; the rest as it is (encode_object
+    refuses what JSON cannot hold, naming where it sits)."""
+    cls = type(x)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if name not in _ALLOWED:
+        return x
+    if isinstance(x, enum.Enum):
+        return {_MARK: "enum", "type": name, "value": x.value}
+    return {_MARK: "obj", "type": name, "state": {k: _plain(v) for k, v in vars(x).items()}}
+
+
+def split_file(name: str, sd: Any, params: Mapping[str, Unit],
+               opt_index: Mapping[int, str]) -> Split:
+    """File ``name``'s state dict ``sd`` as flat keys. ``params``: expert parameter name
+    -> unit; ``opt_index``: a torch optimizer's parameter index -> parameter name.
+    Raises ConfigError naming a value moepec does not store."""
+    s = _Splitter(name, params, opt_index)
+    skeleton = s.walk(sd, [])
+    s.out.tensors[f"{name}/{SKELETON}"] = encode_object(
+        skeleton, f"DeepSpeed checkpoint file {name}",
+        fix="keep client_state to JSON values and tensors")
+    s.out.units[f"{name}/{SKELETON}"] = s.unit
+    return s.out
+
+
+def file_keys(name: str, view: Mapping[str, str]) -> list[str]:
+    """Every key of file ``name`` in a folder's view."""
+    prefix = f"{name}/"
+    return [k for k in view if k.startswith(prefix)]
+
+
+def join_file(name: str, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """The state dict of file ``name`` from its keys (as :func:`split_file` made them).
+    Raises CorruptCheckpointError for a skeleton that does not fit its keys."""
+    key = f"{name}/{SKELETON}"
+    if key not in tensors:
+        raise CorruptCheckpointError(f"{name}: no skeleton in the checkpoint")
+    return _rebuild(decode_object(tensors[key], key), tensors, name)
+
+
+def _rebuild(x: Any, tensors: Mapping[str, torch.Tensor], name: str) -> Any:
+    if isinstance(x, list):
+        return [_rebuild(v, tensors, name) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_rebuild(v, tensors, name) for v in x)
+    if not isinstance(x, dict):
+        return x
+    kind = x.get(_MARK)
+    if kind is None:
+        return {k: _rebuild(v, tensors, name) for k, v in x.items()}
+    try:
+        if kind == "t":
+            return tensors[x["k"]]
+        if kind == "flat":
+            out = torch.zeros(int(x["numel"]), dtype=getattr(torch, x["dtype"]))
+            for start, numel, k in x["pieces"]:
+                out[int(start):int(start) + int(numel)] = tensors[k]
+            return out
+        if kind in ("enum", "obj") and x["type"] in _ALLOWED:
+            return _build(x)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{name}: its skeleton does not fit its tensors "
+                                     f"({type(exc).__name__}: {exc})") from None
+    raise CorruptCheckpointError(f"{name}: unknown value in its skeleton ({kind!r:.40})")
+
+
+def _build(x: dict) -> Any:
+    import importlib
+
+    module, _, qual = x["type"].rpartition(".")
+    cls = getattr(importlib.import_module(module), qual)
+    if x[_MARK] == "enum":
+        return cls(x["value"])
+    obj = cls.__new__(cls)
+    obj.__dict__.update({k: _build(v) if isinstance(v, dict) and _MARK in v else v
+                         for k, v in x["state"].items()})
+    return obj

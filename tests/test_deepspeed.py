@@ -1,0 +1,112 @@
+"""The DeepSpeed door (moepec.integrations.deepspeed) on DeepSpeed's real engine: CPU
+accelerator, gloo, 2 ranks under torchrun, native MoE with 8 experts. Two launches of
+tests/ds_worker.py share their engines and saves between the tests below (module
+fixtures); the second starts after the first's rank 1 was SIGKILLed inside a save."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moepec.flat import FLAT_FIELDS
+from moepec.recovery.flat_view import verify_root
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "ds_worker.py"
+CASES = ["0:fp32:2", "0:bf16:1", "1:bf16:2", "1:fp32:1", "2:fp32:1", "2:bf16:2",
+         "2:fp32:2"]
+"""ZeRO stage : dtype : expert parallelism; every value of each appears twice or more."""
+
+
+def torchrun(out: Path, phases: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "DS_ACCELERATOR": "cpu", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(WORKER), str(out), phases]
+    return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=400)
+
+
+def results(out: Path, phase: str) -> list[dict]:
+    return [json.loads((out / f"results_{phase}_{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed")
+    first = torchrun(out, f"matrix={'+'.join(CASES)},exact,deleted,kill")
+    assert (out / "kill_started_0").exists(), first.stdout[-3000:] + first.stderr[-6000:]
+    assert first.returncode != 0  # rank 1 was killed inside the last save
+    second = torchrun(out, "afterkill")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-6000:]
+    return out
+
+
+def test_stitched_load_restores_every_expert_from_its_save(runs):
+    """ZeRO 0/1/2, fp32/bf16, EP 1/2: K=2 of 8 per save, 4 saves; a fresh engine (other
+    seed) loads `latest`: each expert's weight, fp32 master and Adam moments equal their
+    values at the step its report names, everything else the last save's, on both ranks."""
+    for rank, res in enumerate(results(runs, "matrix")):
+        for case in CASES:
+            r = res[case]
+            assert r["bad"] == [], (rank, case, r["bad"][:5])
+            assert r["checked"] >= 9  # weights of emb, gate, head and this rank's experts
+            assert r["step"] == r["global_steps"] == 8
+            # K=2 of 8 every 2 steps after a full first save: two experts per save
+            steps = sorted(r["sources"].values())
+            assert steps == [2, 2, 4, 4, 6, 6, 8, 8], (case, r["sources"])
+            assert 0 < r["plt"] < 1
+
+
+def test_k_equal_n_resume_is_bit_exact(runs):
+    """K = N: the resumed engine's next losses equal the uninterrupted run's bit for bit
+    (RNG state restored: DeepSpeed's gating draws from it)."""
+    for res in results(runs, "exact"):
+        assert res["sources"] == [4]
+        assert res["resumed"] == res["uninterrupted"]
+
+
+def test_a_deleted_tag_a_view_needs_is_named_in_one_line(runs):
+    for res in results(runs, "deleted"):
+        assert res["error"] is not None and "\n" not in res["error"]
+        assert "global_step1" in res["error"] and "gone" in res["error"]
+
+
+def test_a_save_killed_mid_write_leaves_latest_loadable(runs):
+    for res in results(runs, "afterkill"):
+        assert res["latest"] == "global_step2" and res["step"] == 2
+        assert "never committed" in res["refused"]
+    found = verify_root(str(runs / "killed"))
+    assert "global_step4" in found.uncommitted and found.needs == {"global_step2": []}
+
+
+def test_a_pec_save_writes_two_of_eight_experts(runs):
+    """The saves' manifests: the first holds every expert, each later one two, and each
+    expert's keys were written by one rank, spread over both (EP 1: both ranks hold all
+    eight experts)."""
+    save = runs / "2_fp32_1"
+    manifests = {p.parent.name: json.loads(p.read_text())
+                 for p in save.glob("global_step*/moepec.json")}
+    saved = {n: len(m["experts_saved"]) for n, m in manifests.items()}
+    assert saved == {"global_step2": 8, "global_step4": 2, "global_step6": 2,
+                     "global_step8": 2}
+    weights = [k for k in manifests["global_step2"]["items"] if k.startswith("layer_0_expert")]
+    ranks = {manifests["global_step2"]["items"][k]["rank"] for k in weights}
+    assert ranks == {0, 1}
+
+
+def test_config_fields_are_the_flat_front_ends():
+    from moepec.errors import ConfigError
+    from moepec.flat import FlatFrontEnd
+
+    assert "k_persist" in FLAT_FIELDS
+    with pytest.raises(ConfigError, match="interval"):
+        FlatFrontEnd(interval=3)
+    assert torch.__version__.startswith("2.13")
