@@ -6,10 +6,12 @@ its results as JSON per rank in OUT:
   2 steps (4 saves), then a fresh engine (another seed) loads ``latest``; every
   parameter's weight, fp32 master and Adam moments are compared with their values at the
   step the load report names for its expert (the last save's for non-expert ones);
-- ``exact``: K = N; save at step 4, train 4 more steps; a fresh engine loads and trains
+- ``exact``: K = N (``attach``, no config section); save at step 4, train 4 more steps; a fresh engine loads and trains
   the same 4 steps: the losses, bit for bit;
 - ``deleted``: saves with K=2, then the tag that holds two experts' newest copies is
   deleted: the load refuses in one line naming it;
+- ``hf``: the Hugging Face Trainer with the section in its DeepSpeed config saves and
+  resumes;
 - ``kill``: a committed save, then rank 1 is SIGKILLed inside the next save;
   ``afterkill`` (a new launch): ``latest`` loads the committed one, the killed tag
   is refused.
@@ -143,11 +145,13 @@ def matrix(out: str, cases: list[str]) -> dict:
 
 def exact(out: str) -> dict:
     save_dir = os.path.join(out, "exact")
-    eng = engine(2, "fp32", 2, seed=3, section={"k_persist": N_EXPERTS})
+    eng = engine(2, "fp32", 2, seed=3, section=None)
+    door.attach(eng, k_persist=N_EXPERTS)  # the explicit call instead of the section
     train(eng, 4, seed=3)
     eng.save_checkpoint(save_dir)
     after = train(eng, 4, seed=3)
-    fresh = engine(2, "fp32", 2, seed=9, section={"k_persist": N_EXPERTS})
+    fresh = engine(2, "fp32", 2, seed=9, section=None)
+    door.attach(fresh, k_persist=N_EXPERTS)
     fresh.load_checkpoint(save_dir)
     return {"uninterrupted": after, "resumed": train(fresh, 4, seed=3),
             "sources": sorted({v["step"] for v in door.last_load_report().sources.values()})}
@@ -170,6 +174,47 @@ def deleted(out: str) -> dict:
         return {"error": None}
     except CheckpointError as exc:
         return {"error": str(exc)}
+
+
+class _Batches(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(i)
+        return {"x": torch.randn(16, generator=g),
+                "labels": torch.randint(0, 4, (), generator=g)}
+
+
+class _HFNet(Net):
+    def forward(self, x, labels=None):
+        out, aux = super().forward(x)
+        return {"loss": nn.functional.cross_entropy(out, labels) + aux, "logits": out}
+
+
+def hf(out: str) -> dict:
+    """The Hugging Face Trainer with a DeepSpeed config holding the moepec section: saves
+    every 2 steps to 6, then a new Trainer resumes from the last checkpoint to 10."""
+    from transformers import Trainer, TrainingArguments
+
+    def trainer(steps: int) -> Trainer:
+        torch.manual_seed(0)
+        ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+              "moepec": {"k_persist": 2}}
+        args = TrainingArguments(output_dir=os.path.join(out, "hf"), max_steps=steps,
+                                 per_device_train_batch_size=4, save_steps=2, use_cpu=True,
+                                 deepspeed=ds, report_to=[], seed=0, learning_rate=1e-2,
+                                 disable_tqdm=True, logging_steps=100)
+        return Trainer(model=_HFNet(1), args=args, train_dataset=_Batches())
+
+    trainer(6).train()
+    resumed = trainer(10)
+    resumed.train(resume_from_checkpoint=True)
+    report = door.last_load_report()
+    return {"step": report.step, "global_step": resumed.state.global_step,
+            "sources": {k: v["step"] for k, v in report.sources.items()}}
 
 
 def kill(out: str) -> dict:

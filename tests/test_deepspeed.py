@@ -41,7 +41,7 @@ def results(out: Path, phase: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
-    first = torchrun(out, f"matrix={'+'.join(CASES)},exact,deleted,kill")
+    first = torchrun(out, f"matrix={'+'.join(CASES)},exact,deleted,hf,kill")
     assert (out / "kill_started_0").exists(), first.stdout[-3000:] + first.stderr[-6000:]
     assert first.returncode != 0  # rank 1 was killed inside the last save
     second = torchrun(out, "afterkill")
@@ -100,6 +100,25 @@ def test_a_pec_save_writes_two_of_eight_experts(runs):
     weights = [k for k in manifests["global_step2"]["items"] if k.startswith("layer_0_expert")]
     ranks = {manifests["global_step2"]["items"][k]["rank"] for k in weights}
     assert ranks == {0, 1}
+
+
+def test_hugging_face_trainer_saves_pec_and_resumes(runs):
+    """The Trainer with a DeepSpeed config holding {"moepec": {"k_persist": 2}}: its
+    checkpoint-N folders are one lineage (the first full, then 2 of 8 experts each), and
+    resume_from_checkpoint stitches checkpoint-6 from the older ones and trains on."""
+    hf = runs / "hf"
+    manifests = {p.parent.name: json.loads(p.read_text())
+                 for p in hf.glob("checkpoint-*/moepec.json")}
+    saved = {n: len(m["experts_saved"]) for n, m in manifests.items()}
+    assert {n: saved[n] for n in ("checkpoint-2", "checkpoint-4", "checkpoint-6")} == {
+        "checkpoint-2": 8, "checkpoint-4": 2, "checkpoint-6": 2}
+    # After the resume, dynamic K (on by default) answered the recovery's PLT, far over
+    # the 3.75% budget with K=2 of 8, by raising K; the saves follow the new K.
+    k = manifests["checkpoint-8"]["k_persist"]
+    assert k > 2 and saved["checkpoint-8"] == saved["checkpoint-10"] == k
+    for res in results(runs, "hf"):
+        assert res["step"] == 6 and res["global_step"] == 10
+        assert sorted(res["sources"].values()) == [2, 2, 2, 2, 4, 4, 6, 6]
 
 
 def test_config_fields_are_the_flat_front_ends():

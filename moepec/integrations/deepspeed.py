@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 SECTION = "moepec"
 _RNG = "moepec_rng"
 _MANIFEST = "moepec.json"
+_HF_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 _MODEL_FILE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
 _last: list[moepec.RestoreReport] = []
 
@@ -93,6 +94,19 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
     engine._moepec_door = door
     engine.checkpoint_engine = door
     return door
+
+
+def location(save_dir: str, tag: str) -> tuple[str, str]:
+    """Where the moepec checkpoint of DeepSpeed's ``save_dir/tag`` lives: (root, folder).
+    Normally ``(save_dir, tag)``: the tags of one save directory are one lineage. A save
+    directory named ``checkpoint-<N>`` (the Hugging Face Trainer's, one tag each) is
+    itself the folder, its parent the root, so that the Trainer's checkpoints are one
+    lineage and a checkpoint folder it deletes takes its experts' copies with it."""
+    save_dir = os.path.abspath(save_dir)
+    parent, base = os.path.split(save_dir)
+    if _HF_CHECKPOINT.match(base):
+        return parent, base
+    return save_dir, str(tag)
 
 
 def _check_supported(engine: DeepSpeedEngine) -> None:
@@ -218,7 +232,7 @@ class PecCheckpointEngine(CheckpointEngine):
         if not self._files:
             return self._inner.commit(info)
         files, self._files = self._files, {}
-        root = os.path.abspath(info.save_dir)
+        root, where = location(info.save_dir, info.tag)
         step = int(self._engine.global_steps)
         error, tensors, units = None, {}, {}
         try:
@@ -232,20 +246,20 @@ class PecCheckpointEngine(CheckpointEngine):
         rng = f"{_RNG}/rank_{dist.get_rank()}/torch"
         tensors[rng], units[rng] = torch.get_rng_state(), None
         mine = _owned(units)
-        plan = self.front.plan_save(root, info.tag, step, mine, error)
-        folder = os.path.join(root, info.tag)
-        write_rank(folder, {k: tensors[k] for k in mine if k in plan.written},
-                   dist.get_rank())
+        plan = self.front.plan_save(root, where, step, mine, error)
+        write_rank(os.path.join(root, where),
+                   {k: tensors[k] for k in mine if k in plan.written}, dist.get_rank())
+        tag_folder = os.path.join(os.path.abspath(info.save_dir), info.tag)
         for name in files:  # DeepSpeed's load looks for its files by name
-            _stub(os.path.join(folder, name))
+            _stub(os.path.join(tag_folder, name))
         self.front.finish_save(plan)
         return True
 
     # -- loading ---------------------------------------------------------------------
     def load(self, path: str, map_location: Any = None) -> Any:
         folder, name = os.path.split(os.path.abspath(path))
-        root, tag = os.path.split(folder)
-        if not os.path.exists(os.path.join(folder, _MANIFEST)):
+        root, tag = location(*os.path.split(folder))
+        if not os.path.exists(os.path.join(root, tag, _MANIFEST)):
             if _is_stub(path):
                 raise CheckpointError(f"{folder} is a moepec save that never committed (it "
                                       f"was interrupted); load another tag")
@@ -269,9 +283,10 @@ class PecCheckpointEngine(CheckpointEngine):
         """The paths of a moepec tag's non-expert model files (``mp_rank_*``), as
         DeepSpeed's glob would find them; None for a tag that is not moepec's."""
         folder = os.path.join(os.path.abspath(root), str(tag))
-        if not os.path.exists(os.path.join(folder, _MANIFEST)):
+        at = location(root, str(tag))
+        if not os.path.exists(os.path.join(*at, _MANIFEST)):
             return None
-        names = {k.split("/", 1)[0] for k in self.front.keys(os.path.abspath(root), str(tag))}
+        names = {k.split("/", 1)[0] for k in self.front.keys(*at)}
         return sorted(os.path.join(folder, n) for n in names if _MODEL_FILE.match(n))
 
     @staticmethod
