@@ -145,21 +145,28 @@ def test_close_surfaces_background_error(tmp_path):
 
 
 def test_skip_policy_keeps_busy_checkpoints_in_ram(tmp_path):
-    url = f"faulty://{tmp_path}/c"
-    FaultyFileSystem.mode = "slow"
-    FaultyFileSystem.delay_s = 0.2
-    # In-process buffers: the shared-memory tier's three slots would hold the loop back
-    # to the persist's pace (a slot is reused once written), so nothing would be skipped.
+    import threading
+
+    # The first persist is held at its write until the loop is done (an event, not slow
+    # storage: a step on a loaded machine may outlast any fixed write delay), so every
+    # later checkpoint finds the persister busy. In-process buffers: the shared-memory
+    # tier's three slots would hold the loop back to the persist's pace (a slot is reused
+    # once written), so nothing would be skipped.
+    gate = threading.Event()
+    hooks = FaultHooks(on_persist=lambda point, name: gate.wait(120) if point == "write"
+                       else None)
     events: list[CheckpointEvent] = []
-    mgr, model, opt, sched, counter = setup(url, interval=1, busy_policy="skip", ram_dir=None,
+    mgr, model, opt, sched, counter = setup(tmp_path / "c", hooks, interval=1,
+                                            busy_policy="skip", ram_dir=None,
                                             on_checkpoint=events.append)
-    loop(mgr, model, opt, sched, counter, 6)
-    FaultyFileSystem.mode = None
-    mgr.wait_for_snapshot()
-    assert mgr.ram.step == 5
+    try:
+        loop(mgr, model, opt, sched, counter, 6)
+        mgr.wait_for_snapshot()
+        assert mgr.ram.step == 5
+    finally:
+        gate.set()
     mgr.close()
-    persisted = [e.persist for e in events]
-    assert persisted[0] and not all(persisted)
+    assert [e.persist for e in events] == [True] + [False] * 5
 
 
 def test_buffers_are_reused_and_memory_bounded(tmp_path):
