@@ -10,6 +10,7 @@ its results as JSON per rank in OUT:
   the same 4 steps: the losses, bit for bit;
 - ``deleted``: saves with K=2, then the tag that holds two experts' newest copies is
   deleted: the load refuses in one line naming it;
+- ``materialized``: DeepSpeed without moepec loads what ``moepec materialize`` wrote;
 - ``hf``: the Hugging Face Trainer with the section in its DeepSpeed config saves and
   resumes;
 - ``kill``: a committed save, then rank 1 is SIGKILLed inside the next save;
@@ -215,6 +216,24 @@ def hf(out: str) -> dict:
     report = door.last_load_report()
     return {"step": report.step, "global_step": resumed.state.global_step,
             "sources": {k: v["step"] for k, v in report.sources.items()}}
+
+
+def materialized(out: str) -> dict:
+    """`moepec materialize` of the ZeRO-2 EP-2 save: DeepSpeed without moepec loads the
+    tag it wrote to the same state as the door's stitched load of the moepec save."""
+    from moepec.integrations.ds_export import materialize
+
+    save_dir, target = os.path.join(out, "2_fp32_2"), os.path.join(out, "materialized")
+    if torch.distributed.get_rank() == 0:
+        materialize(save_dir, target)
+    torch.distributed.barrier()
+    stitched = engine(2, "fp32", 2, seed=11, section={"k_persist": 2})
+    stitched.load_checkpoint(save_dir)
+    plain = engine(2, "fp32", 2, seed=12, section=None)
+    plain.load_checkpoint(target)
+    a, b = state(stitched), state(plain)
+    return {"bad": [f"{n}.{k}" for n in a for k in a[n] if not torch.equal(a[n][k], b[n][k])],
+            "checked": len(a), "steps": [int(stitched.global_steps), int(plain.global_steps)]}
 
 
 def kill(out: str) -> dict:

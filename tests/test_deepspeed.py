@@ -41,7 +41,7 @@ def results(out: Path, phase: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
-    first = torchrun(out, f"matrix={'+'.join(CASES)},exact,deleted,hf,kill")
+    first = torchrun(out, f"matrix={'+'.join(CASES)},materialized,exact,deleted,hf,kill")
     assert (out / "kill_started_0").exists(), first.stdout[-3000:] + first.stderr[-6000:]
     assert first.returncode != 0  # rank 1 was killed inside the last save
     second = torchrun(out, "afterkill")
@@ -119,6 +119,38 @@ def test_hugging_face_trainer_saves_pec_and_resumes(runs):
     for res in results(runs, "hf"):
         assert res["step"] == 6 and res["global_step"] == 10
         assert sorted(res["sources"].values()) == [2, 2, 2, 2, 4, 4, 6, 6]
+
+
+def test_materialized_tag_loads_in_deepspeed_without_moepec(runs):
+    """`moepec materialize` writes DeepSpeed's own files (torch.save), each expert from its
+    newest copy: a DeepSpeed engine without moepec loads them to the state the door's
+    stitched load gives, every parameter's weight, fp32 master and moments."""
+    for res in results(runs, "materialized"):
+        assert res["bad"] == [] and res["checked"] >= 9 and res["steps"] == [8, 8]
+
+
+def test_cli_export_and_materialize(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
+    save = runs / "2_fp32_2"
+    out = tmp_path / "model.safetensors"
+    cli = [sys.executable, "-m", "moepec"]
+    done = subprocess.run(cli + ["export", str(save), str(out)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    model = load_file(str(out))
+    experts = {k.split(".")[4] for k in model if ".deepspeed_experts." in k}
+    assert experts == {str(e) for e in range(8)} and "emb.weight" in model
+    # each expert as in DeepSpeed's own file of the materialized tag (experts 6, 7: step 2)
+    expert = torch.load(runs / "materialized" / "global_step8" /
+                        "layer_0_expert_6_mp_rank_00_model_states.pt", weights_only=True)
+    for k, v in expert.items():
+        assert torch.equal(model[k], v)
+    again = subprocess.run(cli + ["materialize", str(save), str(runs / "materialized")],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "exists" in again.stderr
+    assert "Traceback" not in again.stderr and len(again.stderr.strip().splitlines()) == 1
 
 
 def test_config_fields_are_the_flat_front_ends():

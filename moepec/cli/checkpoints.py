@@ -200,6 +200,15 @@ def _run_export(args: argparse.Namespace) -> int:
     if root_kind(args.path, opts) == RootKind.FLAT:
         from moepec.recovery.offline_flat import export_flat
 
+        if fmt == "safetensors" and _deepspeed_save(args.path):
+            from moepec.integrations.ds_export import export_model
+
+            tag, n = export_model(args.path, args.out)
+            print(f"exported the model of {args.path} tag {tag} ({n} tensors, each expert "
+                  f"from its newest copy) to {args.out}; `moepec materialize` writes "
+                  f"DeepSpeed's own files, optimizer included")
+            return 0
+
         flat = export_flat(args.path, args.out, fmt)
         m = flat.view.manifest
         print(f"exported {flat.tensors} tensors of the view of {m.name} (step {m.step}) of "
@@ -213,6 +222,14 @@ def _run_export(args: argparse.Namespace) -> int:
     for line in report.notes():
         print(f"WARNING: {line}")
     return 0
+
+
+def _deepspeed_save(path: str) -> bool:
+    try:
+        from moepec.integrations.ds_export import is_deepspeed_save
+    except ImportError:  # DeepSpeed is not installed: a plain flat save directory
+        return False
+    return is_deepspeed_save(path)
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:

@@ -415,13 +415,15 @@ register(Command("demo", "fault-tolerant training end to end: faults, recovery, 
 
 def _register_checkpoint_commands() -> None:
     from moepec.cli.checkpoints import commands
+    from moepec.cli.deepspeed import commands as deepspeed_commands
     from moepec.cli.experts import commands as experts_commands
     from moepec.cli.planning import commands as planning_commands
     from moepec.cli.ram import commands as ram_commands
     from moepec.cli.replicas import commands as replica_commands
 
     for name, help_, add, run in (commands() + planning_commands() + experts_commands()
-                                  + ram_commands() + replica_commands()):
+                                  + ram_commands() + replica_commands()
+                                  + deepspeed_commands()):
         register(Command(name, help_, add, run))
 
 

@@ -60,6 +60,7 @@ from moepec.integrations.ds_files import (
     file_keys,
     join_file,
     layer_name,
+    location,
     split_file,
 )
 
@@ -68,7 +69,6 @@ log = logging.getLogger(__name__)
 SECTION = "moepec"
 _RNG = "moepec_rng"
 _MANIFEST = "moepec.json"
-_HF_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 _MODEL_FILE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
 _last: list[moepec.RestoreReport] = []
 
@@ -94,19 +94,6 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
     engine._moepec_door = door
     engine.checkpoint_engine = door
     return door
-
-
-def location(save_dir: str, tag: str) -> tuple[str, str]:
-    """Where the moepec checkpoint of DeepSpeed's ``save_dir/tag`` lives: (root, folder).
-    Normally ``(save_dir, tag)``: the tags of one save directory are one lineage. A save
-    directory named ``checkpoint-<N>`` (the Hugging Face Trainer's, one tag each) is
-    itself the folder, its parent the root, so that the Trainer's checkpoints are one
-    lineage and a checkpoint folder it deletes takes its experts' copies with it."""
-    save_dir = os.path.abspath(save_dir)
-    parent, base = os.path.split(save_dir)
-    if _HF_CHECKPOINT.match(base):
-        return parent, base
-    return save_dir, str(tag)
 
 
 def _check_supported(engine: DeepSpeedEngine) -> None:

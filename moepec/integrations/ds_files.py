@@ -18,13 +18,14 @@ unpickled on the way back). Which expert unit ``(layer, expert)`` a key belongs 
   each parameter's state goes with that parameter's unit;
 - anything else (non-expert module state, scalars, RNG) is non-expert state.
 
-Pure: no I/O, no collectives.
+Pure (no I/O, no collectives), as is :func:`location`, where a save's files live.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +35,7 @@ import torch
 from moepec.errors import CorruptCheckpointError
 from moepec.flat import Unit, decode_object, encode_object
 
+HF_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_\d+_model_states\.pt$")
 SKELETON = "__skeleton__"
 _MARK = "__moepec_ds__"
@@ -45,6 +47,19 @@ _ALLOWED = {
 }
 """DeepSpeed's own types found in its checkpoint files, rebuilt by name on load (their
 plain fields), never by unpickling."""
+
+
+def location(save_dir: str, tag: str) -> tuple[str, str]:
+    """Where the moepec checkpoint of DeepSpeed's ``save_dir/tag`` lives: (root, folder).
+    Normally ``(save_dir, tag)``: the tags of one save directory are one lineage. A save
+    directory named ``checkpoint-<N>`` (the Hugging Face Trainer's, one tag each) is
+    itself the folder, its parent the root, so that the Trainer's checkpoints are one
+    lineage and a checkpoint folder it deletes takes its experts' copies with it."""
+    save_dir = os.path.abspath(save_dir)
+    parent, base = os.path.split(save_dir)
+    if HF_CHECKPOINT.match(base):
+        return parent, base
+    return save_dir, str(tag)
 
 
 def layer_name(layer: int) -> str:

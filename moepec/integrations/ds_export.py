@@ -1,0 +1,116 @@
+"""DeepSpeed's own files from a moepec DeepSpeed save (``moepec materialize``), and the
+stitched model by parameter name (``moepec export``).
+
+A moepec tag holds DeepSpeed's files as flat keys (:mod:`moepec.integrations.ds_files`)
+and, at each file's path, a stub. :func:`materialize` writes a tag of real DeepSpeed files
+(``torch.save``, as DeepSpeed's own engine writes them), each stitched from the experts'
+newest copies, plus ``latest`` and DeepSpeed's recovery scripts: what a DeepSpeed without
+moepec loads, and what ``zero_to_fp32.py`` and ``ds_to_universal`` read. No process
+group; reads only inside the save directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+from moepec.errors import CheckpointError
+from moepec.flat import FlatFrontEnd
+from moepec.integrations.ds_files import (
+    HF_CHECKPOINT,
+    SKELETON,
+    file_keys,
+    join_file,
+    location,
+)
+from moepec.store.flat import scan
+
+SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+@dataclass(frozen=True, slots=True)
+class Materialized:
+    tag: str
+    files: list[str]
+    out: str
+
+
+def resolve_tag(save_dir: str, tag: str | None) -> tuple[str, str, str]:
+    """(DeepSpeed tag, moepec root, moepec folder) of ``save_dir``'s ``tag``, by default
+    the one ``latest`` names; a Hugging Face Trainer's output folder means its newest
+    committed ``checkpoint-<N>``. Raises CheckpointError naming what is missing."""
+    save_dir = os.path.abspath(save_dir)
+    head = scan(save_dir).head if not os.path.exists(os.path.join(save_dir, "latest")) \
+        else None
+    if head is not None and HF_CHECKPOINT.match(head.name):  # a Trainer's output folder
+        save_dir = os.path.join(save_dir, head.name)
+    if tag is None:
+        try:
+            with open(os.path.join(save_dir, "latest")) as f:
+                tag = f.read().strip()
+        except OSError:
+            raise CheckpointError(f"{save_dir} has no `latest` file; name the tag with "
+                                  f"--tag (a folder such as global_step100)") from None
+    root, folder = location(save_dir, tag)
+    if not os.path.exists(os.path.join(root, folder, "moepec.json")):
+        raise CheckpointError(f"{os.path.join(save_dir, tag)} is not a committed moepec "
+                              f"DeepSpeed checkpoint")
+    return tag, root, folder
+
+
+def materialize(save_dir: str, out: str, tag: str | None = None) -> Materialized:
+    """Write ``out/<tag>/`` with every DeepSpeed file of ``save_dir``'s tag (stitched),
+    ``out/latest`` and DeepSpeed's recovery scripts. Refuses an existing ``out/<tag>``."""
+    tag, root, folder = resolve_tag(save_dir, tag)
+    target = os.path.join(os.path.abspath(out), tag)
+    if os.path.exists(target):
+        raise CheckpointError(f"{target} exists; materialize into a new folder")
+    front = FlatFrontEnd()
+    view = front.keys(root, folder)
+    files = sorted(k.removesuffix(f"/{SKELETON}") for k in view if k.endswith(f"/{SKELETON}"))
+    os.makedirs(target + ".partial")
+    for name in files:
+        sd = join_file(name, front.read(root, folder, file_keys(name, view)))
+        torch.save(sd, os.path.join(target + ".partial", name))
+    os.rename(target + ".partial", target)
+    for script in SCRIPTS:
+        src = os.path.join(os.path.abspath(save_dir), script)
+        if os.path.isfile(src) and not os.path.islink(src):
+            shutil.copyfile(src, os.path.join(out, script))
+    with open(os.path.join(out, "latest"), "w") as f:
+        f.write(tag)
+    return Materialized(tag, files, target)
+
+
+def is_deepspeed_save(save_dir: str) -> bool:
+    """Whether ``save_dir`` is a DeepSpeed save directory written through moepec (its
+    `latest` tag, or a Trainer's checkpoint folders, hold DeepSpeed files as flat keys)."""
+    try:
+        _, root, folder = resolve_tag(save_dir, None)
+    except CheckpointError:
+        return False
+    return any(k.endswith(f"/{SKELETON}") for k in FlatFrontEnd().keys(root, folder))
+
+
+def export_model(save_dir: str, out: str, tag: str | None = None) -> tuple[str, int]:
+    """Write the stitched model of ``save_dir``'s tag as one safetensors file, each
+    parameter under its name in the model (experts by their global index, as DeepSpeed
+    names them in its expert files). Returns (tag, tensors written)."""
+    from safetensors.torch import save_file
+
+    tag, root, folder = resolve_tag(save_dir, tag)
+    front = FlatFrontEnd()
+    view = front.keys(root, folder)
+    model: dict[str, torch.Tensor] = {}
+    for name in sorted(k.removesuffix(f"/{SKELETON}") for k in view
+                       if k.endswith(f"/{SKELETON}")):
+        if not name.endswith("_model_states.pt"):
+            continue  # optimizer partitions: `moepec materialize` writes those
+        sd = join_file(name, front.read(root, folder, file_keys(name, view)))
+        part = sd.get("module", sd) if isinstance(sd, dict) else {}
+        model |= {k: v.contiguous() for k, v in part.items() if isinstance(v, torch.Tensor)}
+    save_file(model, out)
+    return tag, len(model)
