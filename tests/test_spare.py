@@ -96,3 +96,61 @@ def test_sigterm_reaches_the_child_and_a_killed_supervisor_takes_it_along():
     proc.kill()  # the whole worker lost: its child must not train on as an orphan
     proc.communicate(timeout=30)
     assert _gone(child)
+
+
+GROUP_SCRIPT = """
+import os, signal, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from moepec.train.spare import child_store_prefix, joined, run_with_spares
+def fn():
+    life, rank = int(os.environ["MOEPEC_SPARE_LIFE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=60))
+    stale = int(store.check(["manager_addr"]))
+    print(f"life {life} pid {os.getpid()} stale {stale} prefix {child_store_prefix()}",
+          flush=True)
+    joined()
+    if life == 0:
+        if rank == 0:
+            store.set("manager_addr", "old")  # what torchft's Manager leaves behind
+            store.set("ready", "1")
+            time.sleep(60)  # its supervisor kills it when rank 1's child dies
+        store.wait(["ready"])
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+sys.exit(run_with_spares(fn, 2))
+"""
+
+
+def test_the_supervisors_of_a_group_restart_every_rank_as_a_new_generation():
+    """Two ranks, no torchrun: rank 0's supervisor hosts the group's store (its keeper).
+    Rank 1's child dies; rank 0's supervisor kills its own child, both meet, torchft's key
+    of the old generation is gone, and each forks the next generation, whose process group
+    joins under a prefix of its own."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", GROUP_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(r), WORLD_SIZE="2",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    lines = [[line.split() for line in out.splitlines() if line.startswith("life ")]
+             for out, _ in outs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    for rank_lines in lines:
+        assert [int(w[1]) for w in rank_lines] == [0, 1]  # one new child per generation
+        assert int(rank_lines[1][5]) == 0  # torchft's key of the old generation is gone
+        assert rank_lines[0][7] != rank_lines[1][7]  # a store prefix per generation
+    assert [w[7] for w in lines[0]] == [w[7] for w in lines[1]]  # the same on every rank
+    assert "a peer rank of its group failed" in outs[0][1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -56,7 +57,12 @@ class FtBenchSettings:
     """Seconds between a group's (re)join and the next kill."""
     spares: int = 10
     """``--ft-spares`` of the groups: a killed training process is replaced by its warm
-    spare; 0: by torchrun's restart (a new Python), as a group of many ranks is."""
+    spare (every rank of the group, a new generation); 0: by torchrun's restart (a new
+    Python)."""
+    ranks_per_group: int = 1
+    """Ranks of each replica group (one torchrun each); a kill strikes one at random."""
+    restart_all: bool = True
+    """Also run restart-all (2 x ranks_per_group ranks in one torchrun) for the ratio."""
     seed: int = 0
 
 
@@ -112,9 +118,10 @@ def run_replica_groups(s: FtBenchSettings, out: Path, say=print) -> dict[str, An
                                   join_timeout_ms=500)
     metrics = [out / f"group-{g}" / "metrics.jsonl" for g in (0, 1)]
     procs, kills = [], []
+    pick = random.Random(s.seed)
     try:
         for g in (0, 1):
-            cmd = _torchrun(1, s.kills if g else 0) + _train_args(s, out, s.steps) + [
+            cmd = _torchrun(s.ranks_per_group, s.kills if g else 0) + _train_args(s, out, s.steps) + [
                 "--ft-lighthouse", lighthouse.address, "--ft-groups", "2", "--ft-group", str(g),
                 "--ft-timeout", "5", "--ram-dir", "none", "--ft-spares", str(s.spares)]
             log = open(out / f"group{g}.log", "ab")
@@ -126,11 +133,13 @@ def run_replica_groups(s: FtBenchSettings, out: Path, say=print) -> dict[str, An
             if procs[0].poll() is not None:
                 say(f"the run ended after {k} kills; use more --steps")
                 break
-            pid = _events(_records(metrics[1]), "ft_join")[-1]["pid"]
+            join = _events(_records(metrics[1]), "ft_join")[-1]
+            pids = join.get("pids") or [join["pid"]]
+            rank = pick.randrange(len(pids))
             t_kill = time.time()
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pids[rank], signal.SIGKILL)
             kills.append(t_kill)
-            say(f"  kill {k + 1}/{s.kills}: SIGKILL group 1's training process (pid {pid})")
+            say(f"  kill {k + 1}/{s.kills}: SIGKILL group 1's rank {rank} (pid {pids[rank]})")
             _wait_for(lambda h=heals: len(_events(_records(metrics[1]), "heal")) > h, 300,
                       f"the heal after kill {k + 1}")
         codes = [p.wait(timeout=1800) for p in procs]
@@ -155,8 +164,10 @@ def _replica_rows(kills: list[float], records: list[list[dict]], codes: list[int
         lost = next((w["time"] - t for w in stalls
                      if w["time"] > t and w["time"] - w["seconds"] <= t), STALL_S)
         heal = next((h for h in heals if h["time"] > t), None)
+        trains = next((c["time"] - t for c in _events(healed, "ft_first_commit")
+                       if c["time"] > t), None)
         rows.append({"kill_time": t, "survivor_lost_s": lost,
-                     "rejoin_s": heal["time"] - t if heal else None,
+                     "rejoin_s": heal["time"] - t if heal else None, "trains_again_s": trains,
                      "heal_step": heal["step"] if heal else None,
                      "transfer_s": heal["seconds"] if heal else None})
     ends = [_events(r, "ft_end") for r in records]
@@ -177,8 +188,9 @@ def run_restart_all(s: FtBenchSettings, out: Path, say=print) -> dict[str, Any]:
     every = s.restart_all_steps // (s.kills + 1)
     faults = ",".join(f"sigkill@{every * (k + 1) + s.ckpt_interval // 2}:r1"
                       for k in range(s.kills))
-    cmd = _torchrun(2, s.kills) + _train_args(s, out, s.restart_all_steps) + ["--faults", faults]
-    say(f"  restart-all: 2 ranks, faults {faults}")
+    cmd = _torchrun(2 * s.ranks_per_group, s.kills) + _train_args(s, out, s.restart_all_steps) \
+        + ["--faults", faults]
+    say(f"  restart-all: {2 * s.ranks_per_group} ranks, faults {faults}")
     with open(out / "train.log", "ab") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
                               timeout=1800).returncode
@@ -222,10 +234,13 @@ def run_bench(s: FtBenchSettings, out: Path, say=print) -> dict[str, Any]:
             shutil.rmtree(out / name)
         (out / name).mkdir()
     t0 = time.time()
-    say(f"[1/2] replica groups: 2 groups x 1 rank, {s.kills} SIGKILLs of group 1")
+    say(f"[1/2] replica groups: 2 groups x {s.ranks_per_group} rank(s), {s.kills} SIGKILLs "
+        "of a random rank of group 1")
     ft = run_replica_groups(s, out / "replica-groups", say)
-    say(f"[2/2] restart-all: 2 ranks, {s.kills} SIGKILLs of rank 1")
-    ra = run_restart_all(s, out / "restart-all", say)
+    ra: dict[str, Any] = {"rows": [], "plt": 0.0}
+    if s.restart_all:
+        say(f"[2/2] restart-all: {2 * s.ranks_per_group} ranks, {s.kills} SIGKILLs of rank 1")
+        ra = run_restart_all(s, out / "restart-all", say)
     lost_ft = _median([r["survivor_lost_s"] for r in ft["rows"]])
     lost_ra = _median([r["lost_s"] for r in ra["rows"]])
     result = {
@@ -233,6 +248,7 @@ def run_bench(s: FtBenchSettings, out: Path, say=print) -> dict[str, Any]:
         "restart_all": ra,
         "median": {"survivor_lost_s": lost_ft,
                    "rejoin_s": _median([r["rejoin_s"] for r in ft["rows"]]),
+                   "trains_again_s": _median([r["trains_again_s"] for r in ft["rows"]]),
                    "transfer_s": _median([r["transfer_s"] for r in ft["rows"]]),
                    "restart_all_lost_s": lost_ra,
                    "restart_all_downtime_s": _median([r["downtime_s"] for r in ra["rows"]]),
@@ -262,6 +278,7 @@ def format_result(r: dict[str, Any]) -> str:
         f"{'steps rolled back':<34}{ft['survivor_rolled_back_steps']!s:>16}"
         f"{_f(m['restart_all_steps_redone'], ''):>14}",
         f"{'failed group rejoins (kill->heal)':<34}{_f(m['rejoin_s']):>16}{'(all restart)':>14}",
+        f"{'  and trains (kill->first commit)':<34}{_f(m.get('trains_again_s')):>16}{'-':>14}",
         f"{'  state transfer from the peer':<34}{_f(m['transfer_s']):>16}{'-':>14}",
         f"{'PLT':<34}{100 * ft['plt']:>15.3f}%{100 * ra['plt']:>13.3f}%",
         f"less lost time per fault: {_f(m['ratio'], 'x')}",
@@ -283,11 +300,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gap", type=float, default=d.gap_s, help="seconds from a join to a kill")
     p.add_argument("--spares", type=int, default=d.spares,
                    help="--ft-spares of the groups (0: torchrun restarts a killed worker)")
+    p.add_argument("--ranks-per-group", type=int, default=d.ranks_per_group,
+                   help="ranks of each replica group; a kill strikes a random one (%(default)s)")
+    p.add_argument("--no-restart-all", action="store_true",
+                   help="skip the restart-all run (no ratio)")
     p.add_argument("--out", default="bench-ft-out")
     args = p.parse_args(argv)
     s = FtBenchSettings(kills=args.kills, steps=args.steps,
                         restart_all_steps=args.restart_all_steps, gap_s=args.gap,
-                        spares=args.spares)
+                        spares=args.spares, ranks_per_group=args.ranks_per_group,
+                        restart_all=not args.no_restart_all)
     run_bench(s, Path(args.out))
 
 

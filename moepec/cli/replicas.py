@@ -27,8 +27,9 @@ def add_ft_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ft-group", type=int, default=_env_int("MOEPEC_FT_GROUP"), metavar="I",
                    help="this torchrun job's group, 0..G-1 [MOEPEC_FT_GROUP]")
     g.add_argument("--ft-timeout", type=float, default=10.0, metavar="S",
-                   help="bound on a cross-group all-reduce, commit vote and state transfer: "
-                        "what a hung peer costs at most (%(default)s)")
+                   help="bound on a cross-group all-reduce, commit vote and state transfer, "
+                        "and how long a rank of a group may be frozen before its group is cut "
+                        "(and restarts): what a hung peer costs at most (%(default)s)")
     g.add_argument("--ft-quorum-timeout", type=float, default=60.0, metavar="S",
                    help="bound on the wait for a quorum; a cold start waits this long for "
                         "every group (%(default)s)")
@@ -36,9 +37,10 @@ def add_ft_flags(p: argparse.ArgumentParser) -> None:
                    help="leave the SHA-256 state digests out of the heal records (hashing "
                         "costs ~1 s per GB of state on the heal's path)")
     g.add_argument("--ft-spares", type=int, default=10, metavar="N",
-                   help="a group of one rank keeps a warm spare: when its training process "
-                        "dies, an already-started one takes over at once, N times at most, "
-                        "then torchrun's restart (%(default)s; 0: off)")
+                   help="warm spares: when a training process of the group dies, every "
+                        "rank of the group is replaced at once by a process forked from its "
+                        "already-started supervisor, N times at most, then torchrun's restart "
+                        "(%(default)s; 0: off)")
     g.add_argument("--ft-transport", default="http",
                    help="how a restarted group receives the state: http or pg (%(default)s)")
     g.add_argument("--ft-checkpoints", default="striped",

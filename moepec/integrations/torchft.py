@@ -60,7 +60,10 @@ Failure detection: a killed rank's group leaves the quorum one Lighthouse heartb
 timeout (``--heartbeat-timeout-ms``) after its rank 0's heartbeats stop; an all-reduce with
 a dead peer fails at once (gloo sees the closed connection), one with a hung (SIGSTOPped)
 peer after ``timeout_s``; either way the step does not commit and is retried with the
-next quorum. The trust boundary of healing is the job: torchft's HTTP transport unpickles
+next quorum. A group whose rank other than 0 hangs keeps heartbeating, and the Lighthouse
+forms no quorum of half or fewer of the heartbeating groups: such a group must leave by
+itself (the reference trainer's ranks watch each other, :mod:`moepec.train.liveness`, and
+end the group after ``timeout_s``). The trust boundary of healing is the job: torchft's HTTP transport unpickles
 what a peer of the same job sends (``weights_only=False``); PEC checkpoints are never
 unpickled.
 

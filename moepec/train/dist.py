@@ -99,7 +99,7 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = No
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     try:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        _init_process_group(backend, timedelta(seconds=timeout_s))
     except Exception as exc:  # the launcher's errors vary; report them as one kind
         raise DistributedError(
             f"could not join the process group ({backend}, timeout {timeout_s:.0f}s): {exc}; "
@@ -108,6 +108,23 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = No
     log.info("joined process group: rank %d of %d (%s)", rank(), world_size(), backend)
     return DistInfo(rank=rank(), world_size=world_size(), local_rank=local_rank,
                     initialized_here=True)
+
+
+def _init_process_group(backend: str, timeout: timedelta) -> None:
+    """torchrun's ``env://`` group; a warm spare's child of a group of several ranks joins
+    under its generation's store prefix instead (:mod:`moepec.train.spare`: the store
+    outlives the generations, so an older one's keys must not be read)."""
+    from moepec.train.spare import child_store_prefix
+
+    prefix = child_store_prefix()
+    if prefix is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(prefix, store),
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def destroy() -> None:

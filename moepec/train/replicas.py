@@ -8,8 +8,10 @@ does not commit (a peer died or hung during it) puts the data position back and 
 trained again with the next quorum. Survivors never restart and never roll back.
 
 Records (rank 0 of each group, in its own metrics file): ``ft_join`` (this process
-joined: pid), ``ft_end`` (digests at the end), ``heal`` (state received:
-step, seconds, digests), ``heal_sent`` (state sent to a restarted group, digests),
+joined: pid, and ``pids``, every rank's), ``ft_first_commit`` (the first step this process
+committed), ``ft_cut`` (a peer rank froze: this process ends so the group leaves the
+quorum, :mod:`moepec.train.liveness`), ``ft_end`` (digests at the end), ``heal`` (state
+received: step, seconds, digests), ``heal_sent`` (state sent to a restarted group, digests),
 ``ft_retry`` (a step that did not commit), ``ft_width`` (the step that first commits with
 a new number of groups), ``ft_stall`` (a step committed more than 0.1 s after the one
 before it: what a peer's fault cost this group, the seconds from commit to commit).
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moepec.train import dist
 from moepec.train.checkpointing import (
     MetricsWriter,
     checkpoint_record,
@@ -35,9 +38,10 @@ from moepec.train.checkpointing import (
     recovery_record,
 )
 from moepec.train.config import FtCheckpoints, TrainConfig, TrainResult
+from moepec.train.liveness import PeerWatch
 from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, record_step
 from moepec.train.setup import Run
-from moepec.train.spare import joined
+from moepec.train.spare import child_store_prefix, joined
 from moepec.train.steps import forward_backward, optimizer_step
 
 __all__ = ["for_group", "ft_loop", "state_digest"]
@@ -121,9 +125,11 @@ class _Session:
         self.width = cfg.ft.groups
         _warn_on_timeouts(cfg)
         joined()  # a warm spare's supervisor (if any) restarts this process from now on
+        pids = _group_pids()
         metrics.write({"event": "ft_join", "time": time.time(), "pid": os.getpid(),
                        "ppid": os.getppid(), "spare": int(os.environ.get("MOEPEC_SPARE_LIFE", -1)),
-                       "group": cfg.ft.group, "groups": cfg.ft.groups})
+                       "group": cfg.ft.group, "groups": cfg.ft.groups, "pids": pids})
+        self.watch = _watch_peers(cfg, metrics) if len(pids) > 1 else None
 
     def _sent(self, state: Mapping[str, Any]) -> None:
         """The state handed to a restarted group (on torchft's quorum thread, while the
@@ -179,22 +185,55 @@ class _Session:
         self.quorum(result)
 
 
-def _warn_on_timeouts(cfg: TrainConfig) -> None:
-    """A group of several ranks whose rank other than 0 hangs keeps heartbeating (rank 0
-    is fine) until its own collectives time out (--dist-timeout); torchft's Lighthouse
-    forms no quorum of half or fewer of the heartbeating groups (split brain), so with
-    two groups the survivor waits that long for its quorum: past --ft-quorum-timeout it
-    fails and restarts too."""
-    import torch.distributed as dist
+CUT_MARGIN_S = 5.0
+"""What the other groups wait for their quorum beyond ``--ft-timeout`` when a group cuts
+itself (its rank 0's last heartbeat ageing out of the Lighthouse, then the quorum)."""
+EXIT_FROZEN = 75
+"""Exit code of a process that ended because a peer rank of its group froze."""
 
+
+def _warn_on_timeouts(cfg: TrainConfig) -> None:
+    """A group of several ranks whose rank froze cuts itself after --ft-timeout
+    (:mod:`moepec.train.liveness`); until its rank 0's heartbeats age out, torchft's
+    Lighthouse forms no quorum of half or fewer of the heartbeating groups (split brain), so
+    with two groups the survivor waits that long for its quorum: past --ft-quorum-timeout it
+    would fail and restart too."""
     assert cfg.ft is not None
-    ranks = dist.get_world_size() if dist.is_initialized() else 1
-    if ranks > 1 and cfg.ft.groups > 1 and cfg.dist_timeout_s >= cfg.ft.quorum_timeout_s:
-        log.warning("--dist-timeout %.0fs >= --ft-quorum-timeout %.0fs: a hung rank other than "
-                    "0 in one group would make the other groups' quorum time out first and "
-                    "restart them too; set --dist-timeout below --ft-quorum-timeout (minus "
-                    "the Lighthouse heartbeat timeout)", cfg.dist_timeout_s,
-                    cfg.ft.quorum_timeout_s)
+    if dist.world_size() > 1 and cfg.ft.groups > 1 \
+            and cfg.ft.timeout_s + CUT_MARGIN_S >= cfg.ft.quorum_timeout_s:
+        log.warning("--ft-timeout %.0fs + %.0fs >= --ft-quorum-timeout %.0fs: a frozen rank's "
+                    "group is cut after --ft-timeout, and the other groups' quorum could time "
+                    "out first and restart them too; keep --ft-quorum-timeout above "
+                    "--ft-timeout + %.0fs", cfg.ft.timeout_s, CUT_MARGIN_S,
+                    cfg.ft.quorum_timeout_s, CUT_MARGIN_S)
+
+
+def _group_pids() -> list[int]:
+    """Every rank's pid in this group, by rank (collective inside the group)."""
+    pids = torch.zeros(dist.world_size(), dtype=torch.int64)
+    pids[dist.rank()] = os.getpid()
+    return [int(p) for p in dist.all_reduce_sum(pids)]
+
+
+def _watch_peers(cfg: TrainConfig, metrics: MetricsWriter) -> PeerWatch:
+    """Start this rank's :class:`~moepec.train.liveness.PeerWatch`: a peer silent for
+    ``--ft-timeout`` ends this process (record ``ft_cut``), so the group leaves the quorum."""
+    assert cfg.ft is not None
+    group = cfg.ft.group
+
+    def frozen(rank: int, silent_s: float) -> None:
+        log.error("rank %d of replica group %d was frozen for %.1fs (> --ft-timeout): cutting "
+                  "the group so the others train on; it restarts and heals", rank, group,
+                  silent_s)
+        metrics.write({"event": "ft_cut", "time": time.time(), "rank": rank,
+                       "silent_s": silent_s})
+        logging.shutdown()
+        os._exit(EXIT_FROZEN)
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"{child_store_prefix() or ''}moepec_watch/{attempt}/"
+    return PeerWatch.start(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), prefix,
+                           dist.rank(), dist.world_size(), cfg.ft.timeout_s, frozen)
 
 
 def _train_ft_step(s: _Session, step: int, result: TrainResult) -> tuple[Any, float, float] | None:
@@ -258,6 +297,8 @@ def ft_loop(cfg: TrainConfig, run: Run, result: TrainResult, metrics: MetricsWri
                 continue
             out, lr, grad_norm = done
             timer.add(time.perf_counter() - t0)
+            if last_commit is None:  # this process trains again (after a heal: its rejoin)
+                metrics.write({"event": "ft_first_commit", "step": step, "time": time.time()})
             last_commit = _record_stall(s, step, last_commit)
             _record_width(s, result, step)
             record_step(result, step, out, run.tokens_per_step * s.width // cfg.ft.groups)
@@ -270,6 +311,8 @@ def ft_loop(cfg: TrainConfig, run: Run, result: TrainResult, metrics: MetricsWri
         metrics.write({"event": "ft_end", "time": time.time(),
                        **_digests(s.state.state_dict(), s.group.step, cfg.ft.digests)})
     finally:
+        if s.watch is not None:
+            s.watch.close()
         s.group.close()
     return timer.total
 
