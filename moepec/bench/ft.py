@@ -1,13 +1,14 @@
 """``moepec bench ft`` (and ``moepec demo --ft``): what a fault costs with replica groups on
 torchft, against today's restart-all recovery, in one run on this machine.
 
-Replica groups: a Lighthouse (in this process) and two groups, one ``torchrun`` each (one
-rank per group, ``--max-restarts`` = kills). The bench SIGKILLs group 1's training process
-(its pid from the ``ft_join`` record) a few seconds after it (re)joined, ``kills`` times;
-its warm spare takes over (``--spares 0``: torchrun restarts the worker, a new Python) and
-heals from group 0. Per kill: the survivor's lost seconds (the kill to its next committed
-step), its steps rolled back (0: it never recovers), and the healed group's rejoin time
-(the kill to the state loaded from the survivor). Restart-all: one ``torchrun`` with 2
+Replica groups: a Lighthouse (in this process) and two groups, one ``torchrun`` each
+(``--ranks-per-group`` ranks, ``--max-restarts`` = kills). The bench SIGKILLs the training
+process of a random rank of group 1 (pids from the ``ft_join`` record) a few seconds after
+the group (re)joined, ``kills`` times; its warm spares take over (``--spares 0``: torchrun
+restarts the workers, new Pythons) and heal from group 0. Per kill: the survivor's lost
+seconds (the kill to its next committed step), its steps rolled back (0: it never
+recovers), the healed group's rejoin time (the kill to the state loaded from the
+survivor) and the kill to its first committed step (``ft_first_commit``). Restart-all: one ``torchrun`` with 2
 ranks of the same model, the same number of SIGKILLs of rank 1 (``--faults``); torchrun
 restarts both workers, which restore from the PEC checkpoints (RAM tier, else storage). Per fault: the downtime (the kill to the
 restore) plus the steps redone since the restored checkpoint at the median step time.

@@ -16,7 +16,9 @@ it) and heals from a live group.
 
 A rank that ends its run marks itself done, so a peer that finishes later is not taken for
 frozen. A hang that keeps the process's threads running (a deadlock in Python) is not a
-freeze: the collectives' own timeouts (``--dist-timeout``) still bound it.
+freeze: the collectives' own timeouts (``--dist-timeout``) still bound it. A process whose
+interpreter lock is held for ``limit_s`` without a break looks frozen too (it is, to
+Python).
 """
 
 from __future__ import annotations
