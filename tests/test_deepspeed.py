@@ -17,7 +17,7 @@ import torch
 from moepec.flat import FLAT_FIELDS
 from moepec.recovery.flat_view import verify_root
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test runs both launches
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "ds_worker.py"
@@ -31,7 +31,7 @@ def torchrun(out: Path, phases: str) -> subprocess.CompletedProcess:
            "DS_ACCELERATOR": "cpu", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(WORKER), str(out), phases]
-    return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=400)
+    return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
 
 
 def results(out: Path, phase: str) -> list[dict]:
@@ -81,7 +81,9 @@ def test_a_deleted_tag_a_view_needs_is_named_in_one_line(runs):
 
 def test_a_save_killed_mid_write_leaves_latest_loadable(runs):
     for res in results(runs, "afterkill"):
-        assert res["latest"] == "global_step2" and res["step"] == 2
+        # DeepSpeed wrote `latest` when the save returned (its write in the background):
+        # either tag; the load takes the newest committed one
+        assert res["latest"] in ("global_step2", "global_step4") and res["step"] == 2
         assert "never committed" in res["refused"]
     found = verify_root(str(runs / "killed"))
     assert "global_step4" in found.uncommitted and found.needs == {"global_step2": []}

@@ -27,6 +27,7 @@ BENCHES = {
     "megatron": "the Megatron-Core backend against torch_dist async (source checkout)",
     "torchtitan": "moepec against torchtitan's own checkpointer in its Trainer (source "
                   "checkout)",
+    "deepspeed": "the DeepSpeed door against DeepSpeed's own checkpoint engines",
 }
 """``moepec bench NAME``: module ``moepec.bench.<NAME with - as _>`` and what it measures."""
 

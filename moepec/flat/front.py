@@ -50,6 +50,7 @@ from moepec.store.flat import (
     read_keys,
     read_manifest,
     read_records,
+    record_name,
     scan,
 )
 
@@ -197,6 +198,33 @@ class FlatFrontEnd:
         m = read_manifest(plan.root, plan.name)
         self._head = _Known(plan.root, _parent_of(m), m.committed_at)
 
+    def commit_when_written(self, plan: FlatPlan) -> bool:
+        """The end of an asynchronous save, any thread, no collective: call it on each
+        rank after that rank's :func:`~moepec.store.flat.write_rank`. The rank that finds
+        every rank's record there (the last to finish) checks and commits as
+        :meth:`finish_save` does; the others return False at once. Raises CheckpointError
+        when the check or the commit fails (the folder stays uncommitted)."""
+        folder = os.path.join(plan.root, plan.name)
+        if not all(os.path.exists(os.path.join(folder, record_name(r)))
+                   for r in range(plan.world_size)):
+            return False
+        try:
+            _commit(plan)
+        except (MoepecError, OSError, ValueError) as exc:
+            if _committed(plan.root, plan.name):
+                return True  # two ranks finished at once; the other one committed
+            raise CheckpointError(f"{plan.root}/{plan.name} not committed: {exc}") \
+                from None
+        return True
+
+    def settle(self) -> None:
+        """All ranks, once every rank's asynchronous writer finished (after a barrier):
+        the pending save is done; if it committed, the next save continues it."""
+        p, self._pending = self._pending, None
+        m = None if p is None else _manifest_or_none(p.root, p.name)
+        if m is not None:
+            self._head = _Known(p.root, _parent_of(m), m.committed_at)
+
     # -- loading ---------------------------------------------------------------------
     def load(self, root: str, name: str, keys: Sequence[str]
              ) -> tuple[dict[str, torch.Tensor], RestoreReport]:
@@ -256,6 +284,12 @@ class FlatFrontEnd:
         for k, want in cut.items():  # another layout than the save's: cut from its shards
             out[k] = assemble(want, {parse_shard_key(p): targets[p] for p in pieces[want]})
         return out
+
+    @staticmethod
+    def newest(root: str) -> str | None:
+        """The newest committed folder of save directory ``root``, or None."""
+        head = scan(root).head
+        return None if head is None else head.name
 
     def keys(self, root: str, name: str) -> list[str]:
         """Any rank: every key of folder ``name``'s view (all ranks' shards)."""

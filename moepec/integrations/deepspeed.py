@@ -41,10 +41,13 @@ AutoEP layers, pipeline engines.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
 import re
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -57,10 +60,11 @@ import moepec
 from moepec.errors import CheckpointError, ConfigError, MoepecError
 from moepec.flat import FlatFrontEnd, Unit, write_rank
 from moepec.integrations.ds_files import (
+    expert_params,
     file_keys,
     join_file,
-    layer_name,
     location,
+    optimizer_index,
     split_file,
 )
 
@@ -71,6 +75,7 @@ _RNG = "moepec_rng"
 _MANIFEST = "moepec.json"
 _MODEL_FILE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
 _last: list[moepec.RestoreReport] = []
+_doors: weakref.WeakSet[PecCheckpointEngine] = weakref.WeakSet()
 
 
 def last_load_report() -> moepec.RestoreReport | None:
@@ -78,6 +83,26 @@ def last_load_report() -> moepec.RestoreReport | None:
     ``sources["L/E"]["step"]`` (the global step of the save each expert came from; L the
     MoE layer in ``named_modules()`` order, E the global expert), ``lost``, ``plt``."""
     return _last[-1] if _last else None
+
+
+def wait() -> None:
+    """Block until this rank's share of every save this process has in flight is
+    written (the last rank to finish commits); raise CheckpointError for one that
+    failed. A load waits on every rank (and a barrier) first; so does the next save and
+    the interpreter's exit."""
+    for door in list(_doors):
+        door.wait()
+
+
+def _wait_at_exit() -> None:
+    for door in list(_doors):
+        try:
+            door.wait()
+        except CheckpointError as exc:
+            log.error("moepec: at exit: %s", exc)
+
+
+atexit.register(_wait_at_exit)
 
 
 def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
@@ -90,9 +115,14 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
             raise ConfigError("this engine has moepec attached with other settings")
         return door
     _check_supported(engine)
-    door = PecCheckpointEngine(engine, FlatFrontEnd(**fields), fields)
+    async_persist = fields.get("async_persist", True)
+    if not isinstance(async_persist, bool):
+        raise ConfigError(f"async_persist must be true or false (got {async_persist!r})")
+    door = PecCheckpointEngine(engine, FlatFrontEnd(**{k: v for k, v in fields.items()
+                                                      if k != "async_persist"}), fields)
     engine._moepec_door = door
     engine.checkpoint_engine = door
+    _doors.add(door)
     return door
 
 
@@ -127,43 +157,6 @@ def _door_of(engine: DeepSpeedEngine) -> PecCheckpointEngine | None:
     return door
 
 
-def expert_params(engine: DeepSpeedEngine) -> dict[str, Unit]:
-    """Each expert parameter's name (as ``engine.module.named_parameters()``) -> its
-    unit: (MoE layer L in ``named_modules()`` order, global expert index)."""
-    from deepspeed.utils import groups
-
-    out: dict[str, Unit] = {}
-    layer = 0
-    for prefix, module in engine.module.named_modules():
-        if not isinstance(module, MoE):
-            continue
-        rank = groups._get_expert_parallel_rank(module.expert_group_name)
-        local = module.num_local_experts
-        experts = module.deepspeed_moe.experts.deepspeed_experts
-        base = f"{prefix}." if prefix else ""
-        for e, expert in enumerate(experts):
-            for name, _ in expert.named_parameters():
-                out[f"{base}deepspeed_moe.experts.deepspeed_experts.{e}.{name}"] = (
-                    layer_name(layer), rank * local + e)
-        layer += 1
-    return out
-
-
-def _optimizer_index(engine: DeepSpeedEngine) -> dict[int, str]:
-    """A torch optimizer's state index -> parameter name (ZeRO-0's state_dict(); under
-    bf16/fp16 the optimizer's parameters are fp32 copies of the model's, in the same
-    positions of ``fp32_groups`` and ``fp16_groups``)."""
-    opt = getattr(engine, "optimizer", None)
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    low, high = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
-    if low is not None and high is not None:
-        names |= {id(h): names.get(id(lo), "") for gl, gh in zip(low, high)
-                  for lo, h in zip(gl, gh)}
-    inner = getattr(opt, "optimizer", opt)
-    params = [p for g in getattr(inner, "param_groups", []) for p in g["params"]]
-    return {i: names[id(p)] for i, p in enumerate(params) if names.get(id(p))}
-
-
 class PecCheckpointEngine(CheckpointEngine):
     """The engine's checkpoint engine: gathers one save's files and commits them as one
     PEC folder; loads each file stitched from its keys."""
@@ -173,7 +166,10 @@ class PecCheckpointEngine(CheckpointEngine):
         super().__init__()
         self.name = "moepec"
         self.fields = dict(fields)
+        self.async_persist = bool(fields.get("async_persist", True))
         self.front = front
+        self._writer: threading.Thread | None = None
+        self._error: str | None = None
         self._inner = engine.checkpoint_engine
         self._engine = engine
         self._info: Any = None
@@ -216,31 +212,72 @@ class PecCheckpointEngine(CheckpointEngine):
         return True
 
     def commit(self, info: Any) -> bool:
+        """All ranks, at the end of ``save_checkpoint``: plan the save (collective), put
+        a stub at each file's path, write this rank's keys (in the background with
+        ``async_persist``: the tensors are DeepSpeed's clones, a consistent snapshot),
+        and commit once every rank's share is written."""
         if not self._files:
             return self._inner.commit(info)
         files, self._files = self._files, {}
+        error = self._previous_error()
+        dist.barrier()  # every rank's previous write finished: it committed or failed
+        self.front.settle()
         root, where = location(info.save_dir, info.tag)
-        step = int(self._engine.global_steps)
-        error, tensors, units = None, {}, {}
+        tensors, units = {}, {}
         try:
             for name, sd in files.items():
                 split = split_file(name, sd, expert_params(self._engine),
-                                   _optimizer_index(self._engine))
+                                   optimizer_index(self._engine))
                 tensors |= split.tensors
                 units |= split.units
         except MoepecError as exc:
-            error = str(exc)
-        rng = f"{_RNG}/rank_{dist.get_rank()}/torch"
-        tensors[rng], units[rng] = torch.get_rng_state(), None
+            error = error or str(exc)
+        rank = dist.get_rank()
+        tensors[f"{_RNG}/rank_{rank}/torch"] = torch.get_rng_state()
+        units[f"{_RNG}/rank_{rank}/torch"] = None
         mine = _owned(units)
-        plan = self.front.plan_save(root, where, step, mine, error)
-        write_rank(os.path.join(root, where),
-                   {k: tensors[k] for k in mine if k in plan.written}, dist.get_rank())
+        plan = self.front.plan_save(root, where, int(self._engine.global_steps), mine, error)
+        share = {k: tensors[k] for k in mine if k in plan.written}
         tag_folder = os.path.join(os.path.abspath(info.save_dir), info.tag)
         for name in files:  # DeepSpeed's load looks for its files by name
             _stub(os.path.join(tag_folder, name))
-        self.front.finish_save(plan)
+        folder = os.path.join(root, where)
+        if not self.async_persist:
+            write_rank(folder, share, rank)
+            self.front.finish_save(plan)
+            return True
+        # The snapshot: DeepSpeed clones module state, not ZeRO's optimizer partitions.
+        share = {k: v.clone() for k, v in share.items()}
+        self._writer = threading.Thread(target=self._write, args=(plan, folder, share, rank),
+                                        name="moepec-deepspeed-writer", daemon=True)
+        self._writer.start()
         return True
+
+    def _write(self, plan: Any, folder: str, share: dict[str, torch.Tensor],
+               rank: int) -> None:
+        try:
+            write_rank(folder, share, rank)
+            self.front.commit_when_written(plan)
+        except Exception as exc:  # reported at the next save, load or wait()
+            self._error = f"{folder} not committed: {exc}"
+            log.error("moepec: %s", self._error)
+
+    def wait(self) -> None:
+        """Block until this rank's save in flight is written (and committed, if this rank
+        finished last); raise CheckpointError if it failed."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(error)
+
+    def _previous_error(self) -> str | None:
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            return f"the previous save failed ({exc})"
+        return None
 
     # -- loading ---------------------------------------------------------------------
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -265,6 +302,26 @@ class PecCheckpointEngine(CheckpointEngine):
         else:
             tensors = self.front.read(root, tag, keys)
         return join_file(name, tensors)
+
+    def committed_tag(self, load_dir: str, tag: str | None) -> str | None:
+        """The tag to load: ``tag``, else the one ``latest`` names; if that is a moepec
+        save still uncommitted (the process died while it was written in the
+        background), the newest committed tag of the directory, with a warning."""
+        if tag is not None or not os.path.isfile(os.path.join(load_dir, "latest")):
+            return tag
+        with open(os.path.join(load_dir, "latest")) as f:
+            named = f.read().strip()
+        root, where = location(load_dir, named)
+        if os.path.exists(os.path.join(root, where, _MANIFEST)) or \
+                not os.path.isdir(os.path.join(root, where)) or root != \
+                os.path.abspath(load_dir):
+            return None  # committed, not moepec's, or a Trainer's folder: as DeepSpeed
+        newest = self.front.newest(root)
+        if newest is not None:
+            log.warning("moepec: %s/%s (named by `latest`) never committed (the save was "
+                        "interrupted); loading %s, the newest committed tag", load_dir,
+                        named, newest)
+        return newest
 
     def model_files(self, root: str, tag: str) -> list[str] | None:
         """The paths of a moepec tag's non-expert model files (``mp_rank_*``), as
@@ -342,9 +399,15 @@ def _install() -> None:
         return save(self, *args, **kwargs)
 
     @functools.wraps(load)
-    def load_checkpoint(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
+    def load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = None,
+                        *args: Any, **kwargs: Any) -> Any:
         door = _door_of(self)
-        out = load(self, *args, **kwargs)
+        if door is not None:
+            wait()  # every save in flight, on every rank: committed or failed
+            dist.barrier()
+            door.front.settle()
+            tag = door.committed_tag(load_dir, tag)
+        out = load(self, load_dir, tag, *args, **kwargs)
         if door is not None:
             door.after_load()
         return out

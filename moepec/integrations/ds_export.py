@@ -26,7 +26,6 @@ from moepec.integrations.ds_files import (
     join_file,
     location,
 )
-from moepec.store.flat import scan
 
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
@@ -43,10 +42,10 @@ def resolve_tag(save_dir: str, tag: str | None) -> tuple[str, str, str]:
     the one ``latest`` names; a Hugging Face Trainer's output folder means its newest
     committed ``checkpoint-<N>``. Raises CheckpointError naming what is missing."""
     save_dir = os.path.abspath(save_dir)
-    head = scan(save_dir).head if not os.path.exists(os.path.join(save_dir, "latest")) \
-        else None
-    if head is not None and HF_CHECKPOINT.match(head.name):  # a Trainer's output folder
-        save_dir = os.path.join(save_dir, head.name)
+    newest = FlatFrontEnd.newest(save_dir) \
+        if not os.path.exists(os.path.join(save_dir, "latest")) else None
+    if newest is not None and HF_CHECKPOINT.match(newest):  # a Trainer's output folder
+        save_dir = os.path.join(save_dir, newest)
     if tag is None:
         try:
             with open(os.path.join(save_dir, "latest")) as f:

@@ -18,7 +18,8 @@ unpickled on the way back). Which expert unit ``(layer, expert)`` a key belongs 
   each parameter's state goes with that parameter's unit;
 - anything else (non-expert module state, scalars, RNG) is non-expert state.
 
-Pure (no I/O, no collectives), as is :func:`location`, where a save's files live.
+Pure (no I/O, no collectives), as are :func:`location` (where a save's files live) and
+:func:`expert_params` / :func:`optimizer_index` (what the engine holds).
 """
 
 from __future__ import annotations
@@ -60,6 +61,44 @@ def location(save_dir: str, tag: str) -> tuple[str, str]:
     if HF_CHECKPOINT.match(base):
         return parent, base
     return save_dir, str(tag)
+
+
+def expert_params(engine: Any) -> dict[str, Unit]:
+    """Each expert parameter's name (as ``engine.module.named_parameters()``) -> its
+    unit: (MoE layer L in ``named_modules()`` order, global expert index)."""
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+
+    out: dict[str, Unit] = {}
+    layer = 0
+    for prefix, module in engine.module.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        rank = groups._get_expert_parallel_rank(module.expert_group_name)
+        local = module.num_local_experts
+        experts = module.deepspeed_moe.experts.deepspeed_experts
+        base = f"{prefix}." if prefix else ""
+        for e, expert in enumerate(experts):
+            for name, _ in expert.named_parameters():
+                out[f"{base}deepspeed_moe.experts.deepspeed_experts.{e}.{name}"] = (
+                    layer_name(layer), rank * local + e)
+        layer += 1
+    return out
+
+
+def optimizer_index(engine: Any) -> dict[int, str]:
+    """A torch optimizer's state index -> parameter name (ZeRO-0's state_dict(); under
+    bf16/fp16 the optimizer's parameters are fp32 copies of the model's, in the same
+    positions of ``fp32_groups`` and ``fp16_groups``)."""
+    opt = getattr(engine, "optimizer", None)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    low, high = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
+    if low is not None and high is not None:
+        names |= {id(h): names.get(id(lo), "") for gl, gh in zip(low, high)
+                  for lo, h in zip(gl, gh)}
+    inner = getattr(opt, "optimizer", opt)
+    params = [p for g in getattr(inner, "param_groups", []) for p in g["params"]]
+    return {i: names[id(p)] for i, p in enumerate(params) if names.get(id(p))}
 
 
 def layer_name(layer: int) -> str:

@@ -31,8 +31,9 @@ counts given to :func:`observe_routing` or counted by :func:`track_routing`);
 (``moepec.state.objects``), an expert's with its expert. Megatron's own parts stay
 Megatron's: the common state (``common.pt``, written and read by its ``torch`` common
 strategy with ``torch.load``, weights_only by default in torch >= 2.6), and
-``metadata.json`` (backend and version), written after moepec's manifest. A load must use the sharding the save
-used (same TP, PP and EP: shards are matched by their exact offsets, no resharding).
+``metadata.json`` (backend and version), written after moepec's manifest. A load may use
+another sharding than the save's (TP, PP, EP, DP): each shard is cut from the saved shards
+that overlap it (``moepec.flat.regions``), experts and their PLT accounting included.
 """
 
 from __future__ import annotations

@@ -191,8 +191,12 @@ class ReplicaGroup:
     """
 
     def __init__(self, manager: Manager, state: TrainingState, group: int,
-                 groups: int | None = None) -> None:
+                 groups: int | None = None, timeout_s: float = 10.0) -> None:
         self.ft, self.state, self.group, self.groups = manager, state, group, groups
+        # The commit vote waits for every rank of the group, and a rank may come to it up
+        # to timeout_s late (its cross-group all-reduce with a hung peer timed out): a vote
+        # bounded by timeout_s alone raised in its waiting peer instead of voting no.
+        self._vote_timeout = timedelta(seconds=2 * timeout_s + 5)
         self.stripes = _Stripes()
         """Which part of each striped checkpoint this group writes (healed with the state)."""
         state.extra.setdefault("moepec_stripes", self.stripes)
@@ -238,7 +242,7 @@ class ReplicaGroup:
                           connect_timeout=timedelta(seconds=quorum_timeout_s),
                           lighthouse_addr=lighthouse, replica_id=f"moepec_group_{group}",
                           checkpoint_transport=ckpt_transport)
-        return cls(manager, state, group, groups)
+        return cls(manager, state, group, groups, timeout_s)
 
     def _healed(self) -> None:
         now = time.perf_counter()
@@ -346,9 +350,10 @@ class ReplicaGroup:
 
     def should_commit(self) -> bool:
         """Whether the step may be applied: every rank of this group saw a healthy
-        quorum and all-reduce (a vote inside the group). Once per step. A committed step
+        quorum and all-reduce (a vote inside the group, bounded by 2 x ``timeout_s`` + 5 s:
+        a rank may come to it ``timeout_s`` late). Once per step. A committed step
         hands the part :meth:`prepare_checkpoint` worked out to the checkpoint manager."""
-        ok = self.ft.should_commit()
+        ok = self.ft.should_commit(timeout=self._vote_timeout)
         part, self._pending = self._pending, None
         if ok and part is not None:
             self.state.manager.share(part)

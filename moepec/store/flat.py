@@ -60,7 +60,7 @@ def rank_dir(rank: int) -> str:
     return f"moepec-r{rank}"
 
 
-def _record_name(rank: int) -> str:
+def record_name(rank: int) -> str:
     return f"moepec-r{rank}.json"
 
 
@@ -218,20 +218,20 @@ def write_rank(folder: str, tensors: Mapping[str, torch.Tensor], rank: int) -> N
             file=info.relative_path, offset=info.offset, length=info.length,
             encoding=Encoding.RAW if raw else Encoding.TORCH_SAVE)
     data = json.dumps({k: v.to_json() for k, v in items.items()}).encode()
-    atomic_write(os.path.join(folder, _record_name(rank)), data, overwrite=True)
+    atomic_write(os.path.join(folder, record_name(rank)), data, overwrite=True)
 
 
 def read_records(folder: str, world_size: int) -> dict[str, Item]:
     """Every rank's items of checkpoint ``folder``, from the records :func:`write_rank`
     left. Raises CheckpointError naming the ranks whose writer did not finish."""
     missing = [r for r in range(world_size)
-               if not os.path.exists(os.path.join(folder, _record_name(r)))]
+               if not os.path.exists(os.path.join(folder, record_name(r)))]
     if missing:
         raise CheckpointError(f"{folder}: rank(s) {missing} did not finish writing; the "
                               f"checkpoint is not committed")
     out: dict[str, Item] = {}
     for r in range(world_size):
-        where = os.path.join(folder, _record_name(r))
+        where = os.path.join(folder, record_name(r))
         try:
             with open(where, "rb") as f:
                 raw = json.load(f)
@@ -317,7 +317,7 @@ def _moepec_folders(root: str) -> list[str]:
     return [e.name for e in entries if e.is_dir(follow_symlinks=False)
             and FOLDER_RE.match(e.name)
             and (os.path.isdir(os.path.join(e.path, rank_dir(0)))
-                 or os.path.exists(os.path.join(e.path, _record_name(0))))]
+                 or os.path.exists(os.path.join(e.path, record_name(0))))]
 
 
 def scan(root: str) -> FlatRoot:

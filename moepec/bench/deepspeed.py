@@ -1,0 +1,181 @@
+"""DeepSpeed: the moepec door against DeepSpeed's own checkpoint engines, on the same
+MoE model, ZeRO stage and Adam state, in the same run.
+
+    moepec bench deepspeed [--layers 4 --experts 8 --hidden 256 --ffn 1024
+                            --checkpoints 6 --steps 3 --k 1 --stage 2]
+
+For each method, a fresh engine (same seed) trains ``--steps`` steps between
+checkpoints; per ``engine.save_checkpoint`` call: the bytes its tag folder holds once
+written, and how long the call blocked the training loop. Methods: ``deepspeed``
+(DeepSpeed's default engine, ``torch.save`` of every file in the call), ``decoupled``
+(DeepSpeed's decoupled writer, ``"checkpoint": {"writer": {"type": "python",
+"decoupled": true}}``, where it starts), ``moepec`` (PEC K of N, written in the
+background: ``async_persist``) and ``moepec-sync``. The first save of a PEC lineage
+writes every expert; the table reports the later ones (the steady state) and the first
+apart. One process (gloo, world size 1, ``DS_ACCELERATOR=cpu`` unless set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+METHODS = ("deepspeed", "decoupled", "moepec", "moepec-sync")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="moepec bench deepspeed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4, help="MoE layers")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--checkpoints", type=int, default=6)
+    p.add_argument("--steps", type=int, default=3, help="training steps between saves")
+    p.add_argument("--k", type=int, default=1, help="experts per layer a PEC save writes")
+    p.add_argument("--stage", type=int, default=2, choices=(0, 1, 2), help="ZeRO stage")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (both methods)")
+    p.add_argument("--methods", nargs="+", default=["deepspeed", "moepec", "moepec-sync"],
+                   choices=METHODS,
+                   help="decoupled: DeepSpeed 0.19.8's decoupled writer; on CPU it fails "
+                        "(it sends its writer process a tensor that requires grad)")
+    return p.parse_args(argv)
+
+
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    from deepspeed.moe.layer import MoE
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Linear(64, args.hidden)
+            self.moes = nn.ModuleList(
+                MoE(hidden_size=args.hidden, num_experts=args.experts, ep_size=1, k=2,
+                    expert=nn.Sequential(nn.Linear(args.hidden, args.ffn), nn.ReLU(),
+                                         nn.Linear(args.ffn, args.hidden)))
+                for _ in range(args.layers))
+            self.head = nn.Linear(args.hidden, 8)
+
+        def forward(self, x):
+            h, aux = self.emb(x), 0.0
+            for m in self.moes:
+                out, a, _ = m(h)
+                h, aux = h + out, aux + a
+            return self.head(h), aux
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _engine(args: argparse.Namespace, method: str):
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    net = _model(args)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(net.parameters()), "name": "p"})
+    cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": args.stage},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+           "steps_per_print": 10 ** 9}
+    if method == "decoupled":
+        cfg["checkpoint"] = {"writer": {"type": "python", "decoupled": True}}
+    if method.startswith("moepec"):
+        cfg["moepec"] = {"k_persist": args.k, "async_persist": method == "moepec"}
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=groups, config=cfg)
+    return engine
+
+
+def _train(engine, steps: int) -> float:
+    from torch import nn
+
+    started = time.perf_counter()
+    for _ in range(steps):
+        x = torch.randn(8, 64)
+        out, aux = engine(x)
+        loss = nn.functional.cross_entropy(out, torch.randint(0, 8, (8,))) + aux
+        engine.backward(loss)
+        engine.step()
+    return (time.perf_counter() - started) / steps
+
+
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def run_method(args: argparse.Namespace, method: str, root: Path) -> dict:
+    import moepec.integrations.deepspeed as door
+
+    engine = _engine(args, method)
+    save_dir = root / method
+    blocked, step_s = [], []
+    for _ in range(args.checkpoints):
+        step_s.append(_train(engine, args.steps))
+        started = time.perf_counter()
+        engine.save_checkpoint(str(save_dir))
+        blocked.append(time.perf_counter() - started)
+    _train(engine, 1)  # the decoupled engine commits at the next step
+    if method.startswith("moepec"):
+        door.wait()
+    cleanup = getattr(engine.checkpoint_engine, "cleanup", None)
+    if method == "decoupled" and cleanup is not None:
+        cleanup()
+    tags = sorted((p for p in save_dir.iterdir() if p.is_dir()),
+                  key=lambda p: int(p.name.removeprefix("global_step")))
+    sizes = [_bytes(t) for t in tags]
+    return {"method": method, "blocked": blocked, "bytes": sizes,
+            "step_s": statistics.median(step_s)}
+
+
+def _setup(args: argparse.Namespace) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533",
+                 # what DeepSpeed's launcher sets and its decoupled writer reads
+                 "LOCAL_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1"}.items():
+        os.environ.setdefault(k, v)
+    torch.set_num_threads(args.threads)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    base = next((r for r in rows if r["method"] == "deepspeed"), rows[0])
+    b_blocked = statistics.median(base["blocked"][1:])
+    b_bytes = statistics.median(base["bytes"][1:])
+    lines = [f"DeepSpeed MoE: {args.layers} MoE layers x {args.experts} experts, hidden "
+             f"{args.hidden}, ffn {args.ffn}, ZeRO-{args.stage}, fp32 Adam; K={args.k}; "
+             f"{args.checkpoints} saves, {args.steps} steps apart; medians over saves 2..",
+             f"{'method':<12} {'MB/save':>8} {'x bytes':>8} {'first MB':>9} "
+             f"{'blocked ms':>11} {'x blocked':>10} {'step ms':>8}"]
+    for r in rows:
+        blocked = statistics.median(r["blocked"][1:])
+        size = statistics.median(r["bytes"][1:])
+        lines.append(f"{r['method']:<12} {size / 1e6:>8.2f} {size / b_bytes:>8.3f} "
+                     f"{r['bytes'][0] / 1e6:>9.2f} {1e3 * blocked:>11.1f} "
+                     f"{blocked / b_blocked:>10.3f} {1e3 * r['step_s']:>8.1f}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(list(argv or []))
+    _setup(args)
+    root = Path(tempfile.mkdtemp(prefix="moepec-bench-deepspeed-"))
+    rows = []
+    try:
+        for method in args.methods:
+            try:
+                rows.append(run_method(args, method, root))
+            except Exception as exc:  # a DeepSpeed writer that does not start here
+                print(f"{method}: did not run ({type(exc).__name__}: {exc})"[:300])
+        print("\n".join(report(rows, args)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
