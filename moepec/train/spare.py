@@ -175,13 +175,14 @@ class _Supervisor:
 
     def _wait(self, child: int, life: int) -> tuple[int, bool]:
         """(wait status, whether a peer's failure ended it). Marks the generation down
-        when this child ended first (a fault; a clean end marks nothing)."""
+        when this child ended first (a fault; a clean end, or one torchrun asked for with
+        SIGTERM, marks nothing)."""
         if self.peers is None:
             return os.waitpid(child, 0)[1], False  # retried after a forwarded signal
         while True:
             pid, status = os.waitpid(child, os.WNOHANG)
             if pid:
-                if os.waitstatus_to_exitcode(status) != 0:
+                if os.waitstatus_to_exitcode(status) != 0 and not self.stopping:
                     self.peers.mark_down(life)
                 return status, False
             if self.peers.is_down(life):
@@ -222,7 +223,10 @@ class _Peers:
         return f"moepec_spare/{attempt}/{life}/{what}/"
 
     def mark_down(self, life: int) -> None:
-        self.store.set(f"{life}/down", b"1")
+        try:
+            self.store.set(f"{life}/down", b"1")
+        except Exception:  # the store is gone: torchrun is stopping the worker
+            pass
 
     def is_down(self, life: int) -> bool:
         try:
