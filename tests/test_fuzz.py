@@ -257,6 +257,7 @@ def _listing(path: Path) -> set[str]:
     return {str(p.relative_to(path)) for p in path.rglob("*")}
 
 
+@pytest.mark.timeout(1800)  # a fixed 520 cases: well past the default 300 s on a busy machine
 def test_seeded_mutations_never_trace_back_run_code_escape_or_lie(template, tmp_path,
                                                                   monkeypatch):
     src, saved = template
