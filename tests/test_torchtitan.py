@@ -192,11 +192,13 @@ def _kill_resume_finish(tmp: Path, assets, first: tuple[int, list[str]],
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two or three torchrun lives of up to 240 s each on a busy machine
 def test_one_process_killed_resumes_bit_exact(tmp_path, assets):
     _kill_resume_finish(tmp_path, assets, (1, OVERRIDE), (1, REGISTRY))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two or three torchrun lives of up to 240 s each on a busy machine
 def test_fsdp_then_ep2_killed_resumes_bit_exact(tmp_path, assets):
     """Life 1: FSDP over 2 ranks; life 2: EP 2 (the experts' layout changes on resume)."""
     _kill_resume_finish(tmp_path, assets, (2, OVERRIDE),
