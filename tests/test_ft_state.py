@@ -90,3 +90,35 @@ def test_groups_split_every_global_batch_between_all_their_ranks():
     assert data_shard(TrainConfig(config="tiny", batch_size=12), info) == (1, 2)
     with pytest.raises(ConfigError, match="--fsdp"):
         TrainConfig(config="tiny", ft=ft, fsdp=True)
+
+
+def test_a_peer_watch_reports_a_silent_rank_once_and_not_a_finished_one():
+    """moepec.train.liveness.PeerWatch on an in-process store: rank 0 watches ranks 1 and
+    2; rank 1 ends its run (done) first, rank 2 stops beating later without ending it: only
+    rank 2 is frozen (were rank 1's end taken for a freeze, rank 1 would come first)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from moepec.train.liveness import PeerWatch
+
+    store, frozen, seen = dist.HashStore(), [], threading.Event()
+
+    def on_frozen(rank: int, silent_s: float) -> None:
+        frozen.append((rank, silent_s))
+        seen.set()
+
+    watcher = PeerWatch(store, 0, 3, 1.0, on_frozen, interval_s=0.05)
+    finished = PeerWatch(store, 1, 3, 1.0, lambda *_: None, interval_s=0.05)
+    watcher.begin()
+    finished.begin()
+    time.sleep(0.1)
+    finished.close()  # marks rank 1 done: its silence from now on is not a freeze
+    t_end = time.monotonic() + 0.6
+    while time.monotonic() < t_end:  # rank 2 beats a while longer, then freezes
+        store.add("beat/2", 1)
+        time.sleep(0.05)
+    assert seen.wait(30)
+    watcher.close()
+    assert [r for r, _ in frozen] == [2] and frozen[0][1] >= 1.0

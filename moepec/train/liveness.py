@@ -39,7 +39,8 @@ class PeerWatch:
 
     ``store`` is a ``torch.distributed`` store all ranks of the group reach (a prefix of
     this generation's own); ``on_frozen(rank, silent_s)`` runs on the watch thread, at most
-    once. Build on every rank of the group; no collective.
+    once. Build on every rank of the group (:meth:`start`, or the constructor then
+    :meth:`begin`); no collective.
     """
 
     def __init__(self, store, rank: int, world: int, limit_s: float,
@@ -60,8 +61,12 @@ class PeerWatch:
         raw = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                             timeout=timedelta(seconds=max(1.0, limit_s / 4)))
         watch = cls(dist.PrefixStore(prefix, raw), rank, world, limit_s, on_frozen)
-        watch._thread.start()
+        watch.begin()
         return watch
+
+    def begin(self) -> None:
+        """Start beating and watching (once)."""
+        self._thread.start()
 
     def _run(self) -> None:
         seen: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in self.watched}
