@@ -13,6 +13,7 @@ its results as JSON per rank in OUT:
 - ``materialized``: DeepSpeed without moepec loads what ``moepec materialize`` wrote;
 - ``hf``: the Hugging Face Trainer with the section in its DeepSpeed config saves and
   resumes;
+- ``refusals``: a section field that does not apply, and ZeRO-3, refused in one line;
 - ``kill``: a committed save, then rank 1 is SIGKILLed inside the next save;
   ``afterkill`` (a new launch): ``latest`` loads the committed one, the killed tag
   is refused.
@@ -164,6 +165,7 @@ def deleted(out: str) -> dict:
     for _ in range(4):
         train(eng, 1, seed=4)
         eng.save_checkpoint(save_dir)
+    door.wait()  # the last save is written before its folders are touched
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         import shutil
@@ -234,6 +236,32 @@ def materialized(out: str) -> dict:
     a, b = state(stitched), state(plain)
     return {"bad": [f"{n}.{k}" for n in a for k in a[n] if not torch.equal(a[n][k], b[n][k])],
             "checked": len(a), "steps": [int(stitched.global_steps), int(plain.global_steps)]}
+
+
+def refusals(out: str) -> dict:
+    """What the door refuses, in one line each: a field that does not apply, ZeRO-3."""
+    from moepec.errors import ConfigError
+
+    said = {}
+    for name, make in (
+            ("field", lambda: engine(2, "fp32", 2, seed=1, section={"interval": 5})),
+            ("zero3", lambda: _dense(3))):
+        try:
+            make().save_checkpoint(os.path.join(out, f"refused_{name}"))
+            said[name] = None
+        except ConfigError as exc:
+            said[name] = str(exc)
+    return said
+
+
+def _dense(stage: int):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+           "moepec": {"k_persist": 2}}
+    eng, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    return eng
 
 
 def kill(out: str) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,14 @@ def torchrun(out: Path, phases: str) -> subprocess.CompletedProcess:
            "DS_ACCELERATOR": "cpu", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(WORKER), str(out), phases]
-    return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    with subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:  # the ranks too, not only torchrun
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def results(out: Path, phase: str) -> list[dict]:
@@ -41,7 +49,7 @@ def results(out: Path, phase: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
-    first = torchrun(out, f"matrix={'+'.join(CASES)},materialized,exact,deleted,hf,kill")
+    first = torchrun(out, f"matrix={'+'.join(CASES)},materialized,exact,deleted,hf,refusals,kill")
     assert (out / "kill_started_0").exists(), first.stdout[-3000:] + first.stderr[-6000:]
     assert first.returncode != 0  # rank 1 was killed inside the last save
     second = torchrun(out, "afterkill")
@@ -153,6 +161,13 @@ def test_cli_export_and_materialize(runs, tmp_path):
                            env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "exists" in again.stderr
     assert "Traceback" not in again.stderr and len(again.stderr.strip().splitlines()) == 1
+
+
+def test_what_the_door_refuses_it_refuses_in_one_line(runs):
+    for res in results(runs, "refusals"):
+        assert res["field"] is not None and "interval" in res["field"]
+        assert "k_persist" in res["field"] and "\n" not in res["field"]
+        assert res["zero3"] is not None and "ZeRO stages 0, 1 and 2" in res["zero3"]
 
 
 def test_config_fields_are_the_flat_front_ends():

@@ -58,7 +58,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 import moepec
 from moepec.errors import CheckpointError, ConfigError, MoepecError
-from moepec.flat import FlatFrontEnd, Unit, write_rank
+from moepec.flat import FLAT_FIELDS, FlatFrontEnd, Unit, write_rank
 from moepec.integrations.ds_files import (
     expert_params,
     file_keys,
@@ -94,6 +94,23 @@ def wait() -> None:
         door.wait()
 
 
+def _settle_before_load(door: PecCheckpointEngine) -> None:
+    """All ranks, before a load: every save in flight written (committed or failed), and
+    every rank told of a failure (the load goes on: it reads committed tags only)."""
+    failed = None
+    try:
+        wait()
+    except CheckpointError as exc:
+        failed = str(exc)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, failed)
+    door.front.settle()
+    for r, e in enumerate(every):
+        if e is not None and dist.get_rank() == 0:
+            log.warning("moepec: a save in flight failed before this load (rank %d): %s",
+                        r, e)
+
+
 def _wait_at_exit() -> None:
     for door in list(_doors):
         try:
@@ -114,6 +131,11 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
         if door.fields != fields:
             raise ConfigError("this engine has moepec attached with other settings")
         return door
+    unknown = sorted(set(fields) - set(FLAT_FIELDS) - {"async_persist"})
+    if unknown:
+        raise ConfigError(f'{", ".join(unknown)}: not a field of the DeepSpeed config\'s '
+                          f'"{SECTION}" section; the ones that apply: '
+                          f'{", ".join(FLAT_FIELDS)}, async_persist')
     _check_supported(engine)
     async_persist = fields.get("async_persist", True)
     if not isinstance(async_persist, bool):
@@ -403,9 +425,7 @@ def _install() -> None:
                         *args: Any, **kwargs: Any) -> Any:
         door = _door_of(self)
         if door is not None:
-            wait()  # every save in flight, on every rank: committed or failed
-            dist.barrier()
-            door.front.settle()
+            _settle_before_load(door)
             tag = door.committed_tag(load_dir, tag)
         out = load(self, load_dir, tag, *args, **kwargs)
         if door is not None:
