@@ -34,6 +34,7 @@ def _committed_steps(ckpt: Path) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # three runs of up to 240 s each; 215 s of them beside busy loops
 def test_trainer_killed_mid_run_resumes_at_the_same_step_and_data(tmp_path):
     env = dict(os.environ, PYTHONHASHSEED="0")
     full = subprocess.run(_cmd(tmp_path / "a", tmp_path / "a.json", 0.0), cwd=ROOT, env=env,
