@@ -112,11 +112,14 @@ def test_persist_error_is_raised_only_after_the_snapshot_is_complete(tmp_path):
     hooks = FaultHooks()
     mgr, model, opt, sched, counter = setup(url, hooks, k_persist=4, busy_policy="skip")
     persist_gate, copy_gate = threading.Event(), threading.Event()
-    hooks.on_persist = lambda point, name: persist_gate.wait(120) if point == "write" else None
+    # 10 s, not longer: when the persist thread reaches its write before the loop's
+    # saves are done (a slow machine), mgr.save(3) waits on the copy gate and the test
+    # goes on only when these waits time out (2 x 120 s = 240 s in one suite run)
+    hooks.on_persist = lambda point, name: persist_gate.wait(10) if point == "write" else None
     FaultyFileSystem.mode = "enospc"
     try:
         loop(mgr, model, opt, sched, counter, 2)  # step 1's persist waits at the gate
-        hooks.on_snapshot = lambda point, step: copy_gate.wait(120)
+        hooks.on_snapshot = lambda point, step: copy_gate.wait(10)
         mgr.save(3)  # the persister is busy: RAM only; the copy waits at its gate
         persist_gate.set()
         mgr.wait_for_persist()  # step 1's persist failed: its error is pending

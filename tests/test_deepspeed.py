@@ -22,9 +22,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test runs
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "ds_worker.py"
-CASES = ["0:fp32:2", "0:bf16:1", "1:bf16:2", "1:fp32:1", "2:fp32:1", "2:bf16:2",
-         "2:fp32:2"]
-"""ZeRO stage : dtype : expert parallelism; every value of each appears twice or more."""
+CASES = ["0:fp32:2", "0:bf16:1", "1:bf16:2", "2:fp32:1", "2:fp32:2"]
+"""ZeRO stage : dtype : expert parallelism: every stage, both dtypes and both EP sizes
+(the 12 combinations all passed once, by hand; 5 keep the suite's time)."""
 
 
 def torchrun(out: Path, phases: str) -> subprocess.CompletedProcess:

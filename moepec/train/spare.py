@@ -155,12 +155,17 @@ class _Supervisor:
         read_fd, write_fd = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
+        parent, stops = os.getpid(), {signal.SIGTERM, signal.SIGINT}
+        # A stop signal between the fork and `self.child = child` would find no child to
+        # pass on to: held until both sides are set up.
+        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
         child = os.fork()
         if child == 0:
             os.close(read_fd)
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in stops:
                 signal.signal(sig, signal.SIG_DFL)
-            _die_with_parent()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+            _die_with_parent(parent)
             os.environ[_JOINED_FD_ENV] = str(write_fd)
             os.environ["MOEPEC_SPARE_LIFE"] = str(life)
             if self.peers is not None:
@@ -168,6 +173,7 @@ class _Supervisor:
             return _Outcome(in_child=True)
         os.close(write_fd)
         self.child, t0 = child, time.monotonic()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
         status, peer_down = self._wait(child, life)
         self.child = 0
         return _Outcome(False, child, os.waitstatus_to_exitcode(status), _read_flag(read_fd),
@@ -264,6 +270,7 @@ def _start_keeper(host: str, port: int) -> int:
     0's worker, which a generation's end would take down)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    parent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
@@ -271,7 +278,7 @@ def _start_keeper(host: str, port: int) -> int:
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-        _die_with_parent()
+        _die_with_parent(parent)
         import torch.distributed as dist
 
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
@@ -292,12 +299,12 @@ def _read_flag(fd: int) -> bool:
         os.close(fd)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """The child gets SIGKILL when the supervisor dies (torchrun's SIGKILL of its worker)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:  # the supervisor died before prctl took effect
-        os._exit(1)
+    if os.getppid() != parent:  # the supervisor died before prctl took effect (the
+        os._exit(1)  # orphan's new parent is a subreaper, not always pid 1)
