@@ -111,15 +111,17 @@ def test_persist_error_is_raised_only_after_the_snapshot_is_complete(tmp_path):
     url = f"faulty://{tmp_path}/c"
     hooks = FaultHooks()
     mgr, model, opt, sched, counter = setup(url, hooks, k_persist=4, busy_policy="skip")
-    persist_gate, copy_gate = threading.Event(), threading.Event()
-    # 10 s, not longer: when the persist thread reaches its write before the loop's
-    # saves are done (a slow machine), mgr.save(3) waits on the copy gate and the test
-    # goes on only when these waits time out (2 x 120 s = 240 s in one suite run)
-    hooks.on_persist = lambda point, name: persist_gate.wait(10) if point == "write" else None
+    persist_gate, copy_gate, timed_out = threading.Event(), threading.Event(), []
+    # Generous gates that the test opens itself: a wait that times out fails the test.
+    hooks.on_persist = lambda point, name: (_held(persist_gate, timed_out)
+                                            if point == "write" else None)
     FaultyFileSystem.mode = "enospc"
     try:
         loop(mgr, model, opt, sched, counter, 2)  # step 1's persist waits at the gate
-        hooks.on_snapshot = lambda point, step: copy_gate.wait(10)
+        # Only step 3's copy: step 1's may still be sealing its slot on a slow machine,
+        # and holding it would hold save(3) too (it waits for the copy before it)
+        hooks.on_snapshot = lambda point, step: (_held(copy_gate, timed_out)
+                                                 if step == 3 else None)
         mgr.save(3)  # the persister is busy: RAM only; the copy waits at its gate
         persist_gate.set()
         mgr.wait_for_persist()  # step 1's persist failed: its error is pending
@@ -127,13 +129,20 @@ def test_persist_error_is_raised_only_after_the_snapshot_is_complete(tmp_path):
         with pytest.raises(PersistError):
             mgr.wait_for_snapshot()
         assert copy_gate.is_set() and mgr.snapshotter.pending is None
-        assert mgr.ram.step == 3
+        assert mgr.ram.step == 3 and not timed_out
     finally:
         hooks.on_persist = hooks.on_snapshot = None
         persist_gate.set()
         copy_gate.set()
     FaultyFileSystem.mode = None
     mgr.close()
+
+
+def _held(gate, timed_out, timeout=120.0):
+    """Block a hook until the test opens ``gate``; a wait that times out is recorded in
+    ``timed_out`` (the test asserts it stays empty)."""
+    if not gate.wait(timeout):
+        timed_out.append(gate)
 
 
 def test_close_surfaces_background_error(tmp_path):
