@@ -12,6 +12,13 @@ from moepec.errors import (
 from moepec.events import CheckpointEvent, CommitRecord, SnapshotRecord
 from moepec.hooks import FaultHooks
 from moepec.manager.config import CheckpointConfig
+from moepec.policy.selection_policy import (
+    SelectionContext,
+    SelectionPolicy,
+    register_selection,
+    selection_names,
+    unregister_selection,
+)
 from moepec.state.experts import ExpertSpec
 
 __version__ = "0.1.0"
@@ -31,9 +38,14 @@ __all__ = [
     "Part",
     "PersistError",
     "RestoreReport",
+    "SelectionContext",
+    "SelectionPolicy",
     "SnapshotRecord",
     "StructureMismatchError",
     "__version__",
+    "register_selection",
+    "selection_names",
+    "unregister_selection",
 ]
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from moepec.errors import ConfigError, check_choice
 from moepec.policy.plan import WriteMode
-from moepec.policy.selection import Selection
+from moepec.policy.selection_policy import Selection, resolve_selection
 from moepec.store.items import Serialization
 
 AUTO = "auto"
@@ -49,8 +49,11 @@ class CheckpointConfig:
     k_snapshot: int | None = None
     """Experts per MoE layer copied to host RAM at each checkpoint (K_snapshot >= K_persist).
     None means equal to ``k_persist``."""
-    selection: Selection = Selection.SEQUENTIAL
-    """Which experts: ``sequential`` (staggered round-robin) or ``load_aware``."""
+    selection: Selection | str = Selection.SEQUENTIAL
+    """Which experts: ``sequential`` (staggered round-robin), ``load_aware``, or the name of
+    a policy of your own registered beforehand with :func:`moepec.register_selection` (on
+    every rank; the manifest records the name). A user policy has no staleness bound
+    unless it keeps one: ``full_every`` is the safety net."""
     pec_scope: PecScope = PecScope.ALL
     """What PEC skips for unselected experts: ``all`` (weights and optimizer state),
     ``optimizer`` (only optimizer state; weights every time) or ``weights``."""
@@ -145,7 +148,7 @@ class CheckpointConfig:
             raise ConfigError(
                 f"k_snapshot ({self.k_snapshot}) must be >= k_persist ({self.k_persist}): the "
                 f"experts written to storage are a subset of those copied to RAM")
-        self.selection = check_choice(Selection, self.selection, "selection")
+        self.selection = resolve_selection(self.selection, "selection")
         self.pec_scope = check_choice(PecScope, self.pec_scope, "pec_scope")
         self.busy_policy = check_choice(BusyPolicy, self.busy_policy, "busy_policy")
         self.write_mode = check_choice(WriteMode, self.write_mode, "write_mode")

@@ -17,6 +17,7 @@ from moepec.errors import ConfigError
 from moepec.manager.config import CheckpointConfig
 from moepec.policy.plt import PLTLedger, dynamic_k
 from moepec.policy.selection import Selector, select_two_tier
+from moepec.policy.selection_policy import selection_names
 from moepec.store.meta import CheckpointMeta
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class ExpertSchedule:
             persist_sel = snap_sel
         else:
             snap_sel, persist_sel = select_two_tier(self.persist_selector, self.ram_selector,
-                                                    self.k_persist, self.k_snapshot)
+                                                    self.k_persist, self.k_snapshot, self.index)
         self.ram_selector.commit(snap_sel, self.index)
         if persist:
             self.persist_selector.commit(persist_sel, self.index)
@@ -85,6 +86,7 @@ class ExpertSchedule:
         selectors, K and index; the flat front end keeps them in its manifest), with
         ``ledger``. Raises StructureMismatchError when the experts per layer differ."""
         self.ledger = ledger
+        self._note_policy_switch(fields["selectors"]["persist"])
         self.persist_selector.load_state_dict(fields["selectors"]["persist"])
         self.ram_selector.load_state_dict(fields["selectors"]["ram"])
         self.k_persist, self.k_snapshot = int(fields["k_persist"]), int(fields["k_snapshot"])
@@ -102,11 +104,29 @@ class ExpertSchedule:
     def load_live_state(self, state: dict[str, Any]) -> None:
         """Adopt a peer's :meth:`live_state`."""
         self.ledger.load_state_dict(state["ledger"])
+        self._note_policy_switch(state["selectors"]["persist"])
         self.persist_selector.load_state_dict(state["selectors"]["persist"])
         self.ram_selector.load_state_dict(state["selectors"]["ram"])
         self.k_persist, self.k_snapshot = (int(k) for k in state["k"])
         self.k_history = [list(x) for x in state["k_history"]]
         self.index = int(state["index"])
+
+    def _note_policy_switch(self, saved: Mapping[str, Any]) -> None:
+        """Warn when the restored selectors were chosen by a user policy this process has
+        not registered. Not an error: the config names the policy that runs (a name it
+        does not know is refused there, before any restore), so this is a switch, allowed
+        as between the built-in policies, and the only way off a policy whose code is
+        gone; the rotation goes on from each expert's last save, and the old policy's own
+        state is dropped (policy.selection_policy explains the choice)."""
+        old, now = saved.get("policy"), str(self.config.selection)
+        if old is None or old == now or old in selection_names():
+            return
+        log.warning("the checkpoint's experts were chosen by selection policy %r, which is "
+                    "not registered in this process; this run selects with %r (configured) "
+                    "from each expert's last save on, and %r's own state is dropped. To go "
+                    "on with %r, call moepec.register_selection(%r, policy) on every rank "
+                    "before creating the CheckpointConfig, and set selection=%r",
+                    old, now, old, old, old, old)
 
     def set_k(self, k_persist: int, k_snapshot: int | None, step: int) -> None:
         """New K from the next checkpoint on (``step``: the last one trained). Raises

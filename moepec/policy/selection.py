@@ -18,6 +18,11 @@ skipped once), because the next checkpoint always starts at the stalest expert.
 ones whose weights moved most); it has no staleness bound, which is why it is not the
 default.
 
+A policy of your own is registered under a name (:func:`register_selection`; the
+interface, :class:`~moepec.policy.selection_policy.SelectionPolicy`, and its contract are
+in :mod:`moepec.policy.selection_policy`) and configured by that name wherever the
+built-in ones are. Its JSON state travels in the selector's state like theirs.
+
 Two tiers
 ---------
 :func:`select_two_tier` picks the persist set P (storage) and the snapshot set S (host
@@ -32,19 +37,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
-from moepec.errors import ConfigError, StructureMismatchError, check_choice
+from moepec.errors import ConfigError, StructureMismatchError
+from moepec.policy.selection_policy import (
+    Selection,
+    SelectionContext,
+    SelectionPolicy,
+    checked_answer,
+    json_state,
+    resolve_selection,
+    user_policy,
+)
 
-
-class Selection(StrEnum):
-    """Which experts a checkpoint saves (DESIGN.md, terms)."""
-
-    SEQUENTIAL = "sequential"
-    """Staggered round-robin: every expert saved at least every ceil(N/K) checkpoints."""
-    LOAD_AWARE = "load_aware"
-    """The experts that received the most tokens since their last save."""
+__all__ = ["Selection", "Selector", "load_aware_pick", "select_two_tier", "sequential_pick",
+           "snapshot_gap_bound", "snapshot_offsets"]
 
 
 def _checked_exclude(n_experts: int, exclude: frozenset[int]) -> frozenset[int]:
@@ -129,20 +136,24 @@ class Selector:
 
     n_experts: tuple[int, ...]
     """Experts per MoE layer, in layer order (may differ per layer)."""
-    policy: Selection = Selection.SEQUENTIAL
-    """Which experts :meth:`select` picks."""
+    policy: Selection | str = Selection.SEQUENTIAL
+    """Which experts :meth:`select` picks: a built-in :class:`Selection` or the name of a
+    registered user policy (:func:`register_selection`)."""
     cursors: list[int] = field(default_factory=list)
     """Sequential cursor per layer; empty means staggered: layer m starts at m % N_m."""
     last_saved: list[list[int]] = field(default_factory=list)
     """Checkpoint index of the last save per (layer, expert); -1 = never. Empty = all -1."""
     tokens_since_save: list[list[int]] = field(default_factory=list)
     """Token assignments since the last save per (layer, expert). Empty = all 0."""
+    policy_state: list[Any] = field(default_factory=list)
+    """A user policy's JSON state per layer (None for the built-in ones). Empty = the
+    policy's ``initial_state``."""
 
     def __post_init__(self) -> None:
         self.n_experts = tuple(int(n) for n in self.n_experts)
         if any(n < 1 for n in self.n_experts):
             raise ConfigError(f"every MoE layer needs >= 1 expert, got {list(self.n_experts)}")
-        self.policy = check_choice(Selection, self.policy, "selection policy")
+        self.policy = resolve_selection(self.policy, "selection policy")
         if not self.cursors:
             self.cursors = [m % n for m, n in enumerate(self.n_experts)]
         if not self.last_saved:
@@ -154,6 +165,20 @@ class Selector:
         self.cursors = [int(c) % n for c, n in zip(self.cursors, self.n_experts)]
         _check_matrix("last_saved", self.last_saved, self.n_experts)
         _check_matrix("tokens_since_save", self.tokens_since_save, self.n_experts)
+        if not self.policy_state:
+            self.policy_state = self._initial_states()
+        if len(self.policy_state) != len(self.n_experts):
+            raise ConfigError(f"policy_state needs one entry per MoE layer "
+                              f"({len(self.n_experts)})")
+        self.policy_state = json_state(self.policy, list(self.policy_state), "its state")
+
+    def _initial_states(self) -> list[Any]:
+        policy = user_policy(self.policy)
+        if policy is None:
+            return [None] * len(self.n_experts)
+        return [json_state(self.policy, policy.initial_state(m, n),
+                           f"initial_state of MoE layer {m}")
+                for m, n in enumerate(self.n_experts)]
 
     @classmethod
     def create(cls, n_experts: Sequence[int], policy: Selection | str = Selection.SEQUENTIAL) -> Selector:
@@ -178,22 +203,30 @@ class Selector:
             )
 
     def select(
-        self, k: int, exclude: Sequence[frozenset[int]] | None = None
+        self, k: int, exclude: Sequence[frozenset[int]] | None = None,
+        checkpoint_index: int | None = None,
     ) -> list[tuple[int, ...]]:
         """The experts to save per layer (sorted ids); does not change any state.
 
         ``exclude[m]`` are experts of layer m that must not be picked (for instance
         those already chosen by the other tier); fewer than k come back if exclusions
-        leave fewer. Raises ConfigError for k outside 1..min(n_experts).
+        leave fewer. ``checkpoint_index``: the checkpoint being planned, as a user
+        policy sees it (None: one past the newest save recorded). Raises ConfigError for
+        k outside 1..min(n_experts), and for a user policy's wrong answer.
         """
         self._check_k(k)
         if exclude is None:
             exclude = [frozenset()] * len(self.n_experts)
         if len(exclude) != len(self.n_experts):
             raise ConfigError(f"exclude needs one set per MoE layer ({len(self.n_experts)})")
+        policy = user_policy(self.policy)
+        if checkpoint_index is None:
+            checkpoint_index = 1 + max((max(r) for r in self.last_saved), default=-1)
         picked: list[tuple[int, ...]] = []
         for layer, n in enumerate(self.n_experts):
-            if self.policy == "sequential":
+            if policy is not None:
+                experts = self._ask(policy, layer, k, exclude[layer], checkpoint_index)
+            elif self.policy == "sequential":
                 experts, _ = sequential_pick(self.cursors[layer], n, k, exclude[layer])
             else:
                 experts = load_aware_pick(
@@ -201,6 +234,22 @@ class Selector:
                 )
             picked.append(experts)
         return picked
+
+    def _ask(self, policy: SelectionPolicy, layer: int, k: int, exclude: frozenset[int],
+             checkpoint_index: int) -> tuple[int, ...]:
+        """The user policy's checked answer for one layer."""
+        n = self.n_experts[layer]
+        exclude = _checked_exclude(n, frozenset(exclude))
+        k = min(k, n - len(exclude))
+        if k == 0:  # nothing left to choose from (two tiers): no question to ask
+            return ()
+        ctx = SelectionContext(
+            layer=layer, n_experts=n, k=k, checkpoint=checkpoint_index,
+            tokens_since_save=tuple(self.tokens_since_save[layer]),
+            last_saved=tuple(self.last_saved[layer]), exclude=exclude,
+            # a copy: a policy that changed it in place would diverge from a restored run
+            state=json_state(self.policy, self.policy_state[layer], "its state"))
+        return checked_answer(str(self.policy), ctx, policy.select(ctx))
 
     def commit(self, selected: Sequence[Sequence[int]], checkpoint_index: int) -> None:
         """Record that ``selected[m]`` of every layer m were saved at ``checkpoint_index``.
@@ -219,6 +268,7 @@ class Selector:
         chosen = [frozenset(int(e) for e in experts) for experts in selected]
         for n, experts in zip(self.n_experts, chosen):
             _checked_exclude(n, experts)
+        self.policy_state = self._states_after(chosen, checkpoint_index)
         for layer, (n, experts) in enumerate(zip(self.n_experts, chosen)):
             for e in experts:
                 self.last_saved[layer][e] = checkpoint_index
@@ -228,22 +278,47 @@ class Selector:
                 cursor, steps = (cursor + 1) % n, steps + 1
             self.cursors[layer] = cursor
 
+    def _states_after(self, chosen: Sequence[frozenset[int]], checkpoint_index: int
+                      ) -> list[Any]:
+        """A user policy's next state per layer after a save of ``chosen`` (computed, all
+        checked, before :meth:`commit` changes anything)."""
+        policy = user_policy(self.policy)
+        if policy is None:
+            return self.policy_state
+        return [json_state(self.policy, policy.on_saved(
+                    json_state(self.policy, state, "its state"), layer=layer, n_experts=n,
+                    experts=tuple(sorted(experts)), checkpoint=checkpoint_index),
+                    f"the state on_saved returned for MoE layer {layer}")
+                for layer, (n, state, experts) in enumerate(
+                    zip(self.n_experts, self.policy_state, chosen))]
+
     def state_dict(self) -> dict[str, Any]:
-        """A JSON-able deep copy of the state."""
-        return {
+        """A JSON-able deep copy of the state. ``policy_state`` is there only when a user
+        policy keeps one (the built-in policies' state has no such key)."""
+        d = {
             "n_experts": list(self.n_experts),
             "policy": str(self.policy),
             "cursors": list(self.cursors),
             "last_saved": [list(r) for r in self.last_saved],
             "tokens_since_save": [list(r) for r in self.tokens_since_save],
         }
+        if any(s is not None for s in self.policy_state):
+            d["policy_state"] = json_state(self.policy, self.policy_state, "its state")
+        return d
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Replace the state by one from :meth:`state_dict`.
 
-        The policy stays as configured here, so a resumed run may switch policy.
-        Raises StructureMismatchError if the experts per layer differ.
+        The policy stays as configured here, so a resumed run may switch policy: the
+        common state (cursors, last saves, tokens since) carries over, and a user
+        policy's own ``policy_state`` is taken only when ``d`` was saved under the same
+        policy name (otherwise this policy starts from its ``initial_state``). The saving
+        policy need not be registered here; its name and state are checked for shape
+        only. Raises StructureMismatchError if the experts per layer differ, ConfigError
+        for a malformed state.
         """
+        if not isinstance(d.get("policy", ""), str):
+            raise ConfigError(f"selector state names policy {d['policy']!r}, not a name")
         if tuple(d["n_experts"]) != self.n_experts:
             raise StructureMismatchError(
                 f"selector state is for experts per layer {list(d['n_experts'])} but this "
@@ -255,10 +330,24 @@ class Selector:
             cursors=list(d["cursors"]),
             last_saved=[list(r) for r in d["last_saved"]],
             tokens_since_save=[list(r) for r in d["tokens_since_save"]],
+            policy_state=self._loaded_policy_state(d),
         )
         self.cursors = loaded.cursors
         self.last_saved = loaded.last_saved
         self.tokens_since_save = loaded.tokens_since_save
+        self.policy_state = loaded.policy_state
+
+    def _loaded_policy_state(self, d: dict[str, Any]) -> list[Any]:
+        """``d``'s policy state when it is this policy's, else this policy's initial one
+        (empty list); its shape checked either way."""
+        states = d.get("policy_state")
+        if states is None:
+            states = [None] * len(self.n_experts)
+        if not isinstance(states, list) or len(states) != len(self.n_experts):
+            raise ConfigError(f"policy_state needs one entry per MoE layer "
+                              f"({len(self.n_experts)})")
+        same = d.get("policy") == str(self.policy) and user_policy(self.policy) is not None
+        return list(states) if same else []
 
 
 def snapshot_offsets(n_experts: int, k_persist: int, k_snapshot: int) -> tuple[int, ...]:
@@ -296,7 +385,8 @@ def snapshot_gap_bound(n_experts: int, k_persist: int, k_snapshot: int) -> int:
 
 
 def select_two_tier(
-    persist: Selector, ram: Selector, k_persist: int, k_snapshot: int
+    persist: Selector, ram: Selector, k_persist: int, k_snapshot: int,
+    checkpoint_index: int | None = None,
 ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     """Pick the snapshot set S and the persist set P per layer; returns (S, P), P within S.
 
@@ -304,8 +394,9 @@ def select_two_tier(
     evenly spaced blocks (:func:`snapshot_offsets`), which gives the bound of
     :func:`snapshot_gap_bound`. Otherwise S = P plus ``ram.select(k_snapshot - k_persist,
     exclude=P)``. Changes no state: afterwards commit ``persist`` with P and ``ram`` with
-    S. Raises ConfigError unless 1 <= k_persist <= k_snapshot <= N for every layer, or
-    if the two selectors cover different layers.
+    S. ``checkpoint_index``: the checkpoint planned, for a user policy
+    (:meth:`Selector.select`). Raises ConfigError unless 1 <= k_persist <= k_snapshot <= N
+    for every layer, or if the two selectors cover different layers.
     """
     if persist.n_experts != ram.n_experts:
         raise ConfigError(
@@ -318,7 +409,7 @@ def select_two_tier(
             f"need 1 <= k_persist <= k_snapshot <= {top}, got k_persist={k_persist}, "
             f"k_snapshot={k_snapshot}"
         )
-    persisted = persist.select(k_persist)
+    persisted = persist.select(k_persist, checkpoint_index=checkpoint_index)
     if k_snapshot == k_persist:
         return list(persisted), persisted
     if persist.policy == ram.policy == "sequential":
@@ -327,7 +418,8 @@ def select_two_tier(
             offsets = snapshot_offsets(n, k_persist, k_snapshot)
             snapshot.append(tuple(sorted((cursor + d) % n for d in offsets)))
     else:
-        extra = ram.select(k_snapshot - k_persist, exclude=[frozenset(p) for p in persisted])
+        extra = ram.select(k_snapshot - k_persist, exclude=[frozenset(p) for p in persisted],
+                           checkpoint_index=checkpoint_index)
         snapshot = [tuple(sorted(set(p) | set(x))) for p, x in zip(persisted, extra)]
     assert all(set(p) <= set(s) and len(s) == k_snapshot for p, s in zip(persisted, snapshot))
     return snapshot, persisted
