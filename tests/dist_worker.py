@@ -179,10 +179,10 @@ def train_worker(rank: int, world: int, store: str, out: str, ep: int, layout: s
                            Path(out) / f"hist-r{rank}-s{step}.pt")
         if ram_restore:
             mgr.wait_for_snapshot()
-            mgr.persister.wait_idle()
+            mgr._persister.wait_idle()
             if rank == drop_ram_rank:
                 # this rank "restarted": its RAM tier is gone, the others' survived
-                mgr.ram_tier.drop()
+                mgr._ram_tier.drop()
             # a fault inside the step on every rank: processes survive, RAM is intact
             with torch.no_grad():
                 for p in model.parameters():
@@ -193,7 +193,7 @@ def train_worker(rank: int, world: int, store: str, out: str, ep: int, layout: s
             torch.save(expert_state(model, opt, ep_rank, n_local),
                        Path(out) / f"restored-r{rank}.pt")
         mgr.close()
-        result["records"] = [(r.name, r.bytes_per_rank) for r in mgr.persister.records]
+        result["records"] = [(r.name, r.bytes_per_rank) for r in mgr._persister.records]
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(exc).__name__}: {exc}"

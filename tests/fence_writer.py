@@ -68,7 +68,7 @@ def main() -> None:
                 after += after >= 0
         except PersistError as exc:
             errors.append(str(exc))
-        if mgr.last_committed is not None and mgr.last_committed.endswith("-" + mgr.run_id):
+        if mgr.last_committed is not None and mgr.last_committed.endswith("-" + mgr._run_id):
             committed.add(mgr.last_committed)
         if not ready and committed:
             print("ready", flush=True)
@@ -90,15 +90,15 @@ def main() -> None:
         mgr.close()
     except PersistError as exc:
         errors.append(str(exc))
-    mine = [n for n in mgr.storage.committed() if n.endswith("-" + mgr.run_id)]
+    mine = [n for n in mgr._storage.committed() if n.endswith("-" + mgr._run_id)]
     newest = mine[-1] if mine else None
     newest_step = int(newest.split("-step")[1][:8]) if newest else -1
     torch.save(saved.get(newest_step, {}), out)
     with open(out + ".json", "w") as f:
-        json.dump({"run_id": mgr.run_id, "fenced": mgr.fenced, "errors": errors,
+        json.dump({"run_id": mgr._run_id, "fenced": mgr.fenced, "errors": errors,
                    "timed_out": timed_out, "told": told, "commits_seen": len(committed),
                    "newest": newest, "newest_step": newest_step,
-                   "records": [[r.name, r.committed] for r in mgr.persister.records]}, f)
+                   "records": [[r.name, r.committed] for r in mgr._persister.records]}, f)
     print("done", flush=True)
 
 

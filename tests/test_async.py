@@ -51,7 +51,7 @@ def test_ram_recovery_is_fresher_than_storage(tmp_path):
     now = full_state(model, opt)
     assert torch.equal(now["model/embed.weight"], saved[7]["model/embed.weight"])
     assert counter.position == 8
-    snap_experts = mgr.ram.snapshot_experts[0]
+    snap_experts = mgr._ram_tier.newest.snapshot_experts[0]
     # restoring the same run from storage alone (a new process) loses more tokens
     mgr.close()
     fresh, *_ = setup(tmp_path / "c", k_persist=1, k_snapshot=3, keep_last=3)
@@ -68,12 +68,12 @@ def test_failed_persist_surfaces_keeps_last_commit_and_snapshots_go_on(tmp_path)
     mgr, model, opt, sched, counter = setup(url, k_persist=1, k_snapshot=2)
     gen = loop(mgr, model, opt, sched, counter, 4)  # commits at steps 1 and 3
     mgr.wait_for_persist()
-    committed = mgr.storage.committed()
+    committed = mgr._storage.committed()
     FaultyFileSystem.mode = "enospc"
     with pytest.raises(PersistError, match="No space left") as err:
         loop(mgr, model, opt, sched, counter, 6, start=4, gen=gen)
     assert "last committed checkpoint is intact" in str(err.value)
-    assert mgr.storage.committed() == committed
+    assert mgr._storage.committed() == committed
     # training goes on: the loop keeps snapshotting to RAM
     FaultyFileSystem.mode = "enospc"
     ram_steps = []
@@ -86,20 +86,20 @@ def test_failed_persist_surfaces_keeps_last_commit_and_snapshots_go_on(tmp_path)
             mgr.wait_for_snapshot()
         except PersistError:
             # raised after the snapshot in flight was finished: the optimizer may step
-            assert mgr.snapshotter.pending is None
-        ram_steps.append(mgr.ram.step)
+            assert mgr._ram_tier.snapshotter.pending is None
+        ram_steps.append(mgr._ram_tier.newest.step)
     assert max(ram_steps) == 11
     mgr.wait_for_persist()
     try:  # the last failure may or may not have been reported inside the loop
         mgr.wait_for_snapshot()
     except PersistError:
         pass
-    assert mgr.storage.committed() == committed
+    assert mgr._storage.committed() == committed
     # storage heals: the next checkpoint commits
     FaultyFileSystem.mode = None
     loop(mgr, model, opt, sched, counter, 2, start=12, gen=gen)
     mgr.close()
-    assert len(mgr.storage.committed()) > len(committed)
+    assert len(mgr._storage.committed()) > len(committed)
 
 
 def test_persist_error_is_raised_only_after_the_snapshot_is_complete(tmp_path):
@@ -128,8 +128,8 @@ def test_persist_error_is_raised_only_after_the_snapshot_is_complete(tmp_path):
         threading.Timer(0.3, copy_gate.set).start()
         with pytest.raises(PersistError):
             mgr.wait_for_snapshot()
-        assert copy_gate.is_set() and mgr.snapshotter.pending is None
-        assert mgr.ram.step == 3 and not timed_out
+        assert copy_gate.is_set() and mgr._ram_tier.snapshotter.pending is None
+        assert mgr._ram_tier.newest.step == 3 and not timed_out
     finally:
         hooks.on_persist = hooks.on_snapshot = None
         persist_gate.set()
@@ -174,7 +174,7 @@ def test_skip_policy_keeps_busy_checkpoints_in_ram(tmp_path):
     try:
         loop(mgr, model, opt, sched, counter, 6)
         mgr.wait_for_snapshot()
-        assert mgr.ram.step == 5
+        assert mgr._ram_tier.newest.step == 5
     finally:
         gate.set()
     mgr.close()
@@ -189,7 +189,7 @@ def test_buffers_are_reused_and_memory_bounded(tmp_path):
     mgr.close()
     largest = max(e.snapshot_bytes for e in events)
     # triple buffer: at most three snapshots alive (the first, full one, is the largest)
-    assert mgr.pool.allocated_bytes <= 3 * largest
+    assert mgr._ram_tier.pool.allocated_bytes <= 3 * largest
 
 
 def test_torn_state_slow_snapshot_overlaps_training(tmp_path):
@@ -212,7 +212,7 @@ def test_torn_state_slow_snapshot_overlaps_training(tmp_path):
     gen = torch.Generator().manual_seed(1)
     for step in range(9):
         _, counts = train_step(model, opt, sched, gen)  # runs during the copy
-        overlapped.append(mgr.snapshotter.busy)
+        overlapped.append(mgr._ram_tier.snapshotter.busy)
         trained.set()
         mgr.wait_for_snapshot()
         opt.step()
@@ -250,7 +250,7 @@ def test_first_persist_failing_makes_the_next_commit_full(tmp_path):
         except PersistError:
             pass
     mgr.close()
-    manifests = [mgr.storage.read_manifest(n) for n in mgr.storage.committed()]
+    manifests = [mgr._storage.read_manifest(n) for n in mgr._storage.committed()]
     assert manifests and manifests[0].meta.full  # storage had no copy of any expert yet
     fresh, *_ = setup(url, interval=2, k_persist=1, keep_last=10)
     assert fresh.restore().step == 9
@@ -300,7 +300,7 @@ def test_callbacks_deliver_typed_records_in_order(tmp_path, asynchronous):
     assert events[0].full and not events[1].full and all(e.persist for e in events)
     assert all(len(layer) == 2 for layer in events[1].experts_snapshot)
     assert all(len(layer) == 1 for layer in events[1].experts_persist)
-    assert [c.name for c in commits] == mgr.storage.committed()[-len(commits):]
+    assert [c.name for c in commits] == mgr._storage.committed()[-len(commits):]
     assert all(c.bytes == sum(c.bytes_per_rank) > 0 for c in commits)
 
 
@@ -317,5 +317,5 @@ def test_set_k_changes_k_from_the_next_checkpoint(tmp_path):
         mgr.k_persist = 1
     loop(mgr, model, opt, sched, counter, 4, start=2)
     mgr.close()
-    meta = mgr.storage.read_manifest(mgr.storage.committed()[-1]).meta
+    meta = mgr._storage.read_manifest(mgr._storage.committed()[-1]).meta
     assert meta.k_persist == 2 and meta.k_history[-1] == [1, 2]

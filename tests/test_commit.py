@@ -101,8 +101,8 @@ def _corrupt(ckpt_dir: Path, key: str) -> None:
 
 def _train(path, steps=8, **kw):
     manager, model, counter = fresh(path, **kw)
-    opt = manager.catalog.optimizer
-    sched = manager.catalog.extra_state["sched"]
+    opt = manager._catalog.optimizer
+    sched = manager._catalog.extra_state["sched"]
     gen = torch.Generator().manual_seed(1)
     states = {}
     def save(step):
@@ -116,7 +116,7 @@ def _train(path, steps=8, **kw):
 def test_corrupt_expert_falls_back_to_previous_copy(tmp_path, caplog):
     ckpt = tmp_path / "c"
     manager, states = _train(ckpt, keep_last=4)
-    st = manager.storage
+    st = manager._storage
     names = st.committed()
     newest = st.read_manifest(names[-1])
     layer0 = newest.meta.experts_saved[0][0]
@@ -136,7 +136,7 @@ def test_corrupt_expert_falls_back_to_previous_copy(tmp_path, caplog):
 def test_corrupt_non_expert_state_uses_older_base(tmp_path):
     ckpt = tmp_path / "c"
     manager, states = _train(ckpt, keep_last=4)
-    names = manager.storage.committed()
+    names = manager._storage.committed()
     _corrupt(ckpt / names[-1], "model/embed.weight")
     m2, model, counter = fresh(ckpt, keep_last=4)
     report = m2.restore()
@@ -148,7 +148,7 @@ def test_corrupt_non_expert_state_uses_older_base(tmp_path):
 def test_truncated_data_file_falls_back_to_older_base(tmp_path, serialization):
     ckpt = tmp_path / "c"
     manager, states = _train(ckpt, keep_last=4, serialization=serialization)
-    names = manager.storage.committed()
+    names = manager._storage.committed()
     data = next(p for p in (ckpt / names[-1]).iterdir() if p.suffix == ".distcp")
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
     m2, model, counter = fresh(ckpt, keep_last=4, serialization=serialization)
@@ -160,7 +160,7 @@ def test_truncated_data_file_falls_back_to_older_base(tmp_path, serialization):
 def test_newer_manifest_format_is_a_clear_error_and_changes_nothing(tmp_path):
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=4, keep_last=4)
-    newest = manager.storage.committed()[-1]
+    newest = manager._storage.committed()[-1]
     path = ckpt / newest / "moepec.json"
     m = json.loads(path.read_text())
     assert m["format"] == FORMAT and m["serialization"] == "raw"
@@ -177,7 +177,7 @@ def test_newer_manifest_format_stops_export_and_retention(tmp_path):
     """Neither export nor retention may act as if a newer checkpoint were absent."""
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=8, keep_last=1)
-    newest = manager.storage.committed()[-1]
+    newest = manager._storage.committed()[-1]
     path = ckpt / newest / "moepec.json"
     m = json.loads(path.read_text())
     m["format"] = "moepec/99"
@@ -186,23 +186,23 @@ def test_newer_manifest_format_stops_export_and_retention(tmp_path):
         read_view(str(ckpt))
     # a run that resumes elsewhere and commits here must not delete what the newer
     # checkpoint's view needs
-    found = committed_manifests(manager.storage)
-    before = set(manager.storage.committed())
+    found = committed_manifests(manager._storage)
+    before = set(manager._storage.committed())
     m2, model, counter = fresh(ckpt, keep_last=1)
     m2.save(100)
     m2.close()
     assert found.newer_format() is not None
-    assert before <= set(manager.storage.committed())
+    assert before <= set(manager._storage.committed())
 
 
 def test_a_manifest_must_name_its_own_folder(tmp_path):
     """A copied checkpoint folder would read another folder's data: it is damaged."""
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=4, keep_last=4)
-    names = manager.storage.committed()
+    names = manager._storage.committed()
     copy = ckpt / "ckpt-000099-step00000099-0123456789ab"
     shutil.copytree(ckpt / names[-1], copy)
-    found = committed_manifests(manager.storage)
+    found = committed_manifests(manager._storage)
     assert copy.name in found.damaged and "names checkpoint" in str(found.damaged[copy.name])
     assert set(found.manifests) == set(names)
 
@@ -213,13 +213,13 @@ def test_a_manifest_must_name_its_own_folder(tmp_path):
 def test_a_mistyped_manifest_is_damaged_and_skipped(tmp_path, caplog, change, field):
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=6, keep_last=4)
-    newest = manager.storage.committed()[-1]
+    newest = manager._storage.committed()[-1]
     path = ckpt / newest / "moepec.json"
     m = json.loads(path.read_text())
     m.update(change)
     path.write_text(json.dumps(m))
     with pytest.raises(ManifestError, match=repr(field)):
-        manager.storage.read_manifest(newest)
+        manager._storage.read_manifest(newest)
     m2, _, _ = fresh(ckpt, keep_last=4)
     assert m2.restore().step == 3  # the older checkpoint serves
     assert newest in caplog.text
@@ -250,8 +250,8 @@ def test_a_failed_restore_leaves_the_model_as_it_was(tmp_path):
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=4, keep_last=4)
     key = "experts/0/1/model/moe.0.experts.w1"
-    for name in manager.storage.committed():  # every copy of one expert: after the
-        if key in manager.storage.read_manifest(name).keys:  # non-expert reads
+    for name in manager._storage.committed():  # every copy of one expert: after the
+        if key in manager._storage.read_manifest(name).keys:  # non-expert reads
             _corrupt(ckpt / name, key)
     m2, model, _ = fresh(ckpt)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -267,7 +267,7 @@ def test_restore_in_place_gives_the_same_state(tmp_path):
     for in_place in (False, True):
         m2, model, _ = fresh(ckpt, restore_in_place=in_place)
         m2.restore()
-        states.append(full_state(model, m2.catalog.optimizer))
+        states.append(full_state(model, m2._catalog.optimizer))
         m2.close()
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
@@ -276,7 +276,7 @@ def test_restore_in_place_gives_the_same_state(tmp_path):
 def test_everything_corrupt_is_an_error(tmp_path):
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=4, keep_last=4)
-    for name in manager.storage.committed():
+    for name in manager._storage.committed():
         _corrupt(ckpt / name, "model/embed.weight")
     m2, _, _ = fresh(ckpt)
     with pytest.raises(CorruptCheckpointError, match="moepec verify"):
@@ -300,10 +300,10 @@ def test_structure_mismatch_names_differences_and_changes_nothing(tmp_path, chan
 def test_manifest_not_json_is_skipped_with_warning(tmp_path, caplog):
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=6, keep_last=4)
-    names = manager.storage.committed()
+    names = manager._storage.committed()
     (ckpt / names[-1] / "moepec.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
-        manager.storage.read_manifest(names[-1])
+        manager._storage.read_manifest(names[-1])
     m2, _, _ = fresh(ckpt, keep_last=4)
     assert m2.restore().step == 3
     assert "not valid JSON" in caplog.text
@@ -319,7 +319,7 @@ def test_unwritable_path_is_a_clear_error(tmp_path):
     with pytest.raises(PersistError, match="cannot write to checkpoint path"):
         manager.save(0)
     manager.wait_for_snapshot()
-    assert manager.ram is not None and manager.ram.step == 0
+    assert manager._ram_tier.newest is not None and manager._ram_tier.newest.step == 0
     manager.close()
 
 
@@ -341,7 +341,7 @@ def test_k_larger_than_experts_is_rejected(tmp_path):
 
 def test_manifest_records_what_design_promises(tmp_path):
     manager, _ = _train(tmp_path / "c", steps=4)
-    name = manager.storage.committed()[-1]
+    name = manager._storage.committed()[-1]
     m = json.loads((tmp_path / "c" / name / "moepec.json").read_text())  # as stored
     for field in ("step", "keys", "view_file", "k_persist", "selection", "counts", "plt",
                   "structure", "experts_saved", "bytes_per_rank"):
@@ -353,8 +353,8 @@ def test_manifest_records_what_design_promises(tmp_path):
     assert len(blob) == ref["length"] and ref["checksum"] == "xxh3:" + xxhash.xxh3_64_hexdigest(
         blob) and ref["file"] == f"view-{ref['checksum'][5:]}.json"
     view = json.loads(blob)
-    assert view and set(view.values()) <= set(manager.storage.committed())
-    typed = manager.storage.read_manifest(name)
+    assert view and set(view.values()) <= set(manager._storage.committed())
+    typed = manager._storage.read_manifest(name)
     assert dict(typed.view) == view
     assert typed.to_json() == m  # the typed form round-trips
     assert json.loads(json.dumps(m)) == m
@@ -369,7 +369,7 @@ def test_one_format_a_pre_release_manifest_is_damaged_everywhere(tmp_path, caplo
 
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=6, keep_last=4)
-    names = manager.storage.committed()
+    names = manager._storage.committed()
     path = ckpt / names[-1] / "moepec.json"
     path.write_text(json.dumps(dict(json.loads(path.read_text()), format="moepec/4")))
     legacy = ckpt / "ckpt-000099-step00000099"

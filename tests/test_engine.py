@@ -45,7 +45,7 @@ def run(cfg: CheckpointConfig, steps: int, layout: str, seed: int = 0, data_seed
 
 
 def committed_manifests(manager):
-    st = manager.storage
+    st = manager._storage
     return {n: st.read_manifest(n) for n in st.committed()}
 
 
@@ -77,7 +77,7 @@ def check_restore(cfg, layout, manager, history, counts_hist):
     base_state, base_sched, base_pos = history[base_step]
     assert counter.position == base_pos
     assert sched.state_dict()["last_epoch"] == base_sched["last_epoch"]
-    emap = m2.emap
+    emap = m2._emap
     expert_names = set(emap.owner)
     lost_ref = [[0] * N_EXPERTS for _ in emap.layers]
     for key, value in restored.items():

@@ -197,7 +197,8 @@ def test_a_fenced_run_trains_saves_and_restores_without_touching_the_root(tmp_pa
     old.wait_for_snapshot()
     assert old.fenced and "took over the checkpoint root" in old.fenced
     assert caplog.text.count("this run no longer writes, renames or deletes") == 1
-    assert old.ram is not None and old.ram.step == 9  # RAM snapshots go on
+    newest = old._ram_tier.newest
+    assert newest is not None and newest.step == 9  # RAM snapshots go on
     assert old.restore().tier == "ram"  # an in-process restart: no recovery record written
     old.close()
     assert _listing(root) == before  # not a file written, renamed or deleted

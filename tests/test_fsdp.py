@@ -322,7 +322,7 @@ def _lost_ram(rank: int, world: int, expert_dim: int, ckpt: str, out: str) -> di
 
     train(model, opt, mgr, counter, 0, 2, record)
     if rank == 1:
-        mgr.ram_tier.drop()
+        mgr._ram_tier.drop()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)

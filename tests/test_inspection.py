@@ -36,7 +36,7 @@ def test_verify_finds_corruption(tmp_path):
     manager, _ = _train(ckpt, steps=6, keep_last=5)
     res = verify_path(str(ckpt))
     assert res.ok and res.checked > 10
-    name = manager.storage.committed()[-1]
+    name = manager._storage.committed()[-1]
     _corrupt(ckpt / name, "model/embed.weight")
     res = verify_path(str(ckpt))
     assert not res.ok and res.bad == [f"{name}:model/embed.weight"]
@@ -60,7 +60,7 @@ def test_export_safetensors_and_dcp_equal_restored_model(tmp_path):
     with single_process_dcp():  # the test's own stock call
         dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert all(torch.equal(target[f"model.{k}"], v) for k, v in expect.items())
-    opt_state = mgr.catalog.optimizer.state[model.moe[0].experts.w1]["exp_avg"]
+    opt_state = mgr._catalog.optimizer.state[model.moe[0].experts.w1]["exp_avg"]
     assert torch.equal(target[f"optim.{w1}.exp_avg"], opt_state)
 
 
@@ -74,7 +74,7 @@ def test_cli_inspect_verify_export_exit_codes(tmp_path, capsys):
     assert main(["verify", str(ckpt)]) == 0
     assert main(["export", str(ckpt), str(tmp_path / "w.safetensors")]) == 0
     assert (tmp_path / "w.safetensors").exists()
-    _corrupt(ckpt / manager.storage.committed()[-1], "model/embed.weight")
+    _corrupt(ckpt / manager._storage.committed()[-1], "model/embed.weight")
     assert main(["verify", str(ckpt)]) == 1
     assert "BAD item" in capsys.readouterr().out
     assert main(["inspect", str(tmp_path / "c"), "--storage-options", "{bad"]) == 2
@@ -94,7 +94,7 @@ def _restored(ckpt):
     mgr, model, _ = fresh(ckpt, keep_last=5)
     report = mgr.restore()
     mgr.close()
-    opt = mgr.catalog.optimizer
+    opt = mgr._catalog.optimizer
     out = {f"model.{k}": v for k, v in model.state_dict().items()}
     for name, p in model.named_parameters():
         out.update({f"optim.{name}.{s}": v for s, v in opt.state[p].items()})
@@ -106,7 +106,7 @@ def test_export_stitches_a_damaged_item_entry_as_restore_does(tmp_path, capsys):
     older copy exactly as restore does, bit for bit, and names the fallback."""
     pristine = tmp_path / "pristine"
     manager, _ = _train(pristine, steps=8, keep_last=5)
-    newest = manager.storage.committed()[-1]
+    newest = manager._storage.committed()[-1]
     keys = json.loads((pristine / newest / "moepec.json").read_text())["keys"]
     expert_key = next(k for k in sorted(keys) if k.startswith("experts/") and "/model/" in k)
     info = parse_key(expert_key)
@@ -144,7 +144,7 @@ def test_export_with_no_intact_copy_of_an_expert_fails_in_one_line(tmp_path, cap
     ckpt = tmp_path / "c"
     manager, _ = _train(ckpt, steps=8, keep_last=5)
     key = None
-    for name in manager.storage.committed():  # every copy of one expert's weights
+    for name in manager._storage.committed():  # every copy of one expert's weights
         keys = json.loads((ckpt / name / "moepec.json").read_text())["keys"]
         key = key or next(k for k in sorted(keys) if k.startswith("experts/") and "/model/" in k)
         if key in keys:

@@ -43,15 +43,15 @@ def train(mgr, parts, steps, saved):
     run_loop(mgr, model, opt, sched, counter, gen, 0, steps,
              lambda s: saved.__setitem__(s, full_state(model, opt)))
     mgr.wait_for_snapshot()
-    mgr.persister.wait_idle()
+    mgr._persister.wait_idle()
 
 
 def crash(mgr):
     """What a SIGKILL leaves: nothing cleaned up (threads stop, files stay)."""
-    mgr.ram_tier.snapshotter.close()
-    mgr.persister.close() if mgr.persister._error is None else None
-    mgr.root_claim.release()
-    slots = mgr.ram_tier.snapshotter.slots
+    mgr._ram_tier.snapshotter.close()
+    mgr._persister.close() if mgr._persister._error is None else None
+    mgr._root_claim.release()
+    slots = mgr._ram_tier.snapshotter.slots
     os.close(slots._owner)  # the kernel drops a dead process's lock on its slot folder
     slots._owner = None
 
@@ -97,8 +97,8 @@ def test_restarted_worker_restores_from_shared_memory_and_persists_what_was_only
     train(mgr, parts, 8, saved)
     storage = Storage(str(tmp_path / "ckpt"))
     assert [storage.read_manifest(n).step for n in storage.committed()] == [1, 3, 5]
-    snap_experts = [list(e) for e in mgr.ram.snapshot_experts]
-    in_process_plt = mgr.ram.meta.plt
+    snap_experts = [list(e) for e in mgr._ram_tier.newest.snapshot_experts]
+    in_process_plt = mgr._ram_tier.newest.meta.plt
     crash(mgr)
     assert 2 <= len(slot_headers(tmp_path)) <= len(list(rank_dir(tmp_path).glob(
         "slot*.data"))) <= 3  # at most three slots, reused over four checkpoints
@@ -107,7 +107,7 @@ def test_restarted_worker_restores_from_shared_memory_and_persists_what_was_only
     assert stat.S_IMODE(rank_dir(tmp_path).stat().st_mode) == 0o700
     # moepec ram ls / clean: the writer (this process) still runs, so clean keeps it
     [row] = ram_cli(capsys, tmp_path, "ls")
-    assert row["root"] == os.path.abspath(tmp_path / "ckpt") and row["runs"] == [mgr.run_id]
+    assert row["root"] == os.path.abspath(tmp_path / "ckpt") and row["runs"] == [mgr._run_id]
     assert row["live"] and row["newest_step"] == 7 and row["bytes"] > 0
     assert ram_cli(capsys, tmp_path, "clean", "--older-than", "1") == []
     assert ram_cli(capsys, tmp_path, "clean", "--run", "nope") == []
@@ -230,7 +230,7 @@ def test_slot_files_are_touched_only_off_the_training_thread_and_slots_are_reuse
     def spy(op, fn, ours=lambda *a: True):
         def wrapped(*a, **kw):
             if ours(*a):
-                calls.append((op, mgr.seq, threading.current_thread() is main_thread))
+                calls.append((op, mgr._seq, threading.current_thread() is main_thread))
             return fn(*a, **kw)
         return wrapped
 

@@ -26,7 +26,7 @@ def test_auto_is_the_default_and_uses_shared_memory(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="moepec")
     assert CheckpointConfig(path="x").ram_dir == "auto"
     mgr, (model, opt, sched, counter) = _manager(tmp_path / "c")
-    assert mgr.ram_dir == DEFAULT_DIR
+    assert mgr._ram_dir == DEFAULT_DIR
     assert caplog.text.count(f"RAM tier: shared memory in {DEFAULT_DIR}") == 1
     run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, 4)
     mgr.wait_for_snapshot()
@@ -44,11 +44,12 @@ def test_auto_is_the_default_and_uses_shared_memory(tmp_path, caplog):
 def test_too_small_shared_memory_falls_back_to_the_process(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="moepec")
     mgr, (model, opt, sched, counter) = _manager(tmp_path / "c", ram_budget_bytes=1)
-    assert mgr.ram_dir is None
+    assert mgr._ram_dir is None
     assert caplog.text.count("RAM tier: in-process buffers (shared memory is too small") == 1
     run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, 4)
     mgr.wait_for_snapshot()
-    assert mgr.ram is not None and mgr.ram.step == 3  # the RAM tier works, in the process
+    newest = mgr._ram_tier.newest
+    assert newest is not None and newest.step == 3  # the RAM tier works, in the process
     mgr.close()
     assert not (Path(DEFAULT_DIR) / job_name(str(tmp_path / "c"))).exists()
 
@@ -61,7 +62,7 @@ def test_an_explicit_folder_that_does_not_fit_is_refused(tmp_path):
 def test_none_keeps_snapshots_in_the_process(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="moepec")
     mgr, _ = _manager(tmp_path / "c", ram_dir=None)
-    assert mgr.ram_dir is None and "RAM tier" not in caplog.text
+    assert mgr._ram_dir is None and "RAM tier" not in caplog.text
     mgr.close()
 
 
@@ -69,14 +70,14 @@ def test_two_live_managers_of_one_root_never_share_slots(tmp_path, caplog):
     """A second live writer into the same root on this host (a takeover while the old run
     lives) keeps its snapshots in the process: slots have one owner."""
     first, (model, opt, sched, counter) = _manager(tmp_path / "c")
-    assert first.ram_dir == DEFAULT_DIR
+    assert first._ram_dir == DEFAULT_DIR
     second, _ = _manager(tmp_path / "c", takeover=True)
-    assert second.ram_dir is None
+    assert second._ram_dir is None
     assert "RAM tier: in-process buffers (another live process on this host uses the RAM " \
            "slots" in caplog.text
     run_loop(first, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, 2)
     first.close()
     second.close()
     third, _ = _manager(tmp_path / "c")  # the owner is gone: the slots are free again
-    assert third.ram_dir == DEFAULT_DIR
+    assert third._ram_dir == DEFAULT_DIR
     third.close()

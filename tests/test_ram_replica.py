@@ -31,15 +31,15 @@ def _worker(rank: int, world: int, tmp: str, phase: str) -> None:
     cfg = CheckpointConfig(path=str(tmp_path / "ckpt"), ram_dir=str(tmp_path / f"shm-n{rank}"),
                            interval=2, k_persist=1, k_snapshot=4, timeout_s=30)
     mgr = CheckpointManager(model, opt, cfg, extra_state={"data": counter, "sched": sched})
-    out: dict = {"replicated": mgr.replicator is not None}
+    out: dict = {"replicated": mgr._replicator is not None}
     if phase == "train":
         gen = torch.Generator().manual_seed(1)
         run_loop(mgr, model, opt, sched, counter, gen, 0, 8, None)
         mgr.wait_for_snapshot()
         torch.save(full_state(model, opt), tmp_path / f"saved-{rank}.pt")
-        mgr.replicator.wait_idle()
-        mgr.persister.wait_idle()
-        out["sent"] = mgr.replicator.sent
+        mgr._replicator.wait_idle()
+        mgr._persister.wait_idle()
+        out["sent"] = mgr._replicator.sent
         dist.barrier()
         (tmp_path / f"out-{phase}-{rank}.json").write_text(json.dumps(out))
         os._exit(0)  # a crash: nothing cleaned up

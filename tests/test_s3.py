@@ -23,7 +23,7 @@ def test_s3_round_trip_and_verify(s3_options):
     run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, 6,
              on_save=lambda step: saved.__setitem__(step, full_state(model, opt)))
     mgr.close()
-    assert len(mgr.storage.committed()) == 3
+    assert len(mgr._storage.committed()) == 3
     model2, opt2, sched2 = make(5, "modules", 4)
     c2 = Counter()
     mgr2 = CheckpointManager(model2, opt2, cfg, extra_state={"sched": sched2, "data": c2})
@@ -32,7 +32,7 @@ def test_s3_round_trip_and_verify(s3_options):
     got = full_state(model2, opt2)
     assert torch.equal(got["model/embed.weight"], saved[5]["model/embed.weight"])
     # the expert saved at step 5 comes back exactly as it was then
-    layer0 = mgr.storage.read_manifest(mgr.storage.committed()[-1]).meta.experts_saved[0][0]
+    layer0 = mgr._storage.read_manifest(mgr._storage.committed()[-1]).meta.experts_saved[0][0]
     key = f"model/moe.0.experts.{layer0}.w1"
     assert torch.equal(got[key], saved[5][key])
     mgr2.close()  # a clean close removes its RAM tier's folder in /dev/shm/moepec

@@ -79,7 +79,7 @@ def test_each_optimizers_expert_state_goes_with_its_expert(tmp_path, layout, sec
     opts = _optimizers(model, second)
     manager = CheckpointManager(model, opts, _config(tmp_path))
     report = manager.restore()
-    emap = manager.emap
+    emap = manager._emap
     manager.close()
     assert report is not None and report.step == STEPS - 1
     restored, base = _state(model, opts), history[STEPS - 1]

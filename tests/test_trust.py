@@ -213,7 +213,7 @@ print("ready", flush=True)
 sys.stdin.readline()
 try:
     run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(2), 4, 2)
-    print("fenced" if mgr.fenced else "committed", mgr.run_id, flush=True)
+    print("fenced" if mgr.fenced else "committed", mgr._run_id, flush=True)
 except Exception as exc:
     print("refused", type(exc).__name__, flush=True)
 """

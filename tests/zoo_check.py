@@ -72,8 +72,8 @@ def train_restore_export(tmp_path, build: Callable[[], nn.Module],
     report = restorer.restore()
     base = max(history)
     assert report is not None and report.step == base
-    manifests = [restorer.storage.read_manifest(n) for n in restorer.storage.committed()]
-    emap = restorer.emap
+    manifests = [restorer._storage.read_manifest(n) for n in restorer._storage.committed()]
+    emap = restorer._emap
     restored = snapshot(model2, opt2)
     assert restored.keys() == final.keys()
     stale = 0

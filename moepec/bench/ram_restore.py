@@ -100,11 +100,13 @@ def measure(name: str, repeats: int, work: Path, ram_base: str, s3: dict | None)
     opts = s3 or {}
     ram_dir = f"{ram_base}/{tag}"
     model, opt = trained_model(cfg)
+    started: list = []  # the CheckpointEvent of the one save
     mgr = CheckpointManager(model, opt, CheckpointConfig(
         path=root, ram_dir=ram_dir, k_persist=1, k_snapshot=cfg.n_experts,
-        async_snapshot=False, async_persist=False, storage_options=opts))
+        async_snapshot=False, async_persist=False, storage_options=opts),
+        on_checkpoint=started.append)
     mgr.save(0)  # the first checkpoint is full: both tiers hold the same view
-    nbytes = sum(t.numel() * t.element_size() for t in mgr.ram.tensors.values())
+    nbytes = started[-1].snapshot_bytes
     _abandon(mgr)
     rows: dict[str, list[dict]] = {"ram": [], "storage": []}
     states = {}

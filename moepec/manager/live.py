@@ -1,7 +1,8 @@
 """The manager's face to live peers (replica groups on torchft,
 :mod:`moepec.integrations.torchft`): the bookkeeping a live replica hands a restarted one,
 and the part of a striped checkpoint a group writes next. Methods of
-:class:`~moepec.manager.manager.CheckpointManager` (this class is its base).
+:class:`~moepec.manager.manager.CheckpointManager` (this class is one of its bases). When
+a checkpoint is due is the manager's own (``CheckpointManager.due``).
 """
 
 from __future__ import annotations
@@ -24,24 +25,20 @@ class LivePeers:
         checkpoint whose parts are all committed."""
         self._part = part
 
-    def due(self, step: int) -> bool:
-        """Whether :meth:`step` checkpoints after optimizer step ``step``."""
-        return (step + 1) % self.config.interval == 0
-
     def live_state(self) -> dict[str, Any]:
         """The checkpoint bookkeeping a live replica hands a restarted one (torchft
         healing, :mod:`moepec.integrations.torchft`): PLT ledger, selectors, K and its
         history, the checkpoint index and this rank's routing counts since the last
         checkpoint. JSON-able, a copy. Training thread, any rank (each rank its own)."""
-        return {**self.schedule.live_state(), "last_step": self._last_step,
-                "routing": self.routing.pending()}
+        return {**self._schedule.live_state(), "last_step": self._last_step,
+                "routing": self._routing.pending()}
 
     def load_live_state(self, state: Mapping[str, Any]) -> None:
         """Adopt a peer's :meth:`live_state` after the model and optimizer were loaded
         from the same peer (no storage read). Training thread, every rank, between
         checkpoints. Raises StructureMismatchError for another MoE structure."""
-        self.schedule.load_live_state(dict(state))
+        self._schedule.load_live_state(dict(state))
         self._last_step = int(state["last_step"])
-        self.routing.reset()
-        self.routing.add(state["routing"])
-        self.keys.invalidate()  # the loaded optimizer state may be new tensors
+        self._routing.reset()
+        self._routing.add(state["routing"])
+        self._keys.invalidate()  # the loaded optimizer state may be new tensors

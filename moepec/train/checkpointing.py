@@ -231,14 +231,3 @@ def build_injector(cfg: TrainConfig, info: DistInfo):
                          storage_fault_steps=2 * cfg.checkpoint.interval,
                          log_path=str(Path(state) / "faults.jsonl"))
 
-
-def ram_folder(manager) -> str | None:
-    """The folder holding this run's RAM slots in shared memory on this node (under the
-    tier's resolved ``manager.ram_dir``: ``/dev/shm/moepec`` for ``ram_dir="auto"``), or
-    None where the manager keeps its snapshots in the process. What a ``ram_lost`` fault
-    removes (:meth:`moepec.train.faults.FaultInjector.use_ram`)."""
-    from moepec.ram.jobs import job_dir
-
-    if manager.ram_dir is None:
-        return None
-    return str(job_dir(manager.ram_dir, manager.storage.url, manager.storage.local))

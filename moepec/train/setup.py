@@ -23,7 +23,6 @@ from moepec.train.checkpointing import (
     build_injector,
     build_manager,
     log_plt_outlook,
-    ram_folder,
 )
 from moepec.train.config import Device, TrainConfig
 from moepec.train.data import TokenLoader, eval_batches, load_corpus
@@ -214,7 +213,7 @@ def setup(cfg: TrainConfig, info: dist.DistInfo, metrics: MetricsWriter | None =
                             hooks=injector.hooks if injector is not None else None)
     if injector is not None:  # faults need checkpoints (TrainConfig): the manager exists
         try:
-            injector.use_ram(ram_folder(manager))
+            injector.use_ram(manager.ram_folder)
         except ConfigError:  # every rank refuses the same plan: close (collective), raise
             manager.close()
             raise
