@@ -156,6 +156,44 @@ def test_no_import_cycles():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+# -- the app reaches the library through its public modules only ---------------------
+PUBLIC_MODULES = frozenset({
+    "moepec",                                   # the public API (moepec/__init__.py)
+    "moepec.errors", "moepec.events", "moepec.hooks", "moepec.keys",  # the leaf modules
+    "moepec.flat",                              # front end 2: what a framework door uses
+    "moepec.state.experts", "moepec.state.rng",  # expert discovery; the process's RNG
+    "moepec.store.storage",                     # Storage(path, options): open a root
+    "moepec.recovery.offline", "moepec.recovery.offline_paths",  # the offline tools:
+    "moepec.recovery.offline_flat", "moepec.recovery.offline_groups",  # inspect, verify,
+    "moepec.recovery.flat_view", "moepec.recovery.records",  # export, recovery records
+    "moepec.ram.jobs",                          # the shared-memory folder (moepec ram)
+})
+"""The library modules the app (models/, train/, integrations/, plan/, bench/, cli/) may
+import (docs/architecture.md, "The public modules"), beside the packages below."""
+PUBLIC_PACKAGES = ("moepec.policy",)
+"""Library packages every module of which is public: policy/ is pure logic (selectors, PLT,
+write plans, forecasts) that the planner models and a user's selection policy builds on."""
+
+
+def public_violations(g: dict[str, set[str]]) -> list[str]:
+    """Imports of the app that reach a library module outside the public ones."""
+    def public(dep: str) -> bool:
+        return dep in PUBLIC_MODULES or any(dep == p or dep.startswith(p + ".")
+                                            for p in PUBLIC_PACKAGES)
+    return [f"{mod} imports {dep}" for mod, deps in sorted(g.items())
+            if layer_of(mod) in APP for dep in sorted(deps)
+            if layer_of(dep) not in APP and not public(dep)]
+
+
+def test_the_app_imports_only_public_modules():
+    """The app is built on the library as a user's code is: through ``moepec`` and the
+    public modules, never the engine's insides (the manager's modules, the persist worker,
+    the RAM tier's slots, the stitcher)."""
+    bad = public_violations(graph())
+    assert not bad, ("import these through moepec or a public module (or make the module "
+                     "public in docs/architecture.md and PUBLIC_MODULES):\n" + "\n".join(bad))
+
+
 @pytest.mark.parametrize("source, rule", [
     ("from moepec.train.config import TrainConfig\n", "layer"),
     ("def f():\n    from moepec.cli import main\n", "layer"),
@@ -174,6 +212,24 @@ def test_the_checks_catch_a_violating_import(tmp_path, source, rule):
         assert layer_violations(g)
     else:
         assert any("moepec.store.checksum" in c for c in cycles(g))
+
+
+@pytest.mark.parametrize("source", [
+    "from moepec.manager.manager import CheckpointManager\n",
+    "def f():\n    from moepec.store.persist import Persister\n",
+    "import moepec.ram.snapshot\n",
+    "from moepec.recovery import stitch\n",
+])
+def test_the_public_module_rule_catches_an_internal_import(tmp_path, source):
+    """The rule fails on a copy of the tree whose app imports one internal module."""
+    import shutil
+
+    copy = tmp_path / "moepec"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert not public_violations(graph(copy))
+    target = copy / "cli" / "ram.py"
+    target.write_text(target.read_text() + "\n" + source)
+    assert any(v.startswith("moepec.cli.ram imports ") for v in public_violations(graph(copy)))
 
 
 # -- sizes: a library module stays under 450 lines, a function under 50 --------------

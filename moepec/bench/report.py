@@ -155,7 +155,7 @@ _FLAT_CHECKPOINT = {"ckpt_dir": "path", "ckpt_interval": "interval",
 
 def config_record(cfg) -> dict[str, Any]:
     """A run's TrainConfig as results.json records it (flat; JSON values)."""
-    from moepec.manager.config import CheckpointConfig
+    from moepec import CheckpointConfig
 
     ckpt = cfg.checkpoint  # None: no checkpoints; recorded as the defaults, as before
     values = ({f.name: f.default for f in fields(CheckpointConfig)} | {"path": None}
@@ -173,7 +173,7 @@ def _train(s: Settings, tmp: Path, name: str, ckpt: dict | None, *, model: str,
     in-process from the newest checkpoint. K_snapshot = K_persist, so the RAM copy a
     recovery reads holds exactly the experts storage holds: experts outside the newest
     checkpoint come back from older ones, stale, as after a crash."""
-    from moepec.manager.config import CheckpointConfig
+    from moepec import CheckpointConfig
     from moepec.train.trainer import TrainConfig, train
 
     faults = fault_steps(s)

@@ -68,11 +68,10 @@ def _train(out: Path, ckpt: Path, args, faults: str | None) -> dict:
 
 
 def _routing_shares(ckpt: Path) -> list[list[float]]:
-    from moepec.store.committed import committed_manifests
     from moepec.store.storage import Storage
 
-    found = committed_manifests(Storage(str(ckpt)))
-    last = list(found.manifests.values())[-1]
+    st = Storage(str(ckpt))
+    last = st.read_manifest(st.committed()[-1])
     return [[float(c) for c in row] for row in last.meta.counts]
 
 

@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from moepec import CheckpointConfig
 from moepec.errors import MoepecError
-from moepec.manager.config import CheckpointConfig
 from moepec.train.config import TrainConfig, TrainResult
 
 __all__ = ["DemoSettings", "format_summary", "run_demo", "train_argv"]

@@ -67,7 +67,7 @@ def _train_default(name: str) -> Any:
 
 
 def _ckpt_default(name: str) -> Any:
-    from moepec.manager.config import CheckpointConfig
+    from moepec import CheckpointConfig
 
     return _default(CheckpointConfig, name)
 
@@ -227,7 +227,7 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
     for other ranks as long as the trainer does (``--dist-timeout``), and
     ``--ckpt-sync`` turns both background tiers off.
     """
-    from moepec.manager.config import CheckpointConfig
+    from moepec import CheckpointConfig
 
     if not args.dist_timeout > 0:  # named by its flag, before it becomes timeout_s
         raise ConfigError(f"--dist-timeout must be > 0 seconds (got {args.dist_timeout})")
@@ -287,11 +287,12 @@ def _warm_spare(cfg: Any) -> None:
     import torch._dynamo  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
 
+    import moepec
     import moepec.integrations.torchft  # noqa: F401
-    import moepec.manager.manager  # noqa: F401
     import moepec.train.trainer  # noqa: F401
     from moepec.train.data import load_corpus
 
+    moepec.CheckpointManager  # noqa: B018 (imported on first use: the manager and DCP)
     load_corpus(cfg.data)
 
 

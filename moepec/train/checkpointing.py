@@ -83,7 +83,7 @@ def build_manager(cfg: TrainConfig, model, optimizer, scheduler, loader, ep, *,
     if cfg.checkpoint is None:
         return None
     # Imported lazily: checkpointing sits above the trainer's core and is optional.
-    from moepec.manager.manager import CheckpointManager
+    from moepec import CheckpointManager
 
     ckpt_cfg = dataclasses.replace(cfg.checkpoint, path=ckpt_url(cfg))
     ep_kwargs = {"expert_parallel": (ep.rank, ep.size)} if ep.enabled else {}

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from moepec import CheckpointConfig
 from moepec.errors import ConfigError, check_choice
-from moepec.manager.config import CheckpointConfig
 from moepec.models import GPTMoEConfig, get_config
 from moepec.train.data import check_vocab
 

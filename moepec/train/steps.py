@@ -21,7 +21,6 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from moepec.models import GPTMoE, RoutingStats
 from moepec.models.parallel import NO_EXPERT_PARALLEL, ExpertParallel
-from moepec.store.checksum import tensor_bytes
 from moepec.train import dist
 from moepec.train.config import TrainConfig
 
@@ -62,8 +61,14 @@ def param_digest(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -
     h = hashlib.sha256()
     for name, p in sorted(state.items()):
         h.update(name.encode())
-        h.update(tensor_bytes(p.detach().cpu()))
+        h.update(_raw_bytes(p))
     return h.hexdigest()
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes in native order (on the CPU, contiguous, conjugation resolved)."""
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
