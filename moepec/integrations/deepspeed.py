@@ -58,13 +58,14 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 import moepec
 from moepec.errors import CheckpointError, ConfigError, MoepecError
-from moepec.flat import FLAT_FIELDS, FlatFrontEnd, Unit, write_rank
+from moepec.flat import FLAT_FIELDS, FlatFrontEnd, write_rank
 from moepec.integrations.ds_files import (
     expert_params,
     file_keys,
     join_file,
     location,
     optimizer_index,
+    owned_keys,
     split_file,
 )
 
@@ -271,7 +272,7 @@ class PecCheckpointEngine(CheckpointEngine):
         rank = dist.get_rank()
         tensors[f"{_RNG}/rank_{rank}/torch"] = torch.get_rng_state()
         units[f"{_RNG}/rank_{rank}/torch"] = None
-        mine = _owned(units)
+        mine = owned_keys(units)
         self._flush_routing()
         plan = self.front.plan_save(root, where, int(self._engine.global_steps), mine, error)
         share = {k: tensors[k] for k in mine if k in plan.written}
@@ -399,25 +400,6 @@ def _is_stub(path: str) -> bool:
             return f.read(len(STUB)) == STUB
     except OSError:
         return False
-
-
-def _owned(units: dict[str, Unit | None]) -> dict[str, Unit | None]:
-    """Of this rank's keys, those it writes: a key several ranks hold (an expert on its
-    expert-data-parallel replicas, an identical optimizer file) goes to one of them,
-    experts spread by their index."""
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, list(units))
-    holders: dict[str, list[int]] = {}
-    for r, keys in enumerate(every):
-        for k in keys:
-            holders.setdefault(k, []).append(r)
-    me = dist.get_rank()
-    out = {}
-    for k, u in units.items():
-        ranks = holders[k]
-        if ranks[(u[1] if u is not None else 0) % len(ranks)] == me:
-            out[k] = u
-    return out
 
 
 _ORIGINAL: dict[str, Any] = {}

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from moepec.errors import CorruptCheckpointError
 from moepec.flat import Unit, decode_object, encode_object
@@ -301,3 +302,22 @@ def _build(x: dict) -> Any:
     obj.__dict__.update({k: _build(v) if isinstance(v, dict) and _MARK in v else v
                          for k, v in x["state"].items()})
     return obj
+
+
+def owned_keys(units: dict[str, Unit | None]) -> dict[str, Unit | None]:
+    """All ranks (a collective): of this rank's keys, those it writes: a key several ranks hold (an expert on its
+    expert-data-parallel replicas, an identical optimizer file) goes to one of them,
+    experts spread by their index."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, list(units))
+    holders: dict[str, list[int]] = {}
+    for r, keys in enumerate(every):
+        for k in keys:
+            holders.setdefault(k, []).append(r)
+    me = dist.get_rank()
+    out = {}
+    for k, u in units.items():
+        ranks = holders[k]
+        if ranks[(u[1] if u is not None else 0) % len(ranks)] == me:
+            out[k] = u
+    return out
