@@ -85,6 +85,10 @@ def test_commit_stitch_verify_and_trust(tmp_path):
 @pytest.mark.parametrize("field,value,match", [
     ("view", {"d": "../outside"}, "plain folder name"),
     ("format", "moepec-flat/1", "format"),
+    ("format", "moepec/99", "upgrade moepec"),
+    ("kind", "manager", "CheckpointManager's manifest"),
+    ("schedule", {"index": 0, "k_persist": 1, "k_snapshot": 1, "counts": [[1, 2]],
+                  "ledger": {}, "selectors": {}, "k_history": []}, "schedule"),
     ("items", {"d": {"shape": [2], "dtype": "float32", "nbytes": 8, "rank": 0,
                      "file": "../x", "offset": 0, "length": 8}}, "file"),
 ])
@@ -98,3 +102,26 @@ def test_a_bad_manifest_is_refused_in_one_line(tmp_path, field, value, match):
     with pytest.raises(ManifestError, match=match):
         read_manifest(str(tmp_path), "iter_0000000")
     assert "iter_0000000" in scan(str(tmp_path)).damaged
+
+
+def test_one_format_for_both_front_ends(tmp_path):
+    """A flat manifest is of the manager's format with kind "flat"; each reader refuses
+    the other's in one line; a folder committed as moepec-flat/2 is still read."""
+    from moepec.store.manifest import FORMAT, Manifest
+
+    m = _save(tmp_path, "iter_0000000", 0, None, {"d": torch.zeros(2)},
+              {"d": "iter_0000000"}, {})
+    data = m.to_json()
+    assert (data["format"], data["kind"]) == (FORMAT, "flat")
+    with pytest.raises(ManifestError, match="flat folder's manifest"):
+        Manifest.from_json(data, "x", read_view=lambda ref: b"")
+    # the schedule's fields pass the manager's own bookkeeping check
+    data |= {"layers": ["l"], "schedule": {
+        "index": 0, "k_persist": 1, "k_snapshot": 1, "counts": [[1, 2]], "ledger": {},
+        "selectors": {"persist": {}, "ram": {}}, "k_history": []}}
+    with pytest.raises(ManifestError, match="bookkeeping"):
+        FlatManifest.from_json(data, "x")
+    data |= {"layers": [], "schedule": None, "format": "moepec-flat/2"}
+    del data["kind"]
+    (tmp_path / "iter_0000000" / "moepec.json").write_text(json.dumps(data))
+    assert read_manifest(str(tmp_path), "iter_0000000").items.keys() == {"d"}

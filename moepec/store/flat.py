@@ -43,13 +43,20 @@ from moepec.store.atomic import write_atomic
 from moepec.store.checksum import checksum_matches, tensor_checksum
 from moepec.store.dcp_raw import RAW_DESCRIPTOR, RawFileSystemWriter
 from moepec.store.items import Encoding, Item
+from moepec.store.manifest import FORMAT, check_format
+from moepec.store.meta import check_schedule
 from moepec.store.reader import confined, read_items
 from moepec.store.storage import single_process_dcp
 
 log = logging.getLogger(__name__)
 
-FORMAT = "moepec-flat/2"
-"""The one flat-manifest format; any other is refused in one line."""
+KIND = "flat"
+"""A flat folder's manifest is of the one manifest format (``moepec.store.manifest.FORMAT``,
+versioned once for both front ends) with ``"kind": "flat"``: its own fields (a view per
+key, the experts by (layer, expert)) where the manager's manifest has its meta."""
+LEGACY_FORMAT = "moepec-flat/2"
+"""What flat folders were committed with before the two manifest formats became one:
+still read (the fields are the same), never written."""
 FOLDER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 """A checkpoint folder is a plain name inside the save directory."""
 MAX_KEY = 1024
@@ -93,6 +100,7 @@ class FlatManifest:
     index, routing counts, the PLT ledger); None when the state has no experts."""
     committed_at: float = field(default_factory=time.time)
     format: str = FORMAT
+    kind: str = KIND
 
     def needs(self) -> list[str]:
         """The other folders this one's view reads from, sorted by name (their sequence
@@ -100,7 +108,7 @@ class FlatManifest:
         return sorted(set(self.view.values()) - {self.name})
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": self.format, "name": self.name, "seq": self.seq,
+        return {"format": self.format, "kind": self.kind, "name": self.name, "seq": self.seq,
                 "step": self.step, "parent": self.parent,
                 "items": {k: v.to_json() for k, v in self.items.items()},
                 "view": dict(self.view),
@@ -115,9 +123,11 @@ class FlatManifest:
         """Parse and validate; raises ManifestError naming ``where`` for anything off."""
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: the manifest is not a JSON object")
-        if data.get("format") != FORMAT:
-            raise ManifestError(f"{where}: manifest format {data.get('format')!r:.40} is not "
-                                f"{FORMAT!r}, the one this moepec reads")
+        if data.get("format") != LEGACY_FORMAT:
+            check_format(data.get("format"), where)
+            if data.get("kind") != KIND:
+                raise ManifestError(f"{where}: a CheckpointManager's manifest, not a flat "
+                                    f"folder's (kind {data.get('kind')!r:.20})")
         for name, kind in (("name", str), ("seq", int), ("step", int), ("items", dict),
                            ("view", dict), ("experts", dict), ("experts_saved", list),
                            ("k_persist", int), ("world_size", int)):
@@ -161,8 +171,9 @@ def _layers(v: Any, where: str) -> list[str]:
 
 
 def _schedule(v: Any, layers: list[str], where: str) -> dict[str, Any] | None:
-    """The schedule's fields, shape-checked where the load reads them (the counts per
-    layer and expert); the rest is checked by the selectors and the ledger on use."""
+    """The schedule's fields (``ExpertSchedule.meta_fields``), checked by the one check
+    of both front ends' manifests (``moepec.store.meta.check_schedule``) against the
+    experts per layer its counts give."""
     if v is None:
         return None
     ok = isinstance(v, dict) and all(isinstance(v.get(k), kind) for k, kind in (
@@ -170,10 +181,9 @@ def _schedule(v: Any, layers: list[str], where: str) -> dict[str, Any] | None:
         ("ledger", dict), ("selectors", dict), ("k_history", list)))
     counts = v.get("counts") if ok else None
     if not ok or len(counts) != len(layers) or not all(
-            isinstance(row, list) and row and all(
-                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in row)
-            for row in counts):
+            isinstance(row, list) and row for row in counts):
         raise ManifestError(f"{where}: manifest field 'schedule' is malformed")
+    check_schedule(v, [len(row) for row in counts], where)
     return v
 
 

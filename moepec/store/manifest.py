@@ -38,6 +38,9 @@ manifest, XXH3 checksums, objects as tagged JSON (no pickle), chunk keys of shar
 refused in one line (:func:`check_format`): a lower one was written by a pre-release
 moepec (damaged for restore, inspect and verify), a higher one by a newer moepec (nothing
 acts as if it were absent)."""
+KIND = "manager"
+"""The ``kind`` of a CheckpointManager's manifest (absent in those written before flat
+folders joined this format); a flat folder's is ``"flat"`` (``moepec.store.flat``)."""
 _FORMAT_RE = re.compile(r"^moepec/(\d{1,6})$")
 MAX_VIEW_BYTES = 1 << 30
 """A view file may claim at most this many bytes (more is taken as damage)."""
@@ -94,7 +97,8 @@ class Manifest:
         """The flat JSON object stored as ``moepec.json``, with the reference to the view's
         file (``view_ref``, or the one it was read with)."""
         out = {name: getattr(self.meta, name) for name in META_FIELDS}
-        out.update(format=self.format, serialization=self.serialization, name=self.name,
+        out.update(format=self.format, kind=KIND, serialization=self.serialization,
+                   name=self.name,
                    parent=self.parent, ancestors=self.ancestors,
                    keys={k: v.to_json() for k, v in self.keys.items()},
                    bytes_per_rank=self.bytes_per_rank, bytes=self.bytes,
@@ -116,6 +120,10 @@ class Manifest:
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: the manifest is not a JSON object")
         check_format(data.get("format"), where)
+        if data.get("kind", KIND) != KIND:
+            raise ManifestError(f"{where}: a flat folder's manifest (a framework door's "
+                                f"save), not a CheckpointManager's: give moepec's tools the "
+                                f"folder that holds it")
         meta = meta_from_json(data, where)
         for name, kind in (("name", str), ("keys", dict), ("view_file", dict),
                            ("bytes_per_rank", list), ("bytes", int)):

@@ -177,23 +177,31 @@ def _counts(rows: Any) -> bool:
 
 
 def _check_bookkeeping(meta: Mapping[str, Any], where: str) -> None:
-    """Routing counts, PLT ledger, selectors and K history fit the structure: loaded into
-    fresh objects of their own classes, which check them (policy layer, pure)."""
+    """Routing counts, experts saved, PLT ledger, selectors and K history fit the
+    structure. Raises ManifestError."""
     n_experts = [e[2] for e in meta["structure"]["experts"]]
+    if not all(_counts(meta[name]) for name in ("experts_saved", "experts_snapshot")):
+        raise ManifestError(f"{where}: the manifest's bookkeeping (counts, PLT ledger, "
+                            f"selectors, K) is malformed (experts saved)")
+    check_schedule(meta, n_experts, where)
+
+
+def check_schedule(fields: Mapping[str, Any], n_experts: list[int], where: str) -> None:
+    """The PEC schedule's fields of a manifest (``ExpertSchedule.meta_fields``: routing
+    counts per (layer, expert), PLT ledger, selectors, K history), checked against the
+    experts per layer: loaded into fresh objects of their own classes, which check them
+    (policy layer, pure). One check for both front ends' manifests. Raises ManifestError."""
     try:
-        counts = meta["counts"]
+        counts = fields["counts"]
         if not _counts(counts) or list(map(len, counts)) != n_experts:
             raise ValueError("counts do not match the experts per layer")
-        for name in ("experts_saved", "experts_snapshot"):
-            if not _counts(meta[name]):
-                raise ValueError(name)
         if not all(isinstance(h, list) and len(h) == 2 and all(isinstance(x, int) for x in h)
-                   for h in meta["k_history"]):
+                   for h in fields["k_history"]):
             raise ValueError("k_history")
         if n_experts and min(n_experts) > 0:
-            PLTLedger.create(n_experts).load_state_dict(meta["ledger"])
+            PLTLedger.create(n_experts).load_state_dict(fields["ledger"])
             for tier in ("persist", "ram"):
-                Selector.create(n_experts).load_state_dict(meta["selectors"][tier])
+                Selector.create(n_experts).load_state_dict(fields["selectors"][tier])
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, MoepecError) as exc:
         raise ManifestError(f"{where}: the manifest's bookkeeping (counts, PLT ledger, "
                             f"selectors, K) is malformed ({type(exc).__name__})") from None
