@@ -70,8 +70,8 @@ def test_outlook_names_the_k_and_interval_that_fit() -> None:
 def test_trainer_warns_at_start_when_over_budget(caplog: pytest.LogCaptureFixture,
                                                  tmp_path: Path) -> None:
     from moepec.manager.config import CheckpointConfig
-    from moepec.train.checkpointing import log_plt_outlook
     from moepec.train.config import TrainConfig
+    from moepec.train.manager_setup import log_plt_outlook
 
     cfg = TrainConfig(config="small", steps=200,
                       checkpoint=CheckpointConfig(path=str(tmp_path), interval=32))

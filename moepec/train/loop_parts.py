@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from moepec.train.checkpointing import MetricsWriter
 from moepec.train.config import TrainConfig, TrainResult
+from moepec.train.metrics import MetricsWriter
 from moepec.train.setup import Run
 from moepec.train.steps import StepResult, evaluate
 

@@ -17,15 +17,11 @@ from moepec.errors import ConfigError
 from moepec.models import GPTMoE, GPTMoEConfig
 from moepec.models.parallel import NO_EXPERT_PARALLEL, ExpertParallel, init_expert_parallel
 from moepec.train import dist
-from moepec.train.checkpointing import (
-    CheckpointLog,
-    MetricsWriter,
-    build_injector,
-    build_manager,
-    log_plt_outlook,
-)
 from moepec.train.config import Device, TrainConfig
 from moepec.train.data import TokenLoader, eval_batches, load_corpus
+from moepec.train.fault_setup import build_injector
+from moepec.train.manager_setup import build_manager, log_plt_outlook
+from moepec.train.metrics import CheckpointLog, MetricsWriter
 from moepec.train.steps import build_optimizer, build_scheduler
 
 __all__ = ["Run", "device_for", "setup"]

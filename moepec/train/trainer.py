@@ -31,15 +31,10 @@ from tqdm import tqdm
 
 from moepec.errors import ConfigError, DataError
 from moepec.train import dist
-from moepec.train.checkpointing import (
-    MetricsWriter,
-    checkpoint_record,
-    close_manager,
-    persist_guard,
-    recovery_record,
-)
 from moepec.train.config import TrainConfig, TrainResult
 from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, record_step
+from moepec.train.metrics import MetricsWriter, checkpoint_record, recovery_record
+from moepec.train.persist_errors import close_manager, persist_guard
 from moepec.train.setup import Run, setup
 
 # Re-exported so `from moepec.train.trainer import train_step` (tests, notebooks) keeps working.
@@ -103,7 +98,7 @@ def _train_one_step(cfg: TrainConfig, run: Run, step: int,
     if injector is not None:
         injector.after_backward(step)
     if manager:
-        persist_guard(cfg, metrics, step, manager.wait_for_snapshot)
+        persist_guard(cfg.on_persist_error, metrics, step, manager.wait_for_snapshot)
     grad_norm = optimizer_step(run.model, run.optimizer, run.scheduler, cfg.grad_clip)
     if manager:
         _checkpoint(cfg, run, step, out, metrics)
@@ -116,7 +111,7 @@ def _checkpoint(cfg: TrainConfig, run: Run, step: int, out: StepResult,
     checkpoint (the manager's CheckpointEvent) becomes a ``checkpoint`` metrics record."""
     manager = run.manager
     manager.observe_routing([s.assigned for s in out.routing])
-    persist_guard(cfg, metrics, step, manager.step, step)
+    persist_guard(cfg.on_persist_error, metrics, step, manager.step, step)
     for event in run.checkpoints.take():
         metrics.write(checkpoint_record(event))
 
@@ -255,7 +250,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             train_time = _train_with_restarts(cfg, run, result, metrics, is_main)
         if run.manager:
             # waits for the last persist; its error is handled per on_persist_error
-            close_manager(cfg, metrics, run.manager, result.final_step)
+            close_manager(cfg.on_persist_error, metrics, run.manager, result.final_step)
             run.manager = None
         _finish(cfg, run, result, train_time, t_start)
         if cfg.out_dir and is_main:

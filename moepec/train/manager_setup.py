@@ -1,0 +1,66 @@
+"""The run's CheckpointManager, built from its config: the checkpoint config as given (its
+path through the fault-injecting filesystem when storage faults are planned), the trainer's
+callbacks and the fault injector's hooks; and, at start-up, the expected PLT of the chosen
+K and interval against the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from moepec.hooks import FaultHooks
+from moepec.train.config import TrainConfig
+from moepec.train.fault_setup import ckpt_url
+from moepec.train.metrics import CheckpointLog, MetricsWriter, commit_logger
+
+log = logging.getLogger(__name__)
+
+
+def build_manager(cfg: TrainConfig, model, optimizer, scheduler, loader, ep, *,
+                  checkpoints: CheckpointLog | None = None,
+                  metrics: MetricsWriter | None = None, hooks: FaultHooks | None = None):
+    """The CheckpointManager of ``cfg.checkpoint``, or None when the run has none.
+
+    Called by the trainer's set-up on every rank (the manager's constructor is
+    collective). The checkpoint config is used as given, except that its path goes
+    through the fault-injecting filesystem when storage faults are planned
+    (:func:`moepec.train.fault_setup.ckpt_url`). Started checkpoints go to ``checkpoints``, commits become
+    ``commit`` records of ``metrics`` (pass it on rank 0 only: the rank that commits and
+    writes metrics), ``hooks`` are the fault injector's.
+    """
+    if cfg.checkpoint is None:
+        return None
+    # Imported lazily: checkpointing sits above the trainer's core and is optional.
+    from moepec import CheckpointManager
+
+    ckpt_cfg = dataclasses.replace(cfg.checkpoint, path=ckpt_url(cfg))
+    ep_kwargs = {"expert_parallel": (ep.rank, ep.size)} if ep.enabled else {}
+    return CheckpointManager(model, optimizer, ckpt_cfg,
+                             extra_state={"scheduler": scheduler, "data": loader},
+                             on_checkpoint=checkpoints.add if checkpoints else None,
+                             on_commit=commit_logger(metrics) if metrics else None,
+                             hooks=hooks, **ep_kwargs)
+
+
+def log_plt_outlook(cfg: TrainConfig, n_experts: int) -> None:
+    """At start-up (rank 0): log the expected PLT per fault of the chosen K, interval and
+    experts (:func:`moepec.policy.plt_forecast.plt_outlook`, the simulator's model), and warn,
+    naming a K or interval that fits, when it exceeds the budget."""
+    ck = cfg.checkpoint
+    if ck is None or n_experts < 2:
+        return
+    from moepec.policy.plt_forecast import plt_outlook
+
+    faults = max(1.0, cfg.steps / cfg.fault_mtbf) if cfg.fault_mtbf else 1.0
+    k = min(ck.k_persist, n_experts)
+    o = plt_outlook(n_experts, k, ck.interval, cfg.steps, faults=faults, budget=ck.plt_budget)
+    what = (f"expected PLT {100 * o.per_fault:.2f}% per fault"
+            + (f", {100 * o.expected:.2f}% over ~{faults:.1f} faults" if faults != 1 else "")
+            + f" (K={k} of {n_experts} experts, interval {ck.interval}, {cfg.steps} steps)")
+    if not o.over_budget:
+        log.info("%s, within the PLT budget %.2f%%", what, 100 * ck.plt_budget)
+        return
+    dyn = "dynamic K is on: K doubles after a recovery over budget; " if ck.dynamic_k else ""
+    log.warning("%s exceeds the PLT budget %.2f%%; %s%s", what, 100 * ck.plt_budget, dyn,
+                o.advice())
