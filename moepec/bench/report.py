@@ -93,7 +93,7 @@ QUICK = Settings(
     sharding_measured=(),  # the full report measures; the quick one (tests) computes
     overhead_argv=("--config", "tiny", "--steps", "12", "--warmup", "2", "--interval", "4",
                    "--bw-config", "tiny", "--bw-scale", "1", "--bw-saves", "2"),
-    model="tiny", model_overrides=(("n_experts", 8),), steps=40, interval=4, fault_every=15,
+    model="tiny", model_overrides=(("n_experts", 8),), steps=30, interval=4, fault_every=10,
     eval_interval=10, eval_batches=2,
     plt_ks=(1, 2, 8), plt_intervals=(4, 8), plt_trials=10,
     plt_real=((2, 8),), plt_model="tiny")
