@@ -262,6 +262,41 @@ def reshard(root: str) -> None:
     sys.stdout.flush()
 
 
+def pipeline_routing(root: str) -> None:
+    """Pipeline parallel 2 over this run's two ranks (EP 1), four MoE layers: each
+    stage's routers count at their place in the whole model (stage 1's two layers are
+    L 2 and 3, not 0 and 1), so a save records every layer's counts summed over ranks."""
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    torch.manual_seed(5)
+    cfg = TransformerConfig(
+        num_layers=4, hidden_size=16, num_attention_heads=2, num_moe_experts=N_EXPERTS,
+        moe_router_topk=2, moe_ffn_hidden_size=8, ffn_hidden_size=32,
+        moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
+        add_bias_linear=False, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(num_experts=N_EXPERTS), vocab_size=32,
+                     max_sequence_length=8, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    mg.track_routing(model)
+    table = torch.zeros(4, N_EXPERTS, dtype=torch.int64)
+    for name in mg.moe_layer_names(model):
+        router = model.get_submodule(name)
+        g = torch.Generator().manual_seed(100 + router.layer_number)
+        out = router.routing(torch.randn(6, 2, N_EXPERTS, generator=g))
+        for hook in router._forward_hooks.values():
+            hook(router, (None,), out)
+        table[router.layer_number - 1] += out[1].sum(dim=0).to(torch.int64)
+    dist.all_reduce(table)
+    folder = os.path.join(root, "pp", iter_name(0))
+    make_folder(folder)
+    dist_checkpointing.save(model.sharded_state_dict(), folder, sharded_strategy=("moepec", 1))
+    with open(os.path.join(folder, "moepec.json")) as f:
+        recorded = json.load(f)["schedule"]["counts"]
+    assert recorded == table.tolist() and table[2:].sum() > 0, (recorded, table.tolist())
+    sys.stdout.write(f"rank {dist.get_rank()} PIPELINE ROUTING OK\n")
+    sys.stdout.flush()
+
+
 def iter_name(i: int) -> str:
     return f"iter_{i:07d}"
 
@@ -317,6 +352,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             with open(os.path.join(root, iter_name(50), "moepec.json")) as f:
                 print("PARENT", json.load(f)["parent"], flush=True)
+        pipeline_routing(root)
     queue.close()
     GUIDE["queue"].close()
     dist.barrier()

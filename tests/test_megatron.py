@@ -43,6 +43,22 @@ def ok_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return sorted(line for line in proc.stdout.splitlines() if " OK iter_" in line)
 
 
+def test_a_routers_layer_counts_among_the_whole_models_moe_layers():
+    """Layer L of track_routing: the MoE layers before the router's global layer
+    (Megatron's 1-based layer_number, pipeline offset included), by moe_layer_freq."""
+    from types import SimpleNamespace as NS
+
+    mg = pytest.importorskip("moepec.integrations.megatron")
+
+    def router(number, freq, layers=6):
+        return NS(layer_number=number, config=NS(num_layers=layers, moe_layer_freq=freq))
+
+    assert mg.moe_layer_index(router(5, 2), local=0) == 2  # MoE layers 1, 3 before 5
+    assert mg.moe_layer_index(router(4, 1), local=1) == 3  # a later stage's first router
+    assert mg.moe_layer_index(router(3, [0, 1, 1, 0], layers=4), local=0) == 1
+    assert mg.moe_layer_index(NS(layer_number=None), local=7) == 7  # built on its own
+
+
 def test_expert_identity_from_the_sharded_state_dict():
     mg = pytest.importorskip("moepec.integrations.megatron")
     t = torch.zeros(8, 16)
@@ -129,6 +145,7 @@ def test_ep2_saves_a_killed_save_and_the_resume(tmp_path):
     assert "PARENT iter_0000030" in resumed.stdout  # the killed save is not a parent
     assert verify_root(str(tmp_path)).ok
     assert resumed.stdout.count("OBJECTS OK") == 2  # BytesIO objects; one rank's error
+    assert resumed.stdout.count("PIPELINE ROUTING OK") == 2  # PP 2: layers L 2, 3 on rank 1
     # Saved at EP 2, loaded at EP 1 (one rank): equal to Megatron's own resharding of a
     # torch_dist save of the same state, with the PLT of the EP 2 load.
     moved = torchrun(1, "reshard", tmp_path)

@@ -96,8 +96,9 @@ def _front() -> FlatFrontEnd:
 
 def observe_routing(counts: Any) -> None:
     """Add this rank's tokens routed per (MoE layer L, global expert E) since the last
-    call: a 2-D tensor or nested sequence, layers in the model's order (the order of
-    :func:`moe_layer_names`). Summed over ranks at the next save; drives load-aware
+    call: a 2-D tensor or nested sequence, row L the whole model's L-th MoE layer
+    (:func:`moe_layer_index`; with pipeline parallelism, rows of other stages' layers
+    empty or zero). Summed over ranks at the next save; drives load-aware
     selection, dynamic K and the PLT of :func:`last_load_report`. :func:`track_routing`
     calls it from Megatron's routers."""
     _front().observe_routing(counts)
@@ -251,6 +252,7 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
         except (CheckpointingException, moepec.MoepecError) as exc:
             shards, values, units, error = {}, {}, {}, str(exc).removeprefix("moepec: ")
         try:
+            _flush_routing()
             plan = self.front.plan_save(root, name, int(m[1]) if m else -1, units, error)
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
@@ -385,19 +387,54 @@ def routed_tokens(routing_map: torch.Tensor) -> torch.Tensor:
 def track_routing(model: torch.nn.Module) -> list[Any]:
     """Count every routed token of ``model`` for moepec: a forward hook on each MoE
     router (no fork; the hook reads the ``(probs, routing_map)`` it returns). Layer L is
-    the L-th router of :func:`moe_layer_names`; with pipeline parallelism, where a rank
-    holds only some layers, call :func:`observe_routing` with global layer indices
-    instead. Returns the hook handles (``handle.remove()`` stops counting)."""
+    the router's MoE layer among the whole model's (:func:`moe_layer_index`), so a
+    pipeline stage's routers count at their place in the model, as its saves key their
+    experts. Counts are summed on the routers' device and read once per save. Returns
+    the hook handles (``handle.remove()`` stops counting)."""
     names = moe_layer_names(model)
     modules = dict(model.named_modules())
     handles = []
-    for index, name in enumerate(names):
+    for local, name in enumerate(names):
+        router = modules[name]
+        index = moe_layer_index(router, local)
+
         def hook(_mod: Any, _inp: Any, out: Any, index: int = index) -> None:
             routing_map = out[1] if isinstance(out, tuple) else out
-            per_expert = routed_tokens(routing_map.detach()).to("cpu", torch.int64)
-            observe_routing([[] for _ in range(index)] + [per_expert])
-        handles.append(modules[name].register_forward_hook(hook))
+            per_expert = routed_tokens(routing_map.detach()).to(torch.int64)
+            held = _routed.get(index)
+            _routed[index] = per_expert if held is None else held.add_(per_expert)
+        handles.append(router.register_forward_hook(hook))
     return handles
 
+
+_routed: dict[int, torch.Tensor] = {}
+"""The routers' counts since the last save, by global MoE layer (on their device)."""
+
+
+def _flush_routing() -> None:
+    """Hand the tracked counts to the front end (one host copy per MoE layer, at a save)."""
+    routed = dict(_routed)
+    _routed.clear()
+    if routed:
+        rows: list[Any] = [[] for _ in range(max(routed) + 1)]
+        for index, counts in routed.items():
+            rows[index] = counts.cpu()
+        observe_routing(rows)
+
+
+def moe_layer_index(router: torch.nn.Module, local: int) -> int:
+    """Layer L of a router: how many MoE layers precede its layer in the whole model,
+    from Megatron's global ``layer_number`` (1-based, pipeline offset included) and the
+    config's ``moe_layer_freq`` (an int N: every N-th layer from the first; a list: 1 for
+    MoE). ``local`` (its place among this rank's routers) when the router has no layer
+    number, as one built outside a TransformerLayer."""
+    number, config = getattr(router, "layer_number", None), getattr(router, "config", None)
+    layers = getattr(config, "num_layers", None)
+    if not isinstance(number, int) or not isinstance(layers, int) or not 0 < number:
+        return local
+    freq = getattr(config, "moe_layer_freq", 1)
+    pattern = [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) \
+        else [int(bool(x)) for x in freq]
+    return sum(pattern[:number - 1])
 
 register()
