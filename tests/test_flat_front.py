@@ -189,3 +189,46 @@ def test_a_folder_deleted_and_written_again_is_not_continued_from_memory(tmp_pat
     assert plan.parent == "iter_0000000"
     targets, report = FlatFrontEnd().load(str(tmp_path), "iter_0000010", list(UNITS))
     assert report.step == 10 and torch.equal(targets["dense"], values(10)["dense"])
+
+
+def test_an_expert_whose_newest_folder_is_gone_loads_from_its_older_copy(tmp_path):
+    """A folder a view needs is deleted (by hand, or a framework's rotation such as the
+    Trainer's save_total_limit): each expert it held comes from its newest older copy in
+    the lineage, said in the report's warnings, its loss in the PLT; a folder written
+    again under an ancestor's name is not that ancestor."""
+    import shutil
+
+    front = FlatFrontEnd(k_persist=1, dynamic_k=False)
+    plans = {}
+    for step in (0, 10, 20, 30):
+        front.observe_routing([[10, 20, 30, 40], [40, 30, 20, 10]])
+        plans[step] = save(front, tmp_path, step)
+    _, before = FlatFrontEnd().load(str(tmp_path), "iter_0000030", list(UNITS))
+    shutil.rmtree(tmp_path / "iter_0000010")
+    targets, report = FlatFrontEnd().load(str(tmp_path), "iter_0000030", list(UNITS))
+    moved = plans[10].saved  # K=1: one expert per layer, now from the full save at 0
+    assert len(moved) == 2 and len(report.warnings) == 2
+    for li, layer in enumerate(LAYERS):
+        for e in range(N):
+            newest = max(s for s, p in plans.items() if (layer, e) in p.saved and s != 10)
+            assert report.sources[f"{li}/{e}"]["step"] == newest
+            assert torch.equal(targets[f"e{li}.{e}"], values(newest)[f"e{li}.{e}"])
+            if (layer, e) in moved:
+                assert before.sources[f"{li}/{e}"]["step"] == 10
+                assert any(f"{li}" in w and "iter_0000010 is gone" in w and
+                           "iter_0000000" in w for w in report.warnings)
+    assert report.plt > before.plt
+    # the next save continues from the view as loaded: it needs no gone folder
+    front = FlatFrontEnd(k_persist=1, dynamic_k=False)
+    front.load(str(tmp_path), "iter_0000030", list(UNITS))
+    plan = save(front, tmp_path, 40)
+    assert "iter_0000010" not in plan.view.values()
+    # the full save at 0 deleted and written again by another lineage: not an ancestor
+    shutil.rmtree(tmp_path / "iter_0000000")
+    other = FlatFrontEnd(k_persist=1)
+    other_plan = other.plan_save(str(tmp_path / "elsewhere"), "iter_0000000", 0, UNITS)
+    assert other_plan.seq == 0
+    save(FlatFrontEnd(k_persist=1), tmp_path / "x", 0)  # a root of its own
+    shutil.copytree(tmp_path / "x" / "iter_0000000", tmp_path / "iter_0000000")
+    with pytest.raises(moepec.CheckpointError, match="no older copy"):
+        FlatFrontEnd().load(str(tmp_path), "iter_0000030", list(UNITS))

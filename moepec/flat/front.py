@@ -19,11 +19,11 @@ Collectives run on the default process group of ``torch.distributed``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ from moepec.store.flat import (
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Known:
     """A folder this process committed or loaded last, for the next save to continue."""
 
@@ -68,7 +68,8 @@ class _Known:
 
 
 def _parent_of(m: FlatManifest, ledger: Mapping[str, Any] | None = None) -> Parent:
-    return Parent(m.name, m.seq, dict(m.view), list(m.layers), m.schedule, ledger)
+    return Parent(m.name, m.seq, dict(m.view), list(m.layers), m.schedule, ledger,
+                  m.uid, list(m.ancestors))
 
 
 def _manifest_or_none(root: str, name: str) -> FlatManifest | None:
@@ -137,16 +138,17 @@ class FlatFrontEnd:
         CheckpointError on every rank when a rank had an error, the directory cannot be
         read or the folder is committed already."""
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dict(units), error))
-        failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e is not None]
+        dist.all_gather_object(gathered, (dict(units), error, os.urandom(8).hex()))
+        failed = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(gathered) if e is not None]
         if failed:
             raise CheckpointError(f"{root}/{name} not saved; {'; '.join(failed)}")
-        every = [u for u, _ in gathered]
+        every = [u for u, _, _ in gathered]
         sizes = layer_sizes(every)
         counts = self._take_counts(list(sizes.values()))
         parent = self._parent(root, name)
         schedule = schedule_for(sizes, self.config, parent, dist.get_rank(), step)
-        plan = plan_save(root, name, step, every, parent, schedule, counts)
+        plan = plan_save(root, name, step, every, parent, schedule, counts,
+                         uid=gathered[0][2])
         self._pending = plan
         return plan
 
@@ -169,7 +171,8 @@ class FlatFrontEnd:
             return f"{root}/{name} is a committed checkpoint; save into a new folder"
         if self._pending is not None and self._pending.root == root:
             p = self._pending
-            return Parent(p.name, p.seq, p.view, p.layers, p.schedule)
+            return Parent(p.name, p.seq, p.view, p.layers, p.schedule, uid=p.uid,
+                          ancestors=p.ancestors)
         # A folder this process committed or loaded continues its lineage, if it is still
         # the same folder (a deleted and rewritten one of the same name is not).
         for mine in (self._head, self._loaded):
@@ -235,9 +238,11 @@ class FlatFrontEnd:
         it. Raises CheckpointError for a key the saved shards do not cover, a damaged
         item or a missing folder. The next save continues this folder's lineage."""
         started = time.monotonic()
-        head, manifests = self._manifests(root, name)
+        warnings: list[str] = []
+        head, manifests = self._manifests(root, name, warnings)
         out = self.read(root, name, keys, (head, manifests))
         report, ledger = self._report_of(head, manifests, time.monotonic() - started)
+        report.warnings.extend(warnings)
         self._loaded = _Known(root, _parent_of(
             head, ledger.state_dict() if ledger is not None else None), head.committed_at)
         self._pending = self._head = None
@@ -245,20 +250,32 @@ class FlatFrontEnd:
         return out, report
 
     @staticmethod
-    def _manifests(root: str, name: str) -> tuple[FlatManifest, dict[str, FlatManifest]]:
+    def _manifests(root: str, name: str, warnings: list[str] | None = None
+                   ) -> tuple[FlatManifest, dict[str, FlatManifest]]:
+        """Folder ``name``'s manifest and those of the folders its view reads. When one
+        of those is gone or unreadable, each expert whose newest copy it held is read
+        from its newest older copy in the lineage (the manifest's ancestors): the head
+        is returned with that view, and a line per expert goes to ``warnings``."""
         head = read_manifest(root, name)
         manifests = {name: head}
+        gone: dict[str, str] = {}
+        uids = dict(head.ancestors)
         for n in head.needs():
             if not os.path.isdir(os.path.join(root, n)):
-                raise CheckpointError(f"{root}/{name} reads older expert copies from {n}, "
-                                      f"which is gone; restore that folder or load an "
-                                      f"older checkpoint")
+                gone[n] = "is gone"
+                continue
             try:
-                manifests[n] = read_manifest(root, n)
+                m = read_manifest(root, n)
             except MoepecError as exc:
-                raise CheckpointError(f"{root}/{name} reads older expert copies from {n}, "
-                                      f"which cannot be read ({exc}); restore that folder "
-                                      f"or load an older checkpoint") from None
+                gone[n] = f"cannot be read ({exc})"
+                continue
+            if uids.get(n) and m.uid != uids[n]:
+                gone[n] = "holds another save now (written again under its name)"
+            else:
+                manifests[n] = m
+        if gone:
+            head = _older_copies(root, head, manifests, gone,
+                                 warnings if warnings is not None else [])
         return head, manifests
 
     def read(self, root: str, name: str, keys: Sequence[str],
@@ -326,6 +343,51 @@ class FlatFrontEnd:
     def last_load_report(self) -> RestoreReport | None:
         """What the last :meth:`load` in this process restored, or None."""
         return self._report
+
+
+def _older_copies(root: str, head: FlatManifest, manifests: dict[str, FlatManifest],
+                  gone: Mapping[str, str], warnings: list[str]) -> FlatManifest:
+    """``head`` with a view that reads each expert held by a ``gone`` folder from its
+    newest older copy: the newest folder of head's lineage that is still the one the
+    lineage names (its own ancestors a prefix of head's) and holds every key of the
+    expert. Adds those folders to ``manifests``. Raises CheckpointError naming the
+    folder when a key is not an expert's or no older copy exists."""
+    lost: dict[Unit, list[str]] = {}
+    for key, src in head.view.items():
+        if src in gone:
+            unit = head.experts.get(key)
+            if unit is None:
+                raise CheckpointError(f"{root}/{head.name} reads {key!r:.80} from {src}, "
+                                      f"which {gone[src]}; restore that folder or load "
+                                      f"another checkpoint")
+            lost.setdefault(unit, []).append(key)
+    view = dict(head.view)
+    for folder, uid in reversed(head.ancestors):  # newest first
+        if not lost:
+            break
+        if folder in gone:
+            continue
+        m = manifests.get(folder) or _manifest_or_none(root, folder)
+        # the save the lineage names, not another written later under its name
+        if m is None or m.seq >= head.seq or (uid and m.uid != uid):
+            continue
+        for unit, keys in list(lost.items()):
+            if all(k in m.items for k in keys):
+                manifests[folder] = m
+                src = head.view[keys[0]]
+                view.update(dict.fromkeys(keys, folder))
+                warnings.append(f"expert {unit[0]}/{unit[1]}: its newest copy's folder "
+                                f"{src} {gone[src]}; read from {folder} (step {m.step})")
+                log.warning("moepec: %s: %s", head.name, warnings[-1])
+                del lost[unit]
+    if lost:
+        unit, keys = next(iter(lost.items()))
+        src = head.view[keys[0]]
+        raise CheckpointError(f"{root}/{head.name} reads older expert copies from {src}, "
+                              f"which {gone[src]}, and its lineage holds no older copy of "
+                              f"expert {unit[0]}/{unit[1]}; restore that folder or load an "
+                              f"older checkpoint")
+    return dataclasses.replace(head, view=view)
 
 
 def _pieces(view: Mapping[str, str], wants: Iterable[Region]) -> dict[Region, list[str]]:

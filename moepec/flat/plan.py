@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from moepec.errors import ConfigError
@@ -26,6 +26,7 @@ from moepec.manager.schedule import ExpertSchedule
 from moepec.policy.plt import PLTLedger
 from moepec.recovery.flat_view import Unit, keys_to_write, next_view
 from moepec.store.flat import FlatManifest
+from moepec.store.manifest import MAX_ANCESTORS
 
 FLAT_FIELDS = ("k_persist", "selection", "full_every", "plt_budget", "dynamic_k",
                "dynamic_k_down")
@@ -72,6 +73,9 @@ class Parent:
     ledger: Mapping[str, Any] | None = None
     """The PLT ledger to continue with, when it differs from ``schedule["ledger"]``
     (after a stitched load: the recovery's loss recorded)."""
+    uid: str = ""
+    ancestors: Sequence[tuple[str, str]] = ()
+    """Its lineage, oldest first (the manifest's ``ancestors``: (folder, uid))."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,8 @@ class FlatPlan:
     world_size: int
     layers: list[str]
     schedule: dict[str, Any] | None
+    uid: str = ""
+    ancestors: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def k_persist(self) -> int:
@@ -101,7 +107,8 @@ class FlatPlan:
             name=self.name, seq=self.seq, step=self.step, parent=self.parent, items=items,
             view=self.view, experts={k: u for k, u in self.experts.items() if k in self.view},
             experts_saved=self.saved, k_persist=self.k_persist, world_size=self.world_size,
-            layers=self.layers, schedule=self.schedule)
+            layers=self.layers, schedule=self.schedule, uid=self.uid,
+            ancestors=self.ancestors)
 
 
 def schedule_for(sizes: Mapping[str, int], config: CheckpointConfig, parent: Parent | None,
@@ -123,9 +130,10 @@ def schedule_for(sizes: Mapping[str, int], config: CheckpointConfig, parent: Par
 
 def plan_save(root: str, name: str, step: int, every: Sequence[Mapping[str, Unit | None]],
               parent: Parent | None, schedule: ExpertSchedule | None,
-              counts: Sequence[Sequence[int]] | None) -> FlatPlan:
+              counts: Sequence[Sequence[int]] | None, uid: str = "") -> FlatPlan:
     """Plan one save: ``every`` is each rank's key -> unit (all ranks gathered),
-    ``counts`` the routing counts per (layer, expert) since the parent (summed over ranks).
+    ``counts`` the routing counts per (layer, expert) since the parent (summed over ranks),
+    ``uid`` the save's identity (the same on every rank).
     The first save of a lineage, one ``full_every`` asks for, and one over a changed set
     of layers write every expert; a key the parent's view lacks is always written."""
     sizes = layer_sizes(every)
@@ -148,7 +156,8 @@ def plan_save(root: str, name: str, step: int, every: Sequence[Mapping[str, Unit
                     view=next_view(view, name, [k for units in every for k in units], written),
                     experts=experts, saved=sorted({experts[k] for k in written if k in experts}),
                     written=written, world_size=len(every), layers=list(sizes),
-                    schedule=fields)
+                    schedule=fields, uid=uid, ancestors=[] if parent is None else
+                    [*parent.ancestors, (parent.name, parent.uid)][-MAX_ANCESTORS:])
 
 
 def stale_copies(head: FlatManifest, manifests: Mapping[str, FlatManifest],

@@ -43,7 +43,7 @@ from moepec.store.atomic import write_atomic
 from moepec.store.checksum import checksum_matches, tensor_checksum
 from moepec.store.dcp_raw import RAW_DESCRIPTOR, RawFileSystemWriter
 from moepec.store.items import Encoding, Item
-from moepec.store.manifest import FORMAT, check_format
+from moepec.store.manifest import FORMAT, MAX_ANCESTORS, check_format
 from moepec.store.meta import check_schedule
 from moepec.store.reader import confined, read_items
 from moepec.store.storage import single_process_dcp
@@ -60,6 +60,7 @@ still read (the fields are the same), never written."""
 FOLDER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 """A checkpoint folder is a plain name inside the save directory."""
 MAX_KEY = 1024
+_UID = re.compile(r"^[0-9a-f]{0,32}$")
 
 
 def rank_dir(rank: int) -> str:
@@ -98,6 +99,13 @@ class FlatManifest:
     schedule: Mapping[str, Any] | None = None
     """The PEC schedule after this save (``ExpertSchedule.meta_fields``: selectors, K,
     index, routing counts, the PLT ledger); None when the state has no experts."""
+    uid: str = ""
+    """This save's identity (random, one per save): a folder written again under the
+    same name is another save. Empty in folders committed before it was recorded."""
+    ancestors: Sequence[tuple[str, str]] = ()
+    """Its lineage, oldest first, at most MAX_ANCESTORS (the parent last), as (folder,
+    uid): which saves its view reads, and where a load looks for an older copy of an
+    expert whose newest copy's folder is gone."""
     committed_at: float = field(default_factory=time.time)
     format: str = FORMAT
     kind: str = KIND
@@ -116,6 +124,7 @@ class FlatManifest:
                 "experts_saved": [[lay, e] for lay, e in self.experts_saved],
                 "k_persist": self.k_persist, "world_size": self.world_size,
                 "layers": list(self.layers), "schedule": self.schedule,
+                "uid": self.uid, "ancestors": [list(a) for a in self.ancestors],
                 "committed_at": self.committed_at}
 
     @classmethod
@@ -135,8 +144,14 @@ class FlatManifest:
                 raise ManifestError(f"{where}: manifest field {name!r} is missing or not "
                                     f"a {kind.__name__}")
         name, parent = data["name"], data.get("parent")
+        ancestors, uid = data.get("ancestors", []), data.get("uid", "")
+        if not isinstance(ancestors, list) or len(ancestors) > MAX_ANCESTORS or not all(
+                isinstance(a, list) and len(a) == 2 and _UID.match(str(a[1]))
+                for a in ancestors) or not isinstance(uid, str) or not _UID.match(uid):
+            raise ManifestError(f"{where}: manifest field 'uid' or 'ancestors' (at most "
+                                f"{MAX_ANCESTORS} [folder, uid] pairs) is malformed")
         for folder in [name, *([parent] if parent is not None else []),
-                       *data["view"].values()]:
+                       *(a[0] for a in ancestors), *data["view"].values()]:
             if not isinstance(folder, str) or not FOLDER_RE.match(folder):
                 raise ManifestError(f"{where}: {folder!r:.80} is not a plain folder name")
         items = {_key(k, where): Item.from_json(v, where) for k, v in data["items"].items()}
@@ -153,6 +168,7 @@ class FlatManifest:
                    k_persist=data["k_persist"], world_size=data["world_size"],
                    layers=_layers(data.get("layers"), where),
                    schedule=_schedule(data.get("schedule"), data.get("layers"), where),
+                   uid=uid, ancestors=[(a[0], a[1]) for a in ancestors],
                    committed_at=float(data.get("committed_at", 0.0)))
 
 
