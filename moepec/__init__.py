@@ -12,6 +12,7 @@ from moepec.errors import (
 from moepec.events import CheckpointEvent, CommitRecord, SnapshotRecord
 from moepec.hooks import FaultHooks
 from moepec.manager.config import CheckpointConfig
+from moepec.policy.plt import PLTLedger
 from moepec.policy.selection_policy import (
     SelectionContext,
     SelectionPolicy,
@@ -35,6 +36,7 @@ __all__ = [
     "FaultHooks",
     "MoepecError",
     "NoCheckpointError",
+    "PLTLedger",
     "Part",
     "PersistError",
     "RestoreReport",

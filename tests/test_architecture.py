@@ -436,7 +436,10 @@ def test_every_type_in_the_managers_public_signatures_is_exported():
     import moepec
     from moepec.manager.manager import CheckpointManager
     missing = set()
-    for name, fn in inspect.getmembers(CheckpointManager, callable):
+    members = [(n, f) for n, f in inspect.getmembers(CheckpointManager, callable)]
+    members += [(n, p.fget) for n, p in inspect.getmembers(
+        CheckpointManager, lambda m: isinstance(m, property))]  # ledger -> PLTLedger, ...
+    for name, fn in members:
         if name.startswith("_") and name != "__init__":
             continue
         for hint in typing.get_type_hints(fn).values():

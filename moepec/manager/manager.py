@@ -88,8 +88,10 @@ class CheckpointManager(Restoring, LivePeers):
         self._reporter = Reporter(on_checkpoint, on_snapshot)
         self._on_commit, self._hooks = on_commit, hooks
         self._init_state(model, optimizer, extra_state, expert_spec, expert_parallel)
-        self._init_tiers()
+        # Before the tiers: a schedule that cannot start (a selection policy no longer
+        # registered) must not leave their threads and slots behind.
         self._schedule = ExpertSchedule(self._n_experts, config)
+        self._init_tiers()
         self._builder = SnapshotBuilder(config, self._catalog, self._keys, self._schedule,
                                         self._structure, self._rank, self._world_size)
         self._routing = RoutingCounter(self._n_experts, self._distributed)
