@@ -8,8 +8,9 @@ its results as JSON per rank in OUT:
   step the load report names for its expert (the last save's for non-expert ones);
 - ``exact``: K = N (``attach``, no config section); save at step 4, train 4 more steps; a fresh engine loads and trains
   the same 4 steps: the losses, bit for bit;
-- ``deleted``: saves with K=2, then the tag that holds two experts' newest copies is
-  deleted: the load refuses in one line naming it;
+- ``deleted``: saves with K=2; the tag that holds two experts' newest copies is deleted:
+  the load reads them from their older copies; then the first (full) tag is deleted
+  too: the load refuses in one line naming a folder that is gone;
 - ``materialized``: DeepSpeed without moepec loads what ``moepec materialize`` wrote;
 - ``hf``: the Hugging Face Trainer with the section in its DeepSpeed config saves and
   resumes;
@@ -167,16 +168,21 @@ def deleted(out: str) -> dict:
         eng.save_checkpoint(save_dir)
     door.wait()  # the last save is written before its folders are touched
     torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        import shutil
-        shutil.rmtree(os.path.join(save_dir, "global_step1"))
-    torch.distributed.barrier()
-    fresh = engine(1, "fp32", 2, seed=5, section={"k_persist": 2})
-    try:
-        fresh.load_checkpoint(save_dir)
-        return {"error": None}
-    except CheckpointError as exc:
-        return {"error": str(exc)}
+    import shutil
+    out = {}
+    for tag in ("global_step3", "global_step1"):
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(os.path.join(save_dir, tag))
+        torch.distributed.barrier()
+        fresh = engine(1, "fp32", 2, seed=5, section={"k_persist": 2})
+        try:
+            fresh.load_checkpoint(save_dir)
+            report = door.last_load_report()
+            out[tag] = {"error": None, "warnings": report.warnings,
+                        "steps": sorted({s["step"] for s in report.sources.values()})}
+        except CheckpointError as exc:
+            out[tag] = {"error": str(exc)}
+    return out
 
 
 class _Batches(torch.utils.data.Dataset):

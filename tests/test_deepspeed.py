@@ -81,10 +81,16 @@ def test_k_equal_n_resume_is_bit_exact(runs):
         assert res["resumed"] == res["uninterrupted"]
 
 
-def test_a_deleted_tag_a_view_needs_is_named_in_one_line(runs):
+def test_a_deleted_tag_a_view_needs_is_read_past_or_named_in_one_line(runs):
     for res in results(runs, "deleted"):
-        assert res["error"] is not None and "\n" not in res["error"]
-        assert "global_step1" in res["error"] and "gone" in res["error"]
+        # K=2 of 8 at steps 1 (full), 2, 3, 4: step 3's two experts come from step 1
+        past = res["global_step3"]
+        assert past["error"] is None and past["steps"] == [1, 2, 4], past
+        assert len(past["warnings"]) == 2 and all(
+            "global_step3 is gone" in w and "global_step1" in w for w in past["warnings"])
+        gone = res["global_step1"]["error"]
+        assert gone is not None and "\n" not in gone and "no older copy" in gone
+        assert "global_step1, which is gone" in gone or "global_step3, which is gone" in gone
 
 
 def test_a_save_killed_mid_write_leaves_latest_loadable(runs):
