@@ -106,7 +106,7 @@ def test_a_save_killed_mid_write_leaves_latest_loadable(runs):
 def test_a_pec_save_writes_two_of_eight_experts(runs):
     """The saves' manifests: the first holds every expert, each later one two, and each
     expert's keys were written by one rank, spread over both (EP 1: both ranks hold all
-    eight experts)."""
+    eight experts), as were the non-expert parameters."""
     save = runs / "2_fp32_1"
     manifests = {p.parent.name: json.loads(p.read_text())
                  for p in save.glob("global_step*/moepec.json")}
@@ -116,6 +116,16 @@ def test_a_pec_save_writes_two_of_eight_experts(runs):
     weights = [k for k in manifests["global_step2"]["items"] if k.startswith("layer_0_expert")]
     ranks = {manifests["global_step2"]["items"][k]["rank"] for k in weights}
     assert ranks == {0, 1}
+    # The non-expert parameters (DeepSpeed writes them from data-parallel rank 0 only)
+    # are spread too: every save's non-expert bytes are shared evenly. (An expert's
+    # optimizer fragments can be written only by the rank whose ZeRO partition holds it.)
+    for m in manifests.values():
+        module = [v for k, v in m["items"].items()
+                  if k.startswith("mp_rank_00_model_states.pt/module/")]
+        assert 1 in {v["rank"] for v in module}
+        per_rank = [sum(v["nbytes"] for k, v in m["items"].items()
+                        if v["rank"] == r and k not in m["experts"]) for r in (0, 1)]
+        assert max(per_rank) < 1.25 * min(per_rank), per_rank
 
 
 def test_hugging_face_trainer_saves_pec_and_resumes(runs):

@@ -64,6 +64,7 @@ from moepec.integrations.ds_files import (
     file_keys,
     join_file,
     location,
+    module_replica,
     optimizer_index,
     owned_keys,
     split_file,
@@ -267,12 +268,15 @@ class PecCheckpointEngine(CheckpointEngine):
                                    optimizer_index(self._engine))
                 tensors |= split.tensors
                 units |= split.units
+            replica = module_replica(self._engine, info, files)
+            tensors |= replica
+            units |= dict.fromkeys(replica)
         except MoepecError as exc:
             error = error or str(exc)
         rank = dist.get_rank()
         tensors[f"{_RNG}/rank_{rank}/torch"] = torch.get_rng_state()
         units[f"{_RNG}/rank_{rank}/torch"] = None
-        mine = owned_keys(units)
+        mine = owned_keys(units, tensors)
         self._flush_routing()
         plan = self.front.plan_save(root, where, int(self._engine.global_steps), mine, error)
         share = {k: tensors[k] for k in mine if k in plan.written}

@@ -304,20 +304,50 @@ def _build(x: dict) -> Any:
     return obj
 
 
-def owned_keys(units: dict[str, Unit | None]) -> dict[str, Unit | None]:
-    """All ranks (a collective): of this rank's keys, those it writes: a key several ranks hold (an expert on its
-    expert-data-parallel replicas, an identical optimizer file) goes to one of them,
-    experts spread by their index."""
+def module_replica(engine: Any, info: Any, files: Mapping[str, Any]
+                   ) -> dict[str, torch.Tensor]:
+    """On a data-parallel rank other than 0 (DeepSpeed hands its non-expert model file
+    over on rank 0 alone): this rank's copy of that file's non-expert parameters, keyed
+    as :func:`split_file` keys them there, so that :func:`owned_keys` can spread their
+    writes. Parameters only: they are equal on every data-parallel rank after each step;
+    buffers may not be (rank 0's are DeepSpeed's). Empty where the file is this rank's."""
+    name = os.path.basename(engine._get_ckpt_name(info.save_dir, info.tag))
+    if name in files:
+        return {}
+    params = {n for n, _ in engine.module.named_parameters()}
+    state = engine._get_non_moe_state_dict(engine.module_state_dict())
+    split = split_file(name, {"module": {k: v for k, v in state.items() if k in params}},
+                       {}, {})
+    return {k: v for k, v in split.tensors.items() if not k.endswith(f"/{SKELETON}")}
+
+
+def owned_keys(units: Mapping[str, Unit | None],
+               tensors: Mapping[str, torch.Tensor]) -> dict[str, Unit | None]:
+    """All ranks (a collective): of this rank's keys, those it writes. A key several
+    ranks hold goes to one of them, so each rank writes an even share (the paper's fully
+    sharded save): an expert's keys by its index over its expert-data-parallel holders;
+    non-expert keys (every data-parallel rank holds the module's), largest first, each to
+    the holder with the fewest bytes so far, after what each rank alone writes every
+    save. Decided from the gathered keys alone: the same answer on every rank."""
+    mine = {k: (-1 if u is None else u[1], tensors[k].numel() * tensors[k].element_size())
+            for k, u in units.items()}
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, list(units))
+    dist.all_gather_object(every, mine)
     holders: dict[str, list[int]] = {}
     for r, keys in enumerate(every):
         for k in keys:
             holders.setdefault(k, []).append(r)
-    me = dist.get_rank()
-    out = {}
-    for k, u in units.items():
+    load = [sum(n for k, (e, n) in keys.items() if e < 0 and len(holders[k]) == 1)
+            for keys in every]
+    owner = {k: ranks[0] for k, ranks in holders.items() if len(ranks) == 1}
+    shared = [k for k, ranks in holders.items() if len(ranks) > 1]
+    for k in sorted(shared, key=lambda k: (-every[holders[k][0]][k][1], k)):
         ranks = holders[k]
-        if ranks[(u[1] if u is not None else 0) % len(ranks)] == me:
-            out[k] = u
-    return out
+        expert, n = every[ranks[0]][k]
+        if expert >= 0:
+            owner[k] = ranks[expert % len(ranks)]
+        else:
+            owner[k] = min(ranks, key=lambda r: (load[r], r))
+            load[owner[k]] += n
+    me = dist.get_rank()
+    return {k: u for k, u in units.items() if owner[k] == me}
