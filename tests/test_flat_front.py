@@ -232,3 +232,24 @@ def test_an_expert_whose_newest_folder_is_gone_loads_from_its_older_copy(tmp_pat
     shutil.copytree(tmp_path / "x" / "iter_0000000", tmp_path / "iter_0000000")
     with pytest.raises(moepec.CheckpointError, match="no older copy"):
         FlatFrontEnd().load(str(tmp_path), "iter_0000030", list(UNITS))
+
+
+def test_a_save_after_a_needed_folder_is_deleted_writes_its_experts_again(tmp_path):
+    """A rotation that deletes old folders (the Trainer's save_total_limit) must not fail
+    every later commit: the next save writes again each expert whose newest copy was in
+    the deleted folder, and its view needs only folders that exist."""
+    import shutil
+
+    front = FlatFrontEnd(k_persist=1)
+    plans = [save(front, tmp_path, step) for step in (0, 10, 20)]
+    shutil.rmtree(tmp_path / "iter_0000000")  # the full save: 6 of 8 experts' copies
+    plan = save(front, tmp_path, 30)
+    only_there = {u for u in UNITS.values() if u is not None} - set(plans[1].saved) \
+        - set(plans[2].saved)  # K=1 a layer at 10 and 20: four experts' copies were there
+    assert len(only_there) == 4 and set(plan.saved) >= only_there
+    assert "iter_0000000" not in plan.view.values()
+    targets, report = FlatFrontEnd().load(str(tmp_path), "iter_0000030", list(UNITS))
+    assert not report.warnings
+    for key in UNITS:
+        src = int(plan.view[key].removeprefix("iter_"))
+        assert torch.equal(targets[key], values(src)[key])

@@ -158,7 +158,7 @@ class FlatFrontEnd:
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:  # whatever happens, the other ranks must hear of it (they wait below)
-                box[0] = self._read_parent(root, name)
+                box[0] = _without_gone(root, self._read_parent(root, name))
             except (OSError, MoepecError) as exc:
                 box[0] = f"{root} cannot be read ({exc})"
         dist.broadcast_object_list(box, src=0)
@@ -343,6 +343,22 @@ class FlatFrontEnd:
     def last_load_report(self) -> RestoreReport | None:
         """What the last :meth:`load` in this process restored, or None."""
         return self._report
+
+
+def _without_gone(root: str, parent: Parent | str | None) -> Parent | str | None:
+    """``parent`` with the keys its view reads from folders that are no longer committed
+    (deleted by hand or by a framework's rotation, such as the Trainer's
+    ``save_total_limit``) dropped from its view, so that this save writes them again
+    from the live state: the lineage heals instead of failing every later commit."""
+    if not isinstance(parent, Parent):
+        return parent
+    gone = {f for f in set(parent.view.values()) - {parent.name} if not _committed(root, f)}
+    if not gone:
+        return parent
+    view = {k: f for k, f in parent.view.items() if f not in gone}
+    log.warning("moepec: %s: %s is gone; this save writes again the %d key(s) whose newest "
+                "copies were there", root, ", ".join(sorted(gone)), len(parent.view) - len(view))
+    return dataclasses.replace(parent, view=view)
 
 
 def _older_copies(root: str, head: FlatManifest, manifests: dict[str, FlatManifest],
