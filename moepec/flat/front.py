@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from moepec.errors import CheckpointError, ConfigError, MoepecError
+from moepec.flat.lineage import committed, manifest_or_none, older_copies, without_gone
 from moepec.flat.plan import (
     FlatPlan,
     Parent,
@@ -70,13 +71,6 @@ class _Known:
 def _parent_of(m: FlatManifest, ledger: Mapping[str, Any] | None = None) -> Parent:
     return Parent(m.name, m.seq, dict(m.view), list(m.layers), m.schedule, ledger,
                   m.uid, list(m.ancestors))
-
-
-def _manifest_or_none(root: str, name: str) -> FlatManifest | None:
-    try:
-        return read_manifest(root, name)
-    except MoepecError:
-        return None
 
 
 class FlatFrontEnd:
@@ -158,7 +152,7 @@ class FlatFrontEnd:
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:  # whatever happens, the other ranks must hear of it (they wait below)
-                box[0] = _without_gone(root, self._read_parent(root, name))
+                box[0] = without_gone(root, self._read_parent(root, name))
             except (OSError, MoepecError) as exc:
                 box[0] = f"{root} cannot be read ({exc})"
         dist.broadcast_object_list(box, src=0)
@@ -177,7 +171,7 @@ class FlatFrontEnd:
         # the same folder (a deleted and rewritten one of the same name is not).
         for mine in (self._head, self._loaded):
             if mine is not None and mine.root == root:
-                m = _manifest_or_none(root, mine.parent.name)
+                m = manifest_or_none(root, mine.parent.name)
                 if m is not None and m.committed_at == mine.committed_at:
                     return mine.parent
         head = scan(root).head
@@ -214,7 +208,7 @@ class FlatFrontEnd:
         try:
             _commit(plan)
         except (MoepecError, OSError, ValueError) as exc:
-            if _committed(plan.root, plan.name):
+            if committed(plan.root, plan.name):
                 return True  # two ranks finished at once; the other one committed
             raise CheckpointError(f"{plan.root}/{plan.name} not committed: {exc}") \
                 from None
@@ -224,7 +218,7 @@ class FlatFrontEnd:
         """All ranks, once every rank's asynchronous writer finished (after a barrier):
         the pending save is done; if it committed, the next save continues it."""
         p, self._pending = self._pending, None
-        m = None if p is None else _manifest_or_none(p.root, p.name)
+        m = None if p is None else manifest_or_none(p.root, p.name)
         if m is not None:
             self._head = _Known(p.root, _parent_of(m), m.committed_at)
 
@@ -274,7 +268,7 @@ class FlatFrontEnd:
             else:
                 manifests[n] = m
         if gone:
-            head = _older_copies(root, head, manifests, gone,
+            head = older_copies(root, head, manifests, gone,
                                  warnings if warnings is not None else [])
         return head, manifests
 
@@ -315,8 +309,7 @@ class FlatFrontEnd:
     def shapes(self, root: str, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
         """Any rank: every tensor of folder ``name`` by its key (the part of a shard key
         before ``#``) -> (global shape, dtype name), from the manifests alone."""
-        head = read_manifest(root, name)
-        manifests = {name: head} | {n: read_manifest(root, n) for n in head.needs()}
+        head, manifests = self._manifests(root, name)
         out: dict[str, tuple[tuple[int, ...], str]] = {}
         for key, folder in head.view.items():
             r = parse_shard_key(key)
@@ -343,67 +336,6 @@ class FlatFrontEnd:
     def last_load_report(self) -> RestoreReport | None:
         """What the last :meth:`load` in this process restored, or None."""
         return self._report
-
-
-def _without_gone(root: str, parent: Parent | str | None) -> Parent | str | None:
-    """``parent`` with the keys its view reads from folders that are no longer committed
-    (deleted by hand or by a framework's rotation, such as the Trainer's
-    ``save_total_limit``) dropped from its view, so that this save writes them again
-    from the live state: the lineage heals instead of failing every later commit."""
-    if not isinstance(parent, Parent):
-        return parent
-    gone = {f for f in set(parent.view.values()) - {parent.name} if not _committed(root, f)}
-    if not gone:
-        return parent
-    view = {k: f for k, f in parent.view.items() if f not in gone}
-    log.warning("moepec: %s: %s is gone; this save writes again the %d key(s) whose newest "
-                "copies were there", root, ", ".join(sorted(gone)), len(parent.view) - len(view))
-    return dataclasses.replace(parent, view=view)
-
-
-def _older_copies(root: str, head: FlatManifest, manifests: dict[str, FlatManifest],
-                  gone: Mapping[str, str], warnings: list[str]) -> FlatManifest:
-    """``head`` with a view that reads each expert held by a ``gone`` folder from its
-    newest older copy: the newest folder of head's lineage that is still the one the
-    lineage names (its own ancestors a prefix of head's) and holds every key of the
-    expert. Adds those folders to ``manifests``. Raises CheckpointError naming the
-    folder when a key is not an expert's or no older copy exists."""
-    lost: dict[Unit, list[str]] = {}
-    for key, src in head.view.items():
-        if src in gone:
-            unit = head.experts.get(key)
-            if unit is None:
-                raise CheckpointError(f"{root}/{head.name} reads {key!r:.80} from {src}, "
-                                      f"which {gone[src]}; restore that folder or load "
-                                      f"another checkpoint")
-            lost.setdefault(unit, []).append(key)
-    view = dict(head.view)
-    for folder, uid in reversed(head.ancestors):  # newest first
-        if not lost:
-            break
-        if folder in gone:
-            continue
-        m = manifests.get(folder) or _manifest_or_none(root, folder)
-        # the save the lineage names, not another written later under its name
-        if m is None or m.seq >= head.seq or (uid and m.uid != uid):
-            continue
-        for unit, keys in list(lost.items()):
-            if all(k in m.items for k in keys):
-                manifests[folder] = m
-                src = head.view[keys[0]]
-                view.update(dict.fromkeys(keys, folder))
-                warnings.append(f"expert {unit[0]}/{unit[1]}: its newest copy's folder "
-                                f"{src} {gone[src]}; read from {folder} (step {m.step})")
-                log.warning("moepec: %s: %s", head.name, warnings[-1])
-                del lost[unit]
-    if lost:
-        unit, keys = next(iter(lost.items()))
-        src = head.view[keys[0]]
-        raise CheckpointError(f"{root}/{head.name} reads older expert copies from {src}, "
-                              f"which {gone[src]}, and its lineage holds no older copy of "
-                              f"expert {unit[0]}/{unit[1]}; restore that folder or load an "
-                              f"older checkpoint")
-    return dataclasses.replace(head, view=view)
 
 
 def _pieces(view: Mapping[str, str], wants: Iterable[Region]) -> dict[Region, list[str]]:
@@ -434,15 +366,15 @@ def _commit(plan: FlatPlan) -> None:
         raise MoepecError(f"the ranks wrote {len(items)} items, the plan has "
                           f"{len(plan.written)}")
     gone = sorted(f for f in set(plan.view.values()) - {plan.name}
-                  if not _committed(plan.root, f))
-    if gone:
-        raise MoepecError(f"its view needs {', '.join(gone)}, which is not committed (an "
-                          f"earlier save failed or was deleted)")
+                  if not committed(plan.root, f))
+    failed = [f for f in gone if os.path.isdir(os.path.join(plan.root, f))]
+    if failed:
+        raise MoepecError(f"its view needs {', '.join(failed)}, which never committed (an "
+                          f"earlier save failed)")
+    if gone:  # deleted while this save was written (a rotation): committed all the same
+        log.warning("moepec: %s/%s: %s was deleted while this save was written; a load "
+                    "reads the experts it held from older copies, and the next save "
+                    "writes them again", plan.root, plan.name, ", ".join(gone))
     commit(plan.root, plan.manifest(items))
     log.info("moepec: committed %s/%s (%d items, %d expert unit(s) written)", plan.root,
              plan.name, len(items), len(plan.saved))
-
-
-def _committed(root: str, name: str) -> bool:
-    """Whether folder ``name`` of ``root`` has its manifest (the commit rule)."""
-    return os.path.exists(os.path.join(root, name, MANIFEST_NAME))

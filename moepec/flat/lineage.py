@@ -1,0 +1,94 @@
+"""What a flat lineage does when a folder it needs is gone (deleted by hand, or by a
+framework's rotation such as the Hugging Face Trainer's ``save_total_limit``): a load
+reads each expert that folder held from its newest older copy in the lineage, and the
+next save writes those experts again from the live state. The lineage is the manifest's
+``ancestors`` ((folder, uid) pairs): a folder written again under an old name is another
+save, never taken for the ancestor. Rank 0 or any rank; reads small files only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+
+from moepec.errors import CheckpointError, MoepecError
+from moepec.flat.plan import Parent, Unit
+from moepec.keys import MANIFEST_NAME
+from moepec.store.flat import FlatManifest, read_manifest
+
+log = logging.getLogger(__name__)
+
+
+def manifest_or_none(root: str, name: str) -> FlatManifest | None:
+    try:
+        return read_manifest(root, name)
+    except MoepecError:
+        return None
+
+
+def committed(root: str, name: str) -> bool:
+    """Whether folder ``name`` of ``root`` has its manifest (the commit rule)."""
+    return os.path.exists(os.path.join(root, name, MANIFEST_NAME))
+
+
+def without_gone(root: str, parent: Parent | str | None) -> Parent | str | None:
+    """``parent`` with the keys its view reads from folders that are no longer committed
+    (deleted by hand or by a framework's rotation, such as the Trainer's
+    ``save_total_limit``) dropped from its view, so that this save writes them again
+    from the live state: the lineage heals instead of failing every later commit."""
+    if not isinstance(parent, Parent):
+        return parent
+    gone = {f for f in set(parent.view.values()) - {parent.name} if not committed(root, f)}
+    if not gone:
+        return parent
+    view = {k: f for k, f in parent.view.items() if f not in gone}
+    log.warning("moepec: %s: %s is gone; this save writes again the %d key(s) whose newest "
+                "copies were there", root, ", ".join(sorted(gone)), len(parent.view) - len(view))
+    return dataclasses.replace(parent, view=view)
+
+
+def older_copies(root: str, head: FlatManifest, manifests: dict[str, FlatManifest],
+                  gone: Mapping[str, str], warnings: list[str]) -> FlatManifest:
+    """``head`` with a view that reads each expert held by a ``gone`` folder from its
+    newest older copy: the newest folder of head's lineage that is still the one the
+    lineage names (its own ancestors a prefix of head's) and holds every key of the
+    expert. Adds those folders to ``manifests``. Raises CheckpointError naming the
+    folder when a key is not an expert's or no older copy exists."""
+    lost: dict[Unit, list[str]] = {}
+    for key, src in head.view.items():
+        if src in gone:
+            unit = head.experts.get(key)
+            if unit is None:
+                raise CheckpointError(f"{root}/{head.name} reads {key!r:.80} from {src}, "
+                                      f"which {gone[src]}; restore that folder or load "
+                                      f"another checkpoint")
+            lost.setdefault(unit, []).append(key)
+    view = dict(head.view)
+    for folder, uid in reversed(head.ancestors):  # newest first
+        if not lost:
+            break
+        if folder in gone:
+            continue
+        m = manifests.get(folder) or manifest_or_none(root, folder)
+        # the save the lineage names, not another written later under its name
+        if m is None or m.seq >= head.seq or (uid and m.uid != uid):
+            continue
+        for unit, keys in list(lost.items()):
+            if all(k in m.items for k in keys):
+                manifests[folder] = m
+                src = head.view[keys[0]]
+                view.update(dict.fromkeys(keys, folder))
+                warnings.append(f"expert {unit[0]}/{unit[1]}: its newest copy's folder "
+                                f"{src} {gone[src]}; read from {folder} (step {m.step})")
+                log.warning("moepec: %s: %s", head.name, warnings[-1])
+                del lost[unit]
+    if lost:
+        unit, keys = next(iter(lost.items()))
+        src = head.view[keys[0]]
+        raise CheckpointError(f"{root}/{head.name} reads older expert copies from {src}, "
+                              f"which {gone[src]}, and its lineage holds no older copy of "
+                              f"expert {unit[0]}/{unit[1]}; restore that folder or load an "
+                              f"older checkpoint")
+    return dataclasses.replace(head, view=view)
