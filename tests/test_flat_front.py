@@ -253,3 +253,24 @@ def test_a_save_after_a_needed_folder_is_deleted_writes_its_experts_again(tmp_pa
     for key in UNITS:
         src = int(plan.view[key].removeprefix("iter_"))
         assert torch.equal(targets[key], values(src)[key])
+
+
+def test_a_folder_deleted_while_a_save_is_written_does_not_fail_its_commit(tmp_path):
+    """The Trainer rotates (deletes old checkpoints) right after its save returns, while
+    the door may still be writing: that save commits; a load reads the deleted folder's
+    experts from older copies; the next save writes them again."""
+    import shutil
+
+    front = FlatFrontEnd(k_persist=1)
+    for step in (0, 10):
+        save(front, tmp_path, step)
+    plan = front.plan_save(str(tmp_path), "iter_0000020", 20, UNITS)
+    vals = values(20)
+    write_rank(str(tmp_path / plan.name), {k: vals[k] for k in plan.written}, 0)
+    shutil.rmtree(tmp_path / "iter_0000010")  # needed by the view of 20
+    front.finish_save(plan)  # committed all the same
+    _, report = FlatFrontEnd().load(str(tmp_path), "iter_0000020", list(UNITS))
+    assert len(report.warnings) == 2 and all("iter_0000010 is gone" in w
+                                             for w in report.warnings)
+    after = save(front, tmp_path, 30)
+    assert "iter_0000010" not in after.view.values()
