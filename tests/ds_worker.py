@@ -171,6 +171,7 @@ def deleted(out: str) -> dict:
     import shutil
     out = {}
     for tag in ("global_step3", "global_step1"):
+        torch.distributed.barrier()  # no rank still reads what is deleted next
         if torch.distributed.get_rank() == 0:
             shutil.rmtree(os.path.join(save_dir, tag))
         torch.distributed.barrier()

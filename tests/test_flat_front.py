@@ -274,3 +274,20 @@ def test_a_folder_deleted_while_a_save_is_written_does_not_fail_its_commit(tmp_p
                                              for w in report.warnings)
     after = save(front, tmp_path, 30)
     assert "iter_0000010" not in after.view.values()
+
+
+def test_a_save_whose_parent_in_flight_never_commits_is_not_committed(tmp_path):
+    """Only folders committed when the save was planned may vanish under it: a parent
+    still in flight then that never commits (its folder gone or not) fails the save."""
+    import shutil
+
+    front = FlatFrontEnd(k_persist=1)
+    save(front, tmp_path, 0)
+    first = front.plan_save(str(tmp_path), "iter_0000010", 10, UNITS)  # never written
+    plan = front.plan_save(str(tmp_path), "iter_0000020", 20, UNITS)
+    assert plan.parent == first.name and plan.parent_pending
+    vals = values(20)
+    write_rank(str(tmp_path / plan.name), {k: vals[k] for k in plan.written}, 0)
+    shutil.rmtree(tmp_path / "iter_0000010", ignore_errors=True)
+    with pytest.raises(moepec.CheckpointError, match="iter_0000010, which never committed"):
+        front.finish_save(plan)

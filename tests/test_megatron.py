@@ -57,6 +57,8 @@ def test_a_routers_layer_counts_among_the_whole_models_moe_layers():
     assert mg.moe_layer_index(router(4, 1), local=1) == 3  # a later stage's first router
     assert mg.moe_layer_index(router(3, [0, 1, 1, 0], layers=4), local=0) == 1
     assert mg.moe_layer_index(NS(layer_number=None), local=7) == 7  # built on its own
+    # multi-token-prediction layers are numbered past the decoder: one index each
+    assert [mg.moe_layer_index(router(n, 2), local=0) for n in (7, 8)] == [3, 4]
 
 
 def test_expert_identity_from_the_sharded_state_dict():

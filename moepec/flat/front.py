@@ -87,6 +87,9 @@ class FlatFrontEnd:
         self._head: _Known | None = None
         self._loaded: _Known | None = None
         self._report: RestoreReport | None = None
+        self._read_cache: tuple[str, str, Any] | None = None
+        """The last load's folders, kept for the reads of the same folder that follow
+        it (each of a framework's files): one choice of older copies per load."""
 
     # -- routing ---------------------------------------------------------------------
     def observe_routing(self, counts: Any) -> None:
@@ -131,6 +134,7 @@ class FlatFrontEnd:
         ``error``: why this rank cannot save (it reaches every rank). Raises
         CheckpointError on every rank when a rank had an error, the directory cannot be
         read or the folder is committed already."""
+        self._read_cache = None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (dict(units), error, os.urandom(8).hex()))
         failed = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(gathered) if e is not None]
@@ -166,7 +170,7 @@ class FlatFrontEnd:
         if self._pending is not None and self._pending.root == root:
             p = self._pending
             return Parent(p.name, p.seq, p.view, p.layers, p.schedule, uid=p.uid,
-                          ancestors=p.ancestors)
+                          ancestors=p.ancestors, pending=not committed(root, p.name))
         # A folder this process committed or loaded continues its lineage, if it is still
         # the same folder (a deleted and rewritten one of the same name is not).
         for mine in (self._head, self._loaded):
@@ -234,6 +238,7 @@ class FlatFrontEnd:
         started = time.monotonic()
         warnings: list[str] = []
         head, manifests = self._manifests(root, name, warnings)
+        self._read_cache = (root, name, (head, manifests))
         out = self.read(root, name, keys, (head, manifests))
         report, ledger = self._report_of(head, manifests, time.monotonic() - started)
         report.warnings.extend(warnings)
@@ -277,6 +282,9 @@ class FlatFrontEnd:
              ) -> dict[str, torch.Tensor]:
         """As :meth:`load`, without the report and without changing the lineage the
         next save continues: more keys of a folder already loaded."""
+        if known is None and self._read_cache is not None \
+                and self._read_cache[:2] == (root, name):
+            known = self._read_cache[2]  # the load's own choice of older copies
         head, manifests = known if known is not None else self._manifests(root, name)
         cut = {k: parse_shard_key(k) for k in keys if k not in head.view}
         if any(r is None for r in cut.values()):
@@ -367,11 +375,10 @@ def _commit(plan: FlatPlan) -> None:
                           f"{len(plan.written)}")
     gone = sorted(f for f in set(plan.view.values()) - {plan.name}
                   if not committed(plan.root, f))
-    failed = [f for f in gone if os.path.isdir(os.path.join(plan.root, f))]
-    if failed:
-        raise MoepecError(f"its view needs {', '.join(failed)}, which never committed (an "
+    if plan.parent_pending and plan.parent in gone:
+        raise MoepecError(f"its view needs {plan.parent}, which never committed (an "
                           f"earlier save failed)")
-    if gone:  # deleted while this save was written (a rotation): committed all the same
+    if gone:  # committed when planned, deleted since (a rotation): committed all the same
         log.warning("moepec: %s/%s: %s was deleted while this save was written; a load "
                     "reads the experts it held from older copies, and the next save "
                     "writes them again", plan.root, plan.name, ", ".join(gone))

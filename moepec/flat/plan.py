@@ -76,6 +76,8 @@ class Parent:
     uid: str = ""
     ancestors: Sequence[tuple[str, str]] = ()
     """Its lineage, oldest first (the manifest's ``ancestors``: (folder, uid))."""
+    pending: bool = False
+    """Not committed when this save was planned (a save of this process in flight)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,9 @@ class FlatPlan:
     schedule: dict[str, Any] | None
     uid: str = ""
     ancestors: list[tuple[str, str]] = field(default_factory=list)
+    parent_pending: bool = False
+    """The parent was in flight when this save was planned: if it never commits, nor
+    may this save (every other folder its view reads was committed then)."""
 
     @property
     def k_persist(self) -> int:
@@ -156,7 +161,8 @@ def plan_save(root: str, name: str, step: int, every: Sequence[Mapping[str, Unit
                     view=next_view(view, name, [k for units in every for k in units], written),
                     experts=experts, saved=sorted({experts[k] for k in written if k in experts}),
                     written=written, world_size=len(every), layers=list(sizes),
-                    schedule=fields, uid=uid, ancestors=[] if parent is None else
+                    schedule=fields, uid=uid, parent_pending=bool(parent and parent.pending),
+                    ancestors=[] if parent is None else
                     [*parent.ancestors, (parent.name, parent.uid)][-MAX_ANCESTORS:])
 
 

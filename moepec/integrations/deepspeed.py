@@ -279,7 +279,7 @@ class PecCheckpointEngine(CheckpointEngine):
         mine = owned_keys(units, tensors)
         self._flush_routing()
         plan = self.front.plan_save(root, where, int(self._engine.global_steps), mine, error)
-        share = {k: tensors[k] for k in mine if k in plan.written}
+        share = {k: tensors[k].cpu() for k in mine if k in plan.written}
         tag_folder = os.path.join(os.path.abspath(info.save_dir), info.tag)
         for name in files:  # DeepSpeed's load looks for its files by name
             _stub(os.path.join(tag_folder, name))

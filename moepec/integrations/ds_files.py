@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moepec.errors import CorruptCheckpointError
+from moepec.errors import CorruptCheckpointError, MoepecError
 from moepec.flat import Unit, decode_object, encode_object
 
 HF_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
@@ -307,18 +307,22 @@ def _build(x: dict) -> Any:
 def module_replica(engine: Any, info: Any, files: Mapping[str, Any]
                    ) -> dict[str, torch.Tensor]:
     """On a data-parallel rank other than 0 (DeepSpeed hands its non-expert model file
-    over on rank 0 alone): this rank's copy of that file's non-expert parameters, keyed
-    as :func:`split_file` keys them there, so that :func:`owned_keys` can spread their
-    writes. Parameters only: they are equal on every data-parallel rank after each step;
-    buffers may not be (rank 0's are DeepSpeed's). Empty where the file is this rank's."""
-    name = os.path.basename(engine._get_ckpt_name(info.save_dir, info.tag))
-    if name in files:
-        return {}
-    params = {n for n, _ in engine.module.named_parameters()}
-    state = engine._get_non_moe_state_dict(engine.module_state_dict())
-    split = split_file(name, {"module": {k: v for k, v in state.items() if k in params}},
-                       {}, {})
-    return {k: v for k, v in split.tensors.items() if not k.endswith(f"/{SKELETON}")}
+    over on rank 0 alone): this rank's copy of that file's trained non-expert parameters
+    (on their device: only those :func:`owned_keys` gives this rank are copied), keyed as
+    :func:`split_file` keys them there, so that their writes can be spread. Parameters
+    that train only: they are equal on every data-parallel rank after each step; buffers
+    and frozen parameters may not be (rank 0's are DeepSpeed's). Empty where the file is
+    this rank's. Raises MoepecError for anything unexpected (it reaches every rank)."""
+    try:
+        name = os.path.basename(engine._get_ckpt_name(info.save_dir, info.tag))
+        if name in files:
+            return {}
+        trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+        state = engine._get_non_moe_state_dict(engine.module_state_dict())
+        return {f"{name}/module/{k}": v.detach() for k, v in state.items() if k in trained}
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not hang
+        raise MoepecError(f"the non-expert parameters of this rank cannot be read "
+                          f"({type(exc).__name__}: {exc})") from exc
 
 
 def owned_keys(units: Mapping[str, Unit | None],

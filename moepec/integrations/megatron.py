@@ -426,8 +426,9 @@ def moe_layer_index(router: torch.nn.Module, local: int) -> int:
     """Layer L of a router: how many MoE layers precede its layer in the whole model,
     from Megatron's global ``layer_number`` (1-based, pipeline offset included) and the
     config's ``moe_layer_freq`` (an int N: every N-th layer from the first; a list: 1 for
-    MoE). ``local`` (its place among this rank's routers) when the router has no layer
-    number, as one built outside a TransformerLayer."""
+    MoE; layers numbered past the decoder, as multi-token-prediction ones, follow it).
+    ``local`` (its place among this rank's routers) when the router has no layer number,
+    as one built outside a TransformerLayer (right only without pipeline stages)."""
     number, config = getattr(router, "layer_number", None), getattr(router, "config", None)
     layers = getattr(config, "num_layers", None)
     if not isinstance(number, int) or not isinstance(layers, int) or not 0 < number:
@@ -435,6 +436,7 @@ def moe_layer_index(router: torch.nn.Module, local: int) -> int:
     freq = getattr(config, "moe_layer_freq", 1)
     pattern = [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) \
         else [int(bool(x)) for x in freq]
-    return sum(pattern[:number - 1])
+    # past the decoder: multi-token-prediction layers, numbered on after it
+    return sum(pattern[:number - 1]) + max(number - 1 - layers, 0)
 
 register()

@@ -57,10 +57,10 @@ key, the experts by (layer, expert)) where the manager's manifest has its meta."
 LEGACY_FORMAT = "moepec-flat/2"
 """What flat folders were committed with before the two manifest formats became one:
 still read (the fields are the same), never written."""
-FOLDER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+FOLDER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
 """A checkpoint folder is a plain name inside the save directory."""
 MAX_KEY = 1024
-_UID = re.compile(r"^[0-9a-f]{0,32}$")
+_UID = re.compile(r"[0-9a-f]{0,32}")
 
 
 def rank_dir(rank: int) -> str:
@@ -146,13 +146,14 @@ class FlatManifest:
         name, parent = data["name"], data.get("parent")
         ancestors, uid = data.get("ancestors", []), data.get("uid", "")
         if not isinstance(ancestors, list) or len(ancestors) > MAX_ANCESTORS or not all(
-                isinstance(a, list) and len(a) == 2 and _UID.match(str(a[1]))
-                for a in ancestors) or not isinstance(uid, str) or not _UID.match(uid):
+                isinstance(a, list) and len(a) == 2 and isinstance(a[1], str)
+                and _UID.fullmatch(a[1]) for a in ancestors) \
+                or not isinstance(uid, str) or not _UID.fullmatch(uid):
             raise ManifestError(f"{where}: manifest field 'uid' or 'ancestors' (at most "
                                 f"{MAX_ANCESTORS} [folder, uid] pairs) is malformed")
         for folder in [name, *([parent] if parent is not None else []),
                        *(a[0] for a in ancestors), *data["view"].values()]:
-            if not isinstance(folder, str) or not FOLDER_RE.match(folder):
+            if not isinstance(folder, str) or not FOLDER_RE.fullmatch(folder):
                 raise ManifestError(f"{where}: {folder!r:.80} is not a plain folder name")
         items = {_key(k, where): Item.from_json(v, where) for k, v in data["items"].items()}
         if any(v.rank is None or v.file is None for v in items.values()):
