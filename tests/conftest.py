@@ -38,3 +38,15 @@ def s3_options():
     s3fs.S3FileSystem(**opts).mkdir("moepec-test")
     yield opts
     server.stop()
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path):
+    """A one-rank gloo process group for the test (the flat front end's collectives)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()

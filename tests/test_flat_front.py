@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import moepec
 from moepec.flat import FlatFrontEnd, write_rank
@@ -19,13 +18,7 @@ LAYERS = ("decoder.layers.mlp@(0,)", "decoder.layers.mlp@(1,)")
 UNITS = {"dense": None} | {f"e{li}.{e}": (LAYERS[li], e) for li in range(2) for e in range(N)}
 
 
-@pytest.fixture(autouse=True)
-def one_rank(tmp_path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank")  # tests/conftest.py
 
 
 def values(step: int) -> dict[str, torch.Tensor]:

@@ -10,7 +10,6 @@ from dataclasses import asdict
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import moepec
 from moepec import CheckpointConfig, CheckpointManager, ConfigError, SelectionPolicy
@@ -132,15 +131,6 @@ def test_manifest_validation_checks_the_policy_state_it_cannot_interpret(tmp_pat
 
 
 # -- the flat front end (Megatron's and DeepSpeed's doors) ----------------------------
-@pytest.fixture
-def one_rank(tmp_path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_the_flat_front_end_uses_the_same_policy_and_continues_it_after_a_load(
         tmp_path, rev, one_rank):
     front = FlatFrontEnd(k_persist=1, selection=rev)
