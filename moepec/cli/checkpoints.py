@@ -190,6 +190,9 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output: a DCP directory, or a .safetensors file")
     p.add_argument("--format", choices=("dcp", "safetensors"), default=None,
                    help="default: safetensors if OUT ends in .safetensors, else dcp")
+    p.add_argument("--fp32", action="store_true",
+                   help="a DeepSpeed save at ZeRO-1/2: its fp32 master weights (what "
+                        "zero_to_fp32.py gives, MoE included) instead of the module's")
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -202,20 +205,24 @@ def _run_export(args: argparse.Namespace) -> int:
         from moepec.recovery.offline_flat import export_flat
 
         if fmt == "safetensors" and _deepspeed_save(args.path):
-            from moepec.integrations.ds_export import export_model
+            from moepec.integrations.ds_export import export_fp32, export_model
 
-            tag, n = export_model(args.path, args.out)
-            print(f"exported the model of {args.path} tag {tag} ({n} tensors, each expert "
+            tag, n = (export_fp32 if args.fp32 else export_model)(args.path, args.out)
+            what = "fp32 master weights" if args.fp32 else "model"
+            print(f"exported the {what} of {args.path} tag {tag} ({n} tensors, each expert "
                   f"from its newest copy) to {args.out}; `moepec materialize` writes "
                   f"DeepSpeed's own files, optimizer included")
             return 0
-
+        if args.fp32:
+            return _not_deepspeed(args.path)
         flat = export_flat(args.path, args.out, fmt)
         m = flat.view.manifest
         print(f"exported {flat.tensors} tensors of the view of {m.name} (step {m.step}) of "
               f"{args.path} to {args.out} ({fmt}): {flat.whole} whole, {flat.shards} "
               f"shard(s) under their flat key, {flat.objects} object(s) as bytes")
         return 0
+    if args.fp32:
+        return _not_deepspeed(args.path)
     report = export_view(args.path, args.out, fmt, opts)
     view = report.view.manifest
     print(f"exported {report.tensors} tensors of the view of {view.name} (step {view.step}) "
@@ -223,6 +230,12 @@ def _run_export(args: argparse.Namespace) -> int:
     for line in report.notes():
         print(f"WARNING: {line}")
     return 0
+
+
+def _not_deepspeed(path: str) -> int:
+    print(f"moepec: --fp32 exports a DeepSpeed save directory written through moepec (to "
+          f"a .safetensors file); {path} is not one", file=sys.stderr)
+    return 2
 
 
 def _deepspeed_save(path: str) -> bool:

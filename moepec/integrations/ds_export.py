@@ -1,5 +1,5 @@
 """DeepSpeed's own files from a moepec DeepSpeed save (``moepec materialize``), and the
-stitched model by parameter name (``moepec export``).
+stitched model by parameter name (``moepec export``; ``--fp32``: ZeRO's fp32 masters).
 
 A moepec tag holds DeepSpeed's files as flat keys (:mod:`moepec.integrations.ds_files`)
 and, at each file's path, a stub. :func:`materialize` writes a tag of real DeepSpeed files
@@ -12,6 +12,7 @@ group; reads only inside the save directory.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 
@@ -111,5 +112,62 @@ def export_model(save_dir: str, out: str, tag: str | None = None) -> tuple[str, 
         sd = join_file(name, front.read(root, folder, file_keys(name, view)))
         part = sd.get("module", sd) if isinstance(sd, dict) else {}
         model |= {k: v.contiguous() for k, v in part.items() if isinstance(v, torch.Tensor)}
+    save_file(model, out)
+    return tag, len(model)
+
+
+_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
+
+
+def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, int]:
+    """Write the fp32 master weights of ``save_dir``'s tag (ZeRO-1/2) as one safetensors
+    file, each parameter under its model name (experts by their global index): what
+    DeepSpeed's ``zero_to_fp32.py`` gives, which fails on MoE tags (DeepSpeed #4497).
+    Each parameter is joined from its fragments in every rank's partition (rank order
+    within its group: all ranks for non-expert groups, the expert-data-parallel ranks of
+    its expert-parallel rank for expert groups; DeepSpeed's group layout). Raises
+    CheckpointError for a tag without ZeRO partitions or a fragment that does not fit."""
+    from safetensors.torch import save_file
+
+    tag, root, folder = resolve_tag(save_dir, tag)
+    front = FlatFrontEnd()
+    view = front.keys(root, folder)
+    names = sorted(k.removesuffix(f"/{SKELETON}") for k in view if k.endswith(f"/{SKELETON}"))
+    optim = {int(m[1]): n for n in names if (m := _OPTIM_FILE.match(n)) and m[2] == "00"}
+    model_file = next((n for n in names if n.startswith("mp_rank_00_")), None)
+    if not optim or model_file is None:
+        raise CheckpointError(f"{os.path.join(save_dir, tag)} has no ZeRO-1/2 optimizer "
+                              f"partitions (ZeRO-0 keeps fp32 masters only in bf16/fp16 "
+                              f"runs' optimizer); export it without --fp32")
+    shapes = join_file(model_file, front.read(root, folder, file_keys(model_file, view)))
+    world = len(optim)
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    shape_of: dict[str, tuple[int, ...]] = {}
+    for rank, name in sorted(optim.items()):
+        osd = join_file(name, front.read(root, folder, file_keys(name, view)))
+        osd = osd["optimizer_state_dict"]
+        for g, (flat, mapping) in enumerate(zip(osd["single_partition_of_fp32_groups"],
+                                                osd["param_slice_mappings"])):
+            local = shapes["param_shapes"][g]
+            experts = sorted({int(m[2]) for n in local if (m := _EXPERT.search(n))})
+            ep = world // int(osd["partition_count"][g]) if experts else 1
+            for pname, frag in mapping.items():
+                shape = tuple(local[pname])
+                if experts:  # rank r is expert-parallel rank r % ep (DeepSpeed's groups)
+                    e = int(_EXPERT.search(pname)[2]) + (rank % ep) * len(experts)
+                    pname = _EXPERT.sub(lambda m, e=e: f"{m[1]}{e}{m[3]}", pname, count=1)
+                start, numel = int(frag.start), int(frag.numel)
+                pieces.setdefault(pname, []).append((rank, flat[start:start + numel]))
+                shape_of[pname] = shape
+    model = {}
+    for pname, parts in pieces.items():
+        joined = torch.cat([t.float() for _, t in sorted(parts, key=lambda p: p[0])])
+        shape = shape_of[pname]
+        if joined.numel() != int(torch.Size(shape).numel()):
+            raise CheckpointError(f"{pname}: its fp32 fragments hold {joined.numel()} "
+                                  f"values, its shape {shape} needs "
+                                  f"{torch.Size(shape).numel()}")
+        model[pname] = joined.view(shape).contiguous()
     save_file(model, out)
     return tag, len(model)
