@@ -141,33 +141,43 @@ def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, i
                               f"partitions (ZeRO-0 keeps fp32 masters only in bf16/fp16 "
                               f"runs' optimizer); export it without --fp32")
     shapes = join_file(model_file, front.read(root, folder, file_keys(model_file, view)))
-    world = len(optim)
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     shape_of: dict[str, tuple[int, ...]] = {}
     for rank, name in sorted(optim.items()):
         osd = join_file(name, front.read(root, folder, file_keys(name, view)))
-        osd = osd["optimizer_state_dict"]
-        for g, (flat, mapping) in enumerate(zip(osd["single_partition_of_fp32_groups"],
-                                                osd["param_slice_mappings"])):
-            local = shapes["param_shapes"][g]
-            experts = sorted({int(m[2]) for n in local if (m := _EXPERT.search(n))})
-            ep = world // int(osd["partition_count"][g]) if experts else 1
-            for pname, frag in mapping.items():
-                shape = tuple(local[pname])
-                if experts:  # rank r is expert-parallel rank r % ep (DeepSpeed's groups)
-                    e = int(_EXPERT.search(pname)[2]) + (rank % ep) * len(experts)
-                    pname = _EXPERT.sub(lambda m, e=e: f"{m[1]}{e}{m[3]}", pname, count=1)
-                start, numel = int(frag.start), int(frag.numel)
-                pieces.setdefault(pname, []).append((rank, flat[start:start + numel]))
-                shape_of[pname] = shape
-    model = {}
-    for pname, parts in pieces.items():
-        joined = torch.cat([t.float() for _, t in sorted(parts, key=lambda p: p[0])])
-        shape = shape_of[pname]
-        if joined.numel() != int(torch.Size(shape).numel()):
-            raise CheckpointError(f"{pname}: its fp32 fragments hold {joined.numel()} "
-                                  f"values, its shape {shape} needs "
-                                  f"{torch.Size(shape).numel()}")
-        model[pname] = joined.view(shape).contiguous()
+        _fragments(osd["optimizer_state_dict"], shapes["param_shapes"], rank, len(optim),
+                   pieces, shape_of)
+    model = {pname: _joined(pname, parts, shape_of[pname]) for pname, parts in pieces.items()}
     save_file(model, out)
     return tag, len(model)
+
+
+def _fragments(osd: dict, param_shapes: list, rank: int, world: int,
+               pieces: dict[str, list[tuple[int, torch.Tensor]]],
+               shape_of: dict[str, tuple[int, ...]]) -> None:
+    """Add rank ``rank``'s fp32 fragments (ZeRO's flat partition per group, cut by its
+    ``param_slice_mappings``) to ``pieces``, under each parameter's global name."""
+    for g, (flat, mapping) in enumerate(zip(osd["single_partition_of_fp32_groups"],
+                                            osd["param_slice_mappings"])):
+        local = param_shapes[g]
+        experts = sorted({int(m[2]) for n in local if (m := _EXPERT.search(n))})
+        ep = world // int(osd["partition_count"][g]) if experts else 1
+        for pname, frag in mapping.items():
+            shape = tuple(local[pname])
+            if experts:  # rank r is expert-parallel rank r % ep (DeepSpeed's groups)
+                e = int(_EXPERT.search(pname)[2]) + (rank % ep) * len(experts)
+                pname = _EXPERT.sub(lambda m, e=e: f"{m[1]}{e}{m[3]}", pname, count=1)
+            start, numel = int(frag.start), int(frag.numel)
+            pieces.setdefault(pname, []).append((rank, flat[start:start + numel]))
+            shape_of[pname] = shape
+
+
+def _joined(pname: str, parts: list[tuple[int, torch.Tensor]],
+            shape: tuple[int, ...]) -> torch.Tensor:
+    """One parameter from its fragments in rank order; CheckpointError if they do not
+    make its shape."""
+    joined = torch.cat([t.float() for _, t in sorted(parts, key=lambda p: p[0])])
+    if joined.numel() != int(torch.Size(shape).numel()):
+        raise CheckpointError(f"{pname}: its fp32 fragments hold {joined.numel()} values, "
+                              f"its shape {shape} needs {torch.Size(shape).numel()}")
+    return joined.view(shape).contiguous()
