@@ -32,8 +32,7 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 	@echo "moepec: installing the test extras (transformers, megatron-core, torchtitan," \
 	  "deepspeed, datasets, test tools) into $(VENV)"
 	$(PIP) --no-deps megatron-core==0.16.1
-	$(PIP) -e '.[dev,hf,ft,megatron,titan-deps]'
-	DS_BUILD_OPS=0 $(PIP) -e '.[deepspeed]'
+	DS_BUILD_OPS=0 $(PIP) -e '.[dev,hf,ft,megatron,titan-deps,deepspeed]'
 	$(PIP) --no-deps torchtitan==0.3.0
 	touch $(DEMO_STAMP)
 	touch -r $(DEMO_STAMP) $(STAMP)

@@ -242,7 +242,33 @@ def materialized(out: str) -> dict:
     plain.load_checkpoint(target)
     a, b = state(stitched), state(plain)
     return {"bad": [f"{n}.{k}" for n in a for k in a[n] if not torch.equal(a[n][k], b[n][k])],
-            "checked": len(a), "steps": [int(stitched.global_steps), int(plain.global_steps)]}
+            "checked": len(a), "steps": [int(stitched.global_steps), int(plain.global_steps)],
+            "fp32": fp32_exports(out) if torch.distributed.get_rank() == 0 else {}}
+
+
+def fp32_exports(out: str) -> dict:
+    """`moepec export --fp32` of three saves against their model export: equal at fp32,
+    rounding to it at bf16; a ZeRO-0 save refused."""
+    from safetensors.torch import load_file
+
+    from moepec.integrations.ds_export import export_fp32, export_model
+
+    res = {}
+    for case in ("2_fp32_2", "2_fp32_1", "1_bf16_2"):
+        a, b = os.path.join(out, f"{case}.fp32.st"), os.path.join(out, f"{case}.model.st")
+        export_fp32(os.path.join(out, case), a)
+        export_model(os.path.join(out, case), b)
+        fp32, model = load_file(a), load_file(b)
+        res[case] = {"names": sorted(fp32) == sorted(model), "n": len(fp32),
+                     "dtypes": sorted({str(t.dtype) for t in fp32.values()}),
+                     "bad": [k for k in fp32
+                             if not torch.equal(fp32[k].to(model[k].dtype), model[k])]}
+    try:
+        export_fp32(os.path.join(out, "0_bf16_1"), os.path.join(out, "zero0.st"))
+        res["zero0"] = None
+    except CheckpointError as exc:
+        res["zero0"] = str(exc)
+    return res
 
 
 def refusals(out: str) -> dict:

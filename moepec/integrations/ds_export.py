@@ -138,8 +138,9 @@ def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, i
     model_file = next((n for n in names if n.startswith("mp_rank_00_")), None)
     if not optim or model_file is None:
         raise CheckpointError(f"{os.path.join(save_dir, tag)} has no ZeRO-1/2 optimizer "
-                              f"partitions (ZeRO-0 keeps fp32 masters only in bf16/fp16 "
-                              f"runs' optimizer); export it without --fp32")
+                              f"partitions to join (a ZeRO-0 save): export it without "
+                              f"--fp32 (its module weights), or `moepec materialize` it "
+                              f"(its optimizer keeps bf16/fp16 runs' fp32 copies)")
     shapes = join_file(model_file, front.read(root, folder, file_keys(model_file, view)))
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     shape_of: dict[str, tuple[int, ...]] = {}
