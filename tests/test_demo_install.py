@@ -50,7 +50,8 @@ def test_make_demo_then_test_then_demo_installs_each_set_once(tmp_path):
     assert "a few minutes" in lines[0]
     assert lines[1:] == ["PIP torch==2.13.0", "PIP -e .[ft]"]
     full = make(".moepec-installed")  # make test after make demo: the rest only
-    assert "torch==2.13.0" not in full and "PIP -e .[dev,hf,ft,megatron,titan-deps]" in full
+    assert "torch==2.13.0" not in full
+    assert "PIP -e .[dev,hf,ft,megatron,titan-deps,deepspeed]" in full
     assert "torchtitan==0.3.0" in full and "megatron-core==0.16.1" in full
     assert make(".moepec-demo-installed") == ""  # make demo after make test: nothing
     assert make(".moepec-installed") == ""
