@@ -120,9 +120,14 @@ def test_a_pec_save_writes_two_of_eight_experts(runs):
     # are spread too: every save's non-expert bytes are shared evenly. (An expert's
     # optimizer fragments can be written only by the rank whose ZeRO partition holds it.)
     for m in manifests.values():
-        module = [v for k, v in m["items"].items()
-                  if k.startswith("mp_rank_00_model_states.pt/module/")]
-        assert 1 in {v["rank"] for v in module}
+        module = {k.removeprefix("mp_rank_00_model_states.pt/module/"): v
+                  for k, v in m["items"].items()
+                  if k.startswith("mp_rank_00_model_states.pt/module/")}
+        # each parameter once, under rank 0's file key (a replica keyed otherwise would
+        # be a second, unread copy), written by both ranks between them
+        assert sorted(module) == ["emb.bias", "emb.weight", "head.bias", "head.weight",
+                                  "moe.deepspeed_moe.gate.wg.weight"], sorted(module)
+        assert {v["rank"] for v in module.values()} == {0, 1}
         per_rank = [sum(v["nbytes"] for k, v in m["items"].items()
                         if v["rank"] == r and k not in m["experts"]) for r in (0, 1)]
         assert max(per_rank) < 1.25 * min(per_rank), per_rank

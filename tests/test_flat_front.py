@@ -47,6 +47,22 @@ def test_load_aware_selection_follows_the_routing_counts(tmp_path):
     assert per_layer(save(front, tmp_path, 20)) == [[0], [1]]
 
 
+def test_a_router_hooks_counts_are_summed_where_they_are_and_read_at_the_save(tmp_path):
+    """observe_layer (the doors' router hooks): one layer's counts per forward, summed
+    without a host copy; the save reads them as observe_routing's, once."""
+    front = FlatFrontEnd(k_persist=1, selection="load_aware")
+    save(front, tmp_path, 0)
+    counts = torch.tensor([1, 2, 90, 3])
+    front.observe_layer(1, counts)
+    counts += 100  # the hook's tensor is the caller's: what was observed stays
+    front.observe_layer(1, torch.tensor([[0, 0, 0, 5]]))
+    front.observe_routing([[4, 0, 0, 0]])
+    plan = save(front, tmp_path, 10)
+    assert plan.schedule["counts"] == [[4, 0, 0, 0], [1, 2, 90, 8]]
+    assert per_layer(plan) == [[0], [2]]
+    assert save(front, tmp_path, 20).schedule["counts"] == [[4, 0, 0, 0], [1, 2, 90, 8]]
+
+
 def test_sequential_rotation_and_full_every(tmp_path):
     front = FlatFrontEnd(k_persist=1, full_every=3)
     got = [per_layer(save(front, tmp_path, s)) for s in range(0, 70, 10)]

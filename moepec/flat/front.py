@@ -83,6 +83,7 @@ class FlatFrontEnd:
         ``dynamic_k_down``). Raises ConfigError for anything else."""
         self.config = flat_config(**fields)
         self._counts: list[list[int]] = []
+        self._on_device: dict[int, torch.Tensor] = {}
         self._pending: FlatPlan | None = None
         self._head: _Known | None = None
         self._loaded: _Known | None = None
@@ -108,9 +109,23 @@ class FlatFrontEnd:
             for e, c in enumerate(row):
                 mine[e] += int(c)
 
+    def observe_layer(self, layer: int, counts: torch.Tensor) -> None:
+        """Add one MoE layer's tokens per global expert from one forward (a door's router
+        hook): summed on the tensor's device, read at the next save, so the training
+        path never waits for a copy to the host."""
+        counts = counts.detach().reshape(-1).to(torch.int64)
+        held = self._on_device.get(layer)
+        self._on_device[layer] = counts.clone() if held is None else held.add_(counts)
+
     def _take_counts(self, sizes: Sequence[int]) -> list[list[int]] | None:
         """All ranks: the counts since the last save summed over ranks, shaped to the
         model's layers; None when no rank observed any."""
+        held, self._on_device = self._on_device, {}
+        if held:  # one host copy per MoE layer, at the save
+            rows: list[Any] = [[] for _ in range(max(held) + 1)]
+            for layer, counts in held.items():
+                rows[layer] = counts.cpu()
+            self.observe_routing(rows)
         if len(self._counts) > len(sizes) or any(
                 len(r) > n for r, n in zip(self._counts, sizes)):
             raise ConfigError(f"observe_routing got counts for {len(self._counts)} layers "

@@ -202,7 +202,6 @@ class PecCheckpointEngine(CheckpointEngine):
         self._rng: torch.Tensor | None = None
         layers = [m for _, m in engine.module.named_modules() if isinstance(m, MoE)]
         self._layer = {id(m): i for i, m in enumerate(layers)}
-        self._routed: dict[int, torch.Tensor] = {}
         self._hooks = [m.register_forward_hook(self._count) for m in layers]
 
     # -- routing ---------------------------------------------------------------------
@@ -210,21 +209,7 @@ class PecCheckpointEngine(CheckpointEngine):
         """A MoE layer's forward in training: its tokens per global expert."""
         if not module.training or not isinstance(output, tuple) or len(output) < 3:
             return
-        # Summed where they are (no device sync on the training path); read at the save
-        counts = output[2].detach().reshape(-1).to(torch.int64)
-        layer = self._layer[id(module)]
-        held = self._routed.get(layer)
-        self._routed[layer] = counts.clone() if held is None else held.add_(counts)
-
-    def _flush_routing(self) -> None:
-        """Hand the counts summed since the last save to the front end (one copy to the
-        host per MoE layer, at the save)."""
-        routed, self._routed = self._routed, {}
-        if routed:
-            rows = [[0]] * (max(routed) + 1)
-            for layer, counts in routed.items():
-                rows[layer] = counts.cpu()
-            self.front.observe_routing(rows)
+        self.front.observe_layer(self._layer[id(module)], output[2])
 
     # -- saving ----------------------------------------------------------------------
     def create(self, info: Any) -> None:
@@ -277,7 +262,6 @@ class PecCheckpointEngine(CheckpointEngine):
         tensors[f"{_RNG}/rank_{rank}/torch"] = torch.get_rng_state()
         units[f"{_RNG}/rank_{rank}/torch"] = None
         mine = owned_keys(units, tensors)
-        self._flush_routing()
         plan = self.front.plan_save(root, where, int(self._engine.global_steps), mine, error)
         share = {k: tensors[k].cpu() for k in mine if k in plan.written}
         tag_folder = os.path.join(os.path.abspath(info.save_dir), info.tag)

@@ -70,7 +70,7 @@ def materialize(save_dir: str, out: str, tag: str | None = None) -> Materialized
         raise CheckpointError(f"{target} exists; materialize into a new folder")
     front = FlatFrontEnd()
     view = front.keys(root, folder)
-    files = sorted(k.removesuffix(f"/{SKELETON}") for k in view if k.endswith(f"/{SKELETON}"))
+    files = _file_names(view)
     os.makedirs(target + ".partial")
     for name in files:
         sd = join_file(name, front.read(root, folder, file_keys(name, view)))
@@ -83,6 +83,11 @@ def materialize(save_dir: str, out: str, tag: str | None = None) -> Materialized
     with open(os.path.join(out, "latest"), "w") as f:
         f.write(tag)
     return Materialized(tag, files, target)
+
+
+def _file_names(view: list[str]) -> list[str]:
+    """The DeepSpeed files a tag holds (each has a skeleton key), sorted."""
+    return sorted(k.removesuffix(f"/{SKELETON}") for k in view if k.endswith(f"/{SKELETON}"))
 
 
 def is_deepspeed_save(save_dir: str) -> bool:
@@ -105,8 +110,7 @@ def export_model(save_dir: str, out: str, tag: str | None = None) -> tuple[str, 
     front = FlatFrontEnd()
     view = front.keys(root, folder)
     model: dict[str, torch.Tensor] = {}
-    for name in sorted(k.removesuffix(f"/{SKELETON}") for k in view
-                       if k.endswith(f"/{SKELETON}")):
+    for name in _file_names(view):
         if not name.endswith("_model_states.pt"):
             continue  # optimizer partitions: `moepec materialize` writes those
         sd = join_file(name, front.read(root, folder, file_keys(name, view)))
@@ -133,7 +137,7 @@ def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, i
     tag, root, folder = resolve_tag(save_dir, tag)
     front = FlatFrontEnd()
     view = front.keys(root, folder)
-    names = sorted(k.removesuffix(f"/{SKELETON}") for k in view if k.endswith(f"/{SKELETON}"))
+    names = _file_names(view)
     optim = {int(m[1]): n for n in names if (m := _OPTIM_FILE.match(n)) and m[2] == "00"}
     model_file = next((n for n in names if n.startswith("mp_rank_00_")), None)
     if not optim or model_file is None:

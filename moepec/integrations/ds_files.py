@@ -319,7 +319,8 @@ def module_replica(engine: Any, info: Any, files: Mapping[str, Any]
             return {}
         trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
         state = engine._get_non_moe_state_dict(engine.module_state_dict())
-        return {f"{name}/module/{k}": v.detach() for k, v in state.items() if k in trained}
+        key = _Splitter(name, {}, {}).key  # the keys split_file gives rank 0's file
+        return {key(["module", k]): v.detach() for k, v in state.items() if k in trained}
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not hang
         raise MoepecError(f"the non-expert parameters of this rank cannot be read "
                           f"({type(exc).__name__}: {exc})") from exc

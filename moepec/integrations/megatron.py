@@ -252,7 +252,6 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
         except (CheckpointingException, moepec.MoepecError) as exc:
             shards, values, units, error = {}, {}, {}, str(exc).removeprefix("moepec: ")
         try:
-            _flush_routing()
             plan = self.front.plan_save(root, name, int(m[1]) if m else -1, units, error)
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
@@ -389,7 +388,8 @@ def track_routing(model: torch.nn.Module) -> list[Any]:
     router (no fork; the hook reads the ``(probs, routing_map)`` it returns). Layer L is
     the router's MoE layer among the whole model's (:func:`moe_layer_index`), so a
     pipeline stage's routers count at their place in the model, as its saves key their
-    experts. Counts are summed on the routers' device and read once per save. Returns
+    experts. Counts are summed on the routers' device and read once per save
+    (:meth:`FlatFrontEnd.observe_layer`). Returns
     the hook handles (``handle.remove()`` stops counting)."""
     names = moe_layer_names(model)
     modules = dict(model.named_modules())
@@ -400,26 +400,9 @@ def track_routing(model: torch.nn.Module) -> list[Any]:
 
         def hook(_mod: Any, _inp: Any, out: Any, index: int = index) -> None:
             routing_map = out[1] if isinstance(out, tuple) else out
-            per_expert = routed_tokens(routing_map.detach()).to(torch.int64)
-            held = _routed.get(index)
-            _routed[index] = per_expert if held is None else held.add_(per_expert)
+            _front().observe_layer(index, routed_tokens(routing_map.detach()))
         handles.append(router.register_forward_hook(hook))
     return handles
-
-
-_routed: dict[int, torch.Tensor] = {}
-"""The routers' counts since the last save, by global MoE layer (on their device)."""
-
-
-def _flush_routing() -> None:
-    """Hand the tracked counts to the front end (one host copy per MoE layer, at a save)."""
-    routed = dict(_routed)
-    _routed.clear()
-    if routed:
-        rows: list[Any] = [[] for _ in range(max(routed) + 1)]
-        for index, counts in routed.items():
-            rows[index] = counts.cpu()
-        observe_routing(rows)
 
 
 def moe_layer_index(router: torch.nn.Module, local: int) -> int:
