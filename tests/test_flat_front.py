@@ -264,6 +264,28 @@ def test_a_save_after_a_needed_folder_is_deleted_writes_its_experts_again(tmp_pa
         assert torch.equal(targets[key], values(src)[key])
 
 
+def test_a_save_after_a_needed_folder_is_written_again_writes_its_experts_again(tmp_path):
+    """A folder the view needs deleted and written again under its name by another save
+    (its manifest there, another uid): the next save does not lean on that save's data,
+    it writes those experts again, and the load needs no older copy."""
+    import shutil
+
+    front = FlatFrontEnd(k_persist=1)
+    plans = [save(front, tmp_path, step) for step in (0, 10, 20)]
+    shutil.rmtree(tmp_path / "iter_0000000")
+    save(FlatFrontEnd(k_persist=1), tmp_path / "other", 0)  # same name, another save
+    shutil.copytree(tmp_path / "other" / "iter_0000000", tmp_path / "iter_0000000")
+    plan = save(front, tmp_path, 30)
+    only_there = {u for u in UNITS.values() if u is not None} - set(plans[1].saved) \
+        - set(plans[2].saved)
+    assert len(only_there) == 4 and set(plan.saved) >= only_there
+    assert "iter_0000000" not in plan.view.values()
+    targets, report = FlatFrontEnd().load(str(tmp_path), "iter_0000030", list(UNITS))
+    assert not report.warnings
+    for key in UNITS:
+        assert torch.equal(targets[key], values(int(plan.view[key][5:]))[key])
+
+
 def test_a_folder_deleted_while_a_save_is_written_does_not_fail_its_commit(tmp_path):
     """The Trainer rotates (deletes old checkpoints) right after its save returns, while
     the door may still be writing: that save commits; a load reads the deleted folder's

@@ -89,6 +89,7 @@ class FlatFrontEnd:
         self._loaded: _Known | None = None
         self._report: RestoreReport | None = None
         self._read_cache: tuple[str, str, Any] | None = None
+        self._uids: dict[str, tuple[tuple, str]] = {}  # lineage.folder_uid's reads
         """The last load's folders, kept for the reads of the same folder that follow
         it (each of a framework's files): one choice of older copies per load."""
 
@@ -171,7 +172,7 @@ class FlatFrontEnd:
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:  # whatever happens, the other ranks must hear of it (they wait below)
-                box[0] = without_gone(root, self._read_parent(root, name))
+                box[0] = without_gone(root, self._read_parent(root, name), self._uids)
             except (OSError, MoepecError) as exc:
                 box[0] = f"{root} cannot be read ({exc})"
         dist.broadcast_object_list(box, src=0)

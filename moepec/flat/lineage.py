@@ -33,19 +33,50 @@ def committed(root: str, name: str) -> bool:
     return os.path.exists(os.path.join(root, name, MANIFEST_NAME))
 
 
-def without_gone(root: str, parent: Parent | str | None) -> Parent | str | None:
-    """``parent`` with the keys its view reads from folders that are no longer committed
-    (deleted by hand or by a framework's rotation, such as the Trainer's
-    ``save_total_limit``) dropped from its view, so that this save writes them again
-    from the live state: the lineage heals instead of failing every later commit."""
+def folder_uid(root: str, name: str, cache: dict[str, tuple[tuple, str]]) -> str | None:
+    """The ``uid`` of committed folder ``name`` of ``root``, None when it is not committed
+    or its manifest cannot be read. A stat per call: the manifest is read again only
+    when its file changed (``cache`` holds what was read)."""
+    path = os.path.join(root, name, MANIFEST_NAME)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    held = cache.get(path)
+    if held is None or held[0] != stamp:
+        m = manifest_or_none(root, name)
+        if m is None:
+            return None
+        held = cache[path] = (stamp, m.uid)
+    return held[1]
+
+
+def without_gone(root: str, parent: Parent | str | None,
+                 cache: dict[str, tuple[tuple, str]] | None = None
+                 ) -> Parent | str | None:
+    """``parent`` with the keys its view reads from folders that no longer hold the save
+    its lineage names (deleted by hand or by a framework's rotation, such as the
+    Trainer's ``save_total_limit``, or written again under the same name) dropped from
+    its view, so that this save writes them again from the live state: the lineage
+    heals instead of failing every later commit or leaning on another save's data."""
     if not isinstance(parent, Parent):
         return parent
-    gone = {f for f in set(parent.view.values()) - {parent.name} if not committed(root, f)}
+    cache = {} if cache is None else cache
+    named = dict(parent.ancestors)
+    gone = {}
+    for f in set(parent.view.values()) - {parent.name}:
+        uid = folder_uid(root, f, cache)
+        if uid is None:
+            gone[f] = "is gone"
+        elif named.get(f) and uid != named[f]:
+            gone[f] = "holds another save now (written again under its name)"
     if not gone:
         return parent
     view = {k: f for k, f in parent.view.items() if f not in gone}
-    log.warning("moepec: %s: %s is gone; this save writes again the %d key(s) whose newest "
-                "copies were there", root, ", ".join(sorted(gone)), len(parent.view) - len(view))
+    log.warning("moepec: %s: %s; this save writes again the %d key(s) whose newest copies "
+                "were there", root, "; ".join(f"{f} {why}" for f, why in sorted(gone.items())),
+                len(parent.view) - len(view))
     return dataclasses.replace(parent, view=view)
 
 
