@@ -322,3 +322,67 @@ def test_a_save_whose_parent_in_flight_never_commits_is_not_committed(tmp_path):
     shutil.rmtree(tmp_path / "iter_0000010", ignore_errors=True)
     with pytest.raises(moepec.CheckpointError, match="iter_0000010, which never committed"):
         front.finish_save(plan)
+
+
+def _two_ranks_load(rank: int, world: int, root: str, interfere: bool) -> None:
+    """A rank of test_ranks_that_choose_different_copies_all_refuse_the_load."""
+    import json
+    import os
+    import time
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    base = Path(root) / "save"
+    front = FlatFrontEnd(k_persist=1)
+    mine = {k: u for k, u in UNITS.items() if (u is not None and u[0] == LAYERS[1]) == rank}
+    for step in (0, 10, 20):
+        plan = front.plan_save(str(base), f"iter_{step:07d}", step, mine)
+        write_rank(str(base / plan.name), {k: values(step)[k] for k in plan.written
+                                           if k in mine}, rank)
+        front.finish_save(plan)
+    chosen = Path(root) / "rank0-chose"
+    if interfere and rank == 0:  # say when this rank has chosen its copies
+        choose = FlatFrontEnd._manifests
+
+        def noting(*args, **kwargs):
+            out = choose(*args, **kwargs)
+            chosen.touch()
+            return out
+        FlatFrontEnd._manifests = staticmethod(noting)
+    if interfere and rank == 1:  # a folder the view needs goes before this rank reads
+        while not chosen.exists():
+            time.sleep(0.01)
+        os.rename(base / "iter_0000010", Path(root) / "moved-away")
+    try:
+        targets, report = FlatFrontEnd().load(str(base), "iter_0000020", list(UNITS),
+                                              agree=True)
+        result = {"ok": True, "dense": targets["dense"].tolist(), "step": report.step}
+    except moepec.CheckpointError as exc:
+        result = {"ok": False, "error": str(exc)}
+    (Path(root) / f"result-{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("interfere", [False, True])
+def test_ranks_that_choose_different_copies_all_refuse_the_load(tmp_path, interfere):
+    """A door's load (agree=True) over two gloo ranks: when a folder the view needs is
+    deleted after one rank chose its copies and before the other did, the ranks would
+    read different copies of an expert; every rank refuses the load in one line instead.
+    Undisturbed, both load the same state."""
+    import json
+
+    from tests.spawning import start_processes
+
+    start_processes(_two_ranks_load, (2, str(tmp_path), interfere), 2)
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    if not interfere:
+        assert all(r["ok"] and r["step"] == 20 for r in results), results
+        assert results[0]["dense"] == results[1]["dense"] == values(20)["dense"].tolist()
+        return
+    assert not any(r["ok"] for r in results), results
+    assert all("read different copies" in r["error"] and "iter_0000020" in r["error"]
+               for r in results), results

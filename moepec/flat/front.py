@@ -10,7 +10,8 @@ and CPU tensors, and calls, in order:
    (the schedule: selection policy, K, ``full_every``, dynamic K), the view it commits;
 3. :func:`moepec.store.flat.write_rank` (any process, no collective): this rank's keys;
 4. :meth:`FlatFrontEnd.finish_save` (all ranks, collective): rank 0 commits;
-5. :meth:`FlatFrontEnd.load` (all ranks, no collective): a stitched load of a folder,
+5. :meth:`FlatFrontEnd.load` (all ranks; with ``agree=True`` one collective that checks
+   they chose the same copies): a stitched load of a folder,
    each expert's newest intact copy, with a :class:`moepec.RestoreReport` (PLT, paper
    Eq. 7, from the routing counts kept in the manifests).
 
@@ -30,7 +31,13 @@ import torch
 import torch.distributed as dist
 
 from moepec.errors import CheckpointError, ConfigError, MoepecError
-from moepec.flat.lineage import committed, manifest_or_none, older_copies, without_gone
+from moepec.flat.lineage import (
+    agreed,
+    committed,
+    manifest_or_none,
+    older_copies,
+    without_gone,
+)
 from moepec.flat.plan import (
     FlatPlan,
     Parent,
@@ -243,17 +250,21 @@ class FlatFrontEnd:
             self._head = _Known(p.root, _parent_of(m), m.committed_at)
 
     # -- loading ---------------------------------------------------------------------
-    def load(self, root: str, name: str, keys: Sequence[str]
+    def load(self, root: str, name: str, keys: Sequence[str], *, agree: bool = False
              ) -> tuple[dict[str, torch.Tensor], RestoreReport]:
-        """Any rank, no collective: ``keys`` of folder ``name``, each from the folder its
-        view names (an expert's newest copy), checksums verified. A shard key
+        """Any rank, no collective unless ``agree`` (a door: every rank loads; checks all
+        ranks chose the same copies, as :func:`moepec.flat.lineage.agreed`): ``keys`` of
+        folder ``name``, each from the folder its view names (an expert's newest copy),
+        checksums verified. A shard key
         (:func:`moepec.flat.regions.shard_key`) the save did not write, as after a change
         of the parallel layout, is cut from the saved shards of its tensor that overlap
         it. Raises CheckpointError for a key the saved shards do not cover, a damaged
         item or a missing folder. The next save continues this folder's lineage."""
         started = time.monotonic()
         warnings: list[str] = []
-        head, manifests = self._manifests(root, name, warnings)
+        def choose():
+            return self._manifests(root, name, warnings)
+        head, manifests = agreed(choose, f"{root}/{name}") if agree else choose()
         self._read_cache = (root, name, (head, manifests))
         out = self.read(root, name, keys, (head, manifests))
         report, ledger = self._report_of(head, manifests, time.monotonic() - started)

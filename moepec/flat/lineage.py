@@ -9,9 +9,13 @@ save, never taken for the ancestor. Rank 0 or any rank; reads small files only.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+
+import torch.distributed as dist
 
 from moepec.errors import CheckpointError, MoepecError
 from moepec.flat.plan import Parent, Unit
@@ -123,3 +127,41 @@ def older_copies(root: str, head: FlatManifest, manifests: dict[str, FlatManifes
                               f"expert {unit[0]}/{unit[1]}; restore that folder or load an "
                               f"older checkpoint")
     return dataclasses.replace(head, view=view)
+
+
+Choice = tuple[FlatManifest, dict[str, FlatManifest]]
+"""A load's head (its view: the folder each key is read from) and the manifests read."""
+
+
+def agreed(choose: Callable[[], Choice], where: str) -> Choice:
+    """``choose()`` on every rank, checked to be the same choice on all (collective on
+    the default group when it has several ranks). A folder deleted or written again
+    while the ranks read their manifests can make them pick different older copies:
+    then, and when any rank's choice failed, every rank raises (never a load that mixes
+    copies, never a rank left waiting in the framework's next collective)."""
+    error: BaseException | None = None
+    choice, digest = None, None
+    try:
+        choice = choose()
+        head, manifests = choice
+        digest = hashlib.sha256(json.dumps(
+            [sorted(head.view.items()), sorted((n, m.uid) for n, m in manifests.items())]
+        ).encode()).hexdigest()
+    except (MoepecError, OSError) as exc:
+        error = exc
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return choice
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (None if error is None else str(error), digest))
+    if error is not None:
+        raise error
+    failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(every) if e is not None]
+    if failed:
+        raise CheckpointError(f"{where} not loaded; {'; '.join(failed)}")
+    if len({d for _, d in every}) > 1:
+        raise CheckpointError(f"{where}: the ranks read different copies of its experts (a "
+                              f"folder it needs was deleted or written while they read "
+                              f"it); load again")
+    return choice

@@ -320,7 +320,8 @@ class PecCheckpointEngine(CheckpointEngine):
             raise CheckpointError(f"{folder} has no {name} (saved with another "
                                   f"parallel layout?)")
         if self._loading != (root, tag):
-            tensors, report = self.front.load(root, tag, keys + self._rng_key(view))
+            tensors, report = self.front.load(root, tag, keys + self._rng_key(view),
+                                              agree=True)
             self._loading = (root, tag)
             self._rng = tensors.pop(self._rng_key(view)[0], None) \
                 if self._rng_key(view) else None

@@ -299,7 +299,7 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         shards = _shards(sharded_state_dict)
         try:
             targets, _ = self.front.load(root, name, [k for k, sh in shards.items()
-                                                      if not _empty(sh)])
+                                                      if not _empty(sh)], agree=True)
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
         targets |= {k: torch.empty(0, dtype=sh.dtype) for k, sh in shards.items()
