@@ -96,9 +96,10 @@ class FlatFrontEnd:
         self._loaded: _Known | None = None
         self._report: RestoreReport | None = None
         self._read_cache: tuple[str, str, Any] | None = None
-        self._uids: dict[str, tuple[tuple, str]] = {}  # lineage.folder_uid's reads
         """The last load's folders, kept for the reads of the same folder that follow
         it (each of a framework's files): one choice of older copies per load."""
+        self._uids: dict[str, tuple[tuple, str]] = {}
+        """What :func:`moepec.flat.lineage.folder_uid` read (rank 0's saves)."""
 
     # -- routing ---------------------------------------------------------------------
     def observe_routing(self, counts: Any) -> None:
