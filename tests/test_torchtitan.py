@@ -133,10 +133,10 @@ def _kill_resume_finish(tmp: Path, assets, first: tuple[int, list[str]],
     (tmp / "dump").mkdir()
     life1 = _train(tmp, assets, first[0], first[1], kill_at=KILL_AT)
     crash = re.search(r"\((SIGSEGV|SIGBUS|SIGABRT)\)", life1.stderr)
-    if crash:  # seen once in CI (rank 0, SIGSEGV, FSDP over gloo), never in 70 idle runs
-        # here, 30 beside two busy loops (load average up to 12) and 6 with rank 0 outliving
-        # rank 1's SIGKILL by 3 s (issue 35.4). Cause not found, so life 1 runs again from
-        # scratch, and the warning carries the crash's stacks (faulthandler) for the next look
+    if crash:  # seen once in CI (rank 0, SIGSEGV, FSDP over gloo); here once in 44 80-step
+        # lives pinned to one core, as glibc's heap-corruption abort (docs/testing.md).
+        # Cause not found, so life 1 runs again from scratch, and the warning carries the
+        # crash's stacks (faulthandler) for the next look
         warnings.warn(f"torchtitan life 1 crashed with {crash.group(1)}; ran it again. Its "
                       f"stderr (faulthandler stacks):\n{life1.stderr[-6000:]}", stacklevel=1)
         shutil.rmtree(tmp / "run")
