@@ -203,7 +203,11 @@ def test_a_hung_group_is_dropped_within_the_timeouts_and_heals_when_it_wakes(cor
     step does not commit; it rejoins the next quorum behind the survivor and heals from
     it in the same process; both end at the same step with bit-identical state."""
     tmp = corpus
-    procs = [_launch(tmp, lighthouse, g, steps=500) for g in (0, 1)]
+    # Long enough that the survivor still trains when the woken group, its all-reduce
+    # timed out (--ft-timeout 5), comes back: with 500 steps an idle machine's survivor
+    # had finished 2 s before, and the woken group, alone, trained on without a heal.
+    steps = 2000
+    procs = [_launch(tmp, lighthouse, g, steps=steps) for g in (0, 1)]
     _wait_for(lambda: any(r.get("step", 0) >= 99 for r in _safe_records(tmp, 1)), 120,
               "group 1 training", procs)
     (hung,) = _events(_safe_records(tmp, 1), "ft_join")
@@ -228,5 +232,5 @@ def test_a_hung_group_is_dropped_within_the_timeouts_and_heals_when_it_wakes(cor
     for key in ("step", "model", "optimizer", "data"):
         assert heal[key] == sent[heal["step"]][key], key
     (end0,), (end1,) = (_events(r, "ft_end") for r in (survivor, woken))
-    assert end0["step"] == end1["step"] == 500
+    assert end0["step"] == end1["step"] == steps
     assert end0["model"] == end1["model"] and end0["optimizer"] == end1["optimizer"]
