@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from moepec.errors import CheckpointError, ConfigError, MoepecError
 from moepec.flat.lineage import (
+    GONE,
+    REWRITTEN,
     agreed,
     committed,
     manifest_or_none,
@@ -122,9 +124,10 @@ class FlatFrontEnd:
         """Add one MoE layer's tokens per global expert from one forward (a door's router
         hook): summed on the tensor's device, read at the next save, so the training
         path never waits for a copy to the host."""
-        counts = counts.detach().reshape(-1).to(torch.int64)
+        counts = counts.detach().reshape(-1)
         held = self._on_device.get(layer)
-        self._on_device[layer] = counts.clone() if held is None else held.add_(counts)
+        self._on_device[layer] = (counts.to(torch.int64, copy=True) if held is None
+                                  else held.add_(counts.to(torch.int64)))
 
     def _take_counts(self, sizes: Sequence[int]) -> list[list[int]] | None:
         """All ranks: the counts since the last save summed over ranks, shaped to the
@@ -289,7 +292,7 @@ class FlatFrontEnd:
         uids = dict(head.ancestors)
         for n in head.needs():
             if not os.path.isdir(os.path.join(root, n)):
-                gone[n] = "is gone"
+                gone[n] = GONE
                 continue
             try:
                 m = read_manifest(root, n)
@@ -297,7 +300,7 @@ class FlatFrontEnd:
                 gone[n] = f"cannot be read ({exc})"
                 continue
             if uids.get(n) and m.uid != uids[n]:
-                gone[n] = "holds another save now (written again under its name)"
+                gone[n] = REWRITTEN
             else:
                 manifests[n] = m
         if gone:

@@ -32,6 +32,12 @@ def manifest_or_none(root: str, name: str) -> FlatManifest | None:
         return None
 
 
+GONE = "is gone"
+REWRITTEN = "holds another save now (written again under its name)"
+"""Why a folder a view needs is not the save its lineage names (saves and loads say the
+same)."""
+
+
 def committed(root: str, name: str) -> bool:
     """Whether folder ``name`` of ``root`` has its manifest (the commit rule)."""
     return os.path.exists(os.path.join(root, name, MANIFEST_NAME))
@@ -72,9 +78,9 @@ def without_gone(root: str, parent: Parent | str | None,
     for f in set(parent.view.values()) - {parent.name}:
         uid = folder_uid(root, f, cache)
         if uid is None:
-            gone[f] = "is gone"
+            gone[f] = GONE
         elif named.get(f) and uid != named[f]:
-            gone[f] = "holds another save now (written again under its name)"
+            gone[f] = REWRITTEN
     if not gone:
         return parent
     view = {k: f for k, f in parent.view.items() if f not in gone}
