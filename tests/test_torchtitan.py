@@ -27,6 +27,7 @@ pytest.importorskip("torchtitan.components.checkpointer", reason="torchtitan 0.3
 pytest.importorskip("tokenizers", reason="the test tokenizer needs the tokenizers package")
 
 import torch  # noqa: E402
+from titan_assets import OVERRIDE, life_command  # noqa: E402
 
 from moepec.recovery.offline import inspect_path  # noqa: E402
 
@@ -44,24 +45,10 @@ def assets(tmp_path_factory):
 
 
 def _train(tmp: Path, assets, nproc: int, args: list[str], kill_at: int = 0):
-    tok, data = assets
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
-           "TITAN_DUMP": str(tmp / "dump"), "TITAN_KILL_AT": str(kill_at),
-           "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", str(TESTS / "titan_launch.py"),
-           "--parallelism.spmd_backend", "partial_dtensor", "--hf_assets_path", tok,
-           "--dataloader.dataset_path", data, "--training.seq_len", "64",
-           "--training.local_batch_size", "2", "--training.steps", str(STEPS),
-           "--training.disable_cuda_graphs", "--dump_folder", str(tmp / "run"),
-           "--checkpoint.enable", "--checkpoint.interval", "1",
-           "--checkpoint.async_mode", "async", *args]
+    cmd, env = life_command(tmp, assets, nproc, STEPS, args, kill_at)
     return subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=240)
 
 
-OVERRIDE = ["--module", "titan_shims", "--config", "deepseek_v3_tiny", "--override.imports",
-            'moepec.integrations.torchtitan.use_pec={"k_persist": 1, "ram_dir": null, '
-            '"dynamic_k": false}']
 REGISTRY = ["--module", "moepec.integrations.torchtitan", "--config", "deepseek_v3_tiny",
             "--checkpoint.k_persist", "1", "--checkpoint.ram_dir", "None",
             "--checkpoint.no-dynamic_k"]
