@@ -42,8 +42,6 @@ def write_assets(folder: str) -> tuple[str, str]:
     return tok_dir, data_dir
 
 
-
-
 def life_command(tmp: Path, assets: tuple[str, str], nproc: int, steps: int,
                  args: list[str], kill_at: int = 0) -> tuple[list[str], dict[str, str]]:
     """The command and environment of one torchrun life of torchtitan's Trainer in ``tmp``

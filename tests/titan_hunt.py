@@ -24,6 +24,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,8 @@ from titan_assets import OVERRIDE, life_command, write_assets  # noqa: E402
 
 CRASH = re.compile(r"\((SIGSEGV|SIGBUS|SIGABRT|SIGFPE|SIGILL)\)|malloc\(\)|free\(\)|corrupt")
 REPORT = "write after free"
+RUNNING: set[subprocess.Popen] = set()
+"""The lives running now (each torchrun in a session of its own, with its ranks)."""
 
 
 def build_freecheck(folder: Path) -> Path:
@@ -67,14 +70,19 @@ def one_life(folder: Path, assets: tuple[str, str], steps: int, core: int | None
             os.sched_setaffinity(0, {core})
 
     start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=setup,
+                            start_new_session=True)
+    RUNNING.add(proc)
     try:
-        r = subprocess.run(cmd, env=env, cwd=folder, capture_output=True, text=True,
-                           timeout=timeout_s, preexec_fn=setup)
-        stdout, stderr, rc = r.stdout, r.stderr, r.returncode
-    except subprocess.TimeoutExpired as e:
-        stdout, stderr, rc = e.stdout or "", e.stderr or "", None
-        stdout = stdout if isinstance(stdout, str) else stdout.decode(errors="replace")
-        stderr = stderr if isinstance(stderr, str) else stderr.decode(errors="replace")
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:  # torchrun and both ranks: the whole session
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        rc = None
+    finally:
+        RUNNING.discard(proc)
     seconds = time.monotonic() - start
     (folder / "stdout.txt").write_text(stdout)
     (folder / "stderr.txt").write_text(stderr)
@@ -149,10 +157,20 @@ def main(argv: list[str] | None = None) -> int:
                         stop.set()
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(args.parallel)]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)  # the main thread stays free for ^C and SIGTERM
+    finally:  # interrupted: no life goes on without its hunt
+        stop.set()
+        for proc in list(RUNNING):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     print(f"titan_hunt: {done[0]} lives, {len(found)} finding(s)")
     for line in found:
         print(f"  {line}")
