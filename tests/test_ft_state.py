@@ -95,7 +95,9 @@ def test_groups_split_every_global_batch_between_all_their_ranks():
 def test_a_peer_watch_reports_a_silent_rank_once_and_not_a_finished_one():
     """moepec.train.liveness.PeerWatch on an in-process store: rank 0 watches ranks 1 and
     2; rank 1 ends its run (done) first, rank 2 stops beating later without ending it: only
-    rank 2 is frozen (were rank 1's end taken for a freeze, rank 1 would come first)."""
+    rank 2 is frozen (were rank 1's end taken for a freeze, rank 1 would come first). The
+    silence limit (3 s) is 60 beats: a beating thread that a busy machine stalls for a
+    second is not taken for frozen (a 1 s limit could flag rank 1 before its end)."""
     import threading
     import time
 
@@ -103,14 +105,15 @@ def test_a_peer_watch_reports_a_silent_rank_once_and_not_a_finished_one():
 
     from moepec.train.liveness import PeerWatch
 
+    LIMIT_S = 3.0
     store, frozen, seen = dist.HashStore(), [], threading.Event()
 
     def on_frozen(rank: int, silent_s: float) -> None:
         frozen.append((rank, silent_s))
         seen.set()
 
-    watcher = PeerWatch(store, 0, 3, 1.0, on_frozen, interval_s=0.05)
-    finished = PeerWatch(store, 1, 3, 1.0, lambda *_: None, interval_s=0.05)
+    watcher = PeerWatch(store, 0, 3, LIMIT_S, on_frozen, interval_s=0.05)
+    finished = PeerWatch(store, 1, 3, LIMIT_S, lambda *_: None, interval_s=0.05)
     watcher.begin()
     finished.begin()
     time.sleep(0.1)
@@ -121,4 +124,4 @@ def test_a_peer_watch_reports_a_silent_rank_once_and_not_a_finished_one():
         time.sleep(0.05)
     assert seen.wait(30)
     watcher.close()
-    assert [r for r, _ in frozen] == [2] and frozen[0][1] >= 1.0
+    assert [r for r, _ in frozen] == [2] and frozen[0][1] >= LIMIT_S
