@@ -324,8 +324,11 @@ def test_a_save_whose_parent_in_flight_never_commits_is_not_committed(tmp_path):
         front.finish_save(plan)
 
 
-def _two_ranks_load(rank: int, world: int, root: str, interfere: bool) -> None:
-    """A rank of test_ranks_that_choose_different_copies_all_refuse_the_load."""
+def _two_ranks_load(rank: int, world: int, root: str, interfere: str) -> None:
+    """A rank of test_ranks_that_choose_different_copies_all_refuse_the_load and
+    test_a_read_that_fails_on_one_rank_fails_the_load_on_every_rank: ``interfere`` is
+    "", "choice" (a folder moved between the ranks' choices) or "read" (moved after both
+    chose, once rank 0 has read and before rank 1 reads)."""
     import json
     import os
     import time
@@ -344,8 +347,20 @@ def _two_ranks_load(rank: int, world: int, root: str, interfere: bool) -> None:
         write_rank(str(base / plan.name), {k: values(step)[k] for k in plan.written
                                            if k in mine}, rank)
         front.finish_save(plan)
-    chosen = Path(root) / "rank0-chose"
-    if interfere and rank == 0:  # say when this rank has chosen its copies
+    chosen, read_ = Path(root) / "rank0-chose", Path(root) / "rank0-read"
+    if interfere == "read":
+        read = FlatFrontEnd.read
+
+        def reading(*args, **kwargs):
+            if rank == 1:  # a folder the view needs goes after rank 0 read it
+                while not read_.exists():
+                    time.sleep(0.01)
+                os.rename(base / "iter_0000010", Path(root) / "moved-away")
+            out = read(*args, **kwargs)
+            read_.touch()
+            return out
+        FlatFrontEnd.read = reading
+    if interfere == "choice" and rank == 0:  # say when this rank has chosen its copies
         choose = FlatFrontEnd._manifests
 
         def noting(*args, **kwargs):
@@ -353,7 +368,7 @@ def _two_ranks_load(rank: int, world: int, root: str, interfere: bool) -> None:
             chosen.touch()
             return out
         FlatFrontEnd._manifests = staticmethod(noting)
-    if interfere and rank == 1:  # a folder the view needs goes before this rank reads
+    if interfere == "choice" and rank == 1:  # a folder the view needs goes before it chose
         while not chosen.exists():
             time.sleep(0.01)
         os.rename(base / "iter_0000010", Path(root) / "moved-away")
@@ -367,7 +382,7 @@ def _two_ranks_load(rank: int, world: int, root: str, interfere: bool) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("interfere", [False, True])
+@pytest.mark.parametrize("interfere", ["", "choice"])
 def test_ranks_that_choose_different_copies_all_refuse_the_load(tmp_path, interfere):
     """A door's load (agree=True) over two gloo ranks: when a folder the view needs is
     deleted after one rank chose its copies and before the other did, the ranks would
@@ -386,3 +401,20 @@ def test_ranks_that_choose_different_copies_all_refuse_the_load(tmp_path, interf
     assert not any(r["ok"] for r in results), results
     assert all("read different copies" in r["error"] and "iter_0000020" in r["error"]
                for r in results), results
+
+
+def test_a_read_that_fails_on_one_rank_fails_the_load_on_every_rank(tmp_path):
+    """A door's load (agree=True) over two gloo ranks: a folder the view needs moved away
+    after both ranks chose the same copies, once rank 0 has read and before rank 1 reads.
+    Rank 1's read fails; rank 0's succeeded, but it refuses the load too, with rank 1's
+    reason, rather than going on alone into the framework's next collective."""
+    import json
+
+    from tests.spawning import start_processes
+
+    start_processes(_two_ranks_load, (2, str(tmp_path), "read"), 2)
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    assert not any(r["ok"] for r in results), results
+    assert results[0]["error"] == results[1]["error"], results
+    assert "iter_0000020 not loaded; rank 1: " in results[0]["error"], results
+    assert "rank 0:" not in results[0]["error"], results

@@ -11,7 +11,8 @@ and CPU tensors, and calls, in order:
 3. :func:`moepec.store.flat.write_rank` (any process, no collective): this rank's keys;
 4. :meth:`FlatFrontEnd.finish_save` (all ranks, collective): rank 0 commits;
 5. :meth:`FlatFrontEnd.load` (all ranks; with ``agree=True`` one collective that checks
-   they chose the same copies): a stitched load of a folder,
+   they chose the same copies, and one after the read: a rank's failed read fails the
+   load on every rank): a stitched load of a folder,
    each expert's newest intact copy, with a :class:`moepec.RestoreReport` (PLT, paper
    Eq. 7, from the routing counts kept in the manifests).
 
@@ -38,6 +39,7 @@ from moepec.flat.lineage import (
     committed,
     manifest_or_none,
     older_copies,
+    settled,
     without_gone,
 )
 from moepec.flat.plan import (
@@ -257,7 +259,8 @@ class FlatFrontEnd:
     def load(self, root: str, name: str, keys: Sequence[str], *, agree: bool = False
              ) -> tuple[dict[str, torch.Tensor], RestoreReport]:
         """Any rank, no collective unless ``agree`` (a door: every rank loads; checks all
-        ranks chose the same copies, as :func:`moepec.flat.lineage.agreed`): ``keys`` of
+        ranks chose the same copies, as :func:`moepec.flat.lineage.agreed`, and that all
+        read them, as :func:`moepec.flat.lineage.settled`): ``keys`` of
         folder ``name``, each from the folder its view names (an expert's newest copy),
         checksums verified. A shard key
         (:func:`moepec.flat.regions.shard_key`) the save did not write, as after a change
@@ -270,7 +273,9 @@ class FlatFrontEnd:
             return self._manifests(root, name, warnings)
         head, manifests = agreed(choose, f"{root}/{name}") if agree else choose()
         self._read_cache = (root, name, (head, manifests))
-        out = self.read(root, name, keys, (head, manifests))
+        def read():
+            return self.read(root, name, keys, (head, manifests))
+        out = settled(read, f"{root}/{name}") if agree else read()
         report, ledger = self._report_of(head, manifests, time.monotonic() - started)
         report.warnings.extend(warnings)
         self._loaded = _Known(root, _parent_of(

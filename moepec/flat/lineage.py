@@ -14,6 +14,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -23,6 +24,7 @@ from moepec.keys import MANIFEST_NAME
 from moepec.store.flat import FlatManifest, read_manifest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def manifest_or_none(root: str, name: str) -> FlatManifest | None:
@@ -145,29 +147,51 @@ def agreed(choose: Callable[[], Choice], where: str) -> Choice:
     while the ranks read their manifests can make them pick different older copies:
     then, and when any rank's choice failed, every rank raises (never a load that mixes
     copies, never a rank left waiting in the framework's next collective)."""
-    error: BaseException | None = None
-    choice, digest = None, None
-    try:
-        choice = choose()
-        head, manifests = choice
-        digest = hashlib.sha256(json.dumps(
+    def digest_of_choice() -> tuple[Choice, str]:
+        head, manifests = choice = choose()
+        return choice, hashlib.sha256(json.dumps(
             [sorted(head.view.items()), sorted((n, m.uid) for n, m in manifests.items())]
         ).encode()).hexdigest()
+
+    (choice, digest), every = _on_every_rank(digest_of_choice, where, own_error=True)
+    if len({d for d in every if d is not None} | {digest}) > 1:
+        raise CheckpointError(f"{where}: the ranks read different copies of its experts (a "
+                              f"folder it needs was deleted or written while they read "
+                              f"it); load again")
+    return choice
+
+
+def settled(read: Callable[[], T], where: str) -> T:
+    """``read()`` on every rank, then one collective on the default group (when it has
+    several ranks): when any rank's read failed (a file deleted after the ranks agreed on
+    their copies, a damaged item), every rank raises the same CheckpointError naming the
+    ranks and why, so no rank goes on alone into the framework's next collective."""
+    (out, _), _ = _on_every_rank(lambda: (read(), None), where, own_error=False)
+    return out
+
+
+def _on_every_rank(work: Callable[[], tuple[T, str | None]], where: str, *, own_error: bool
+                   ) -> tuple[tuple[T, str | None], list[str | None]]:
+    """``work()`` (a result and a digest) on this rank, then every rank's outcome (one
+    all_gather of the digests, where there are several ranks). A MoepecError or OSError of
+    any rank makes every rank raise: the failed rank its own error where ``own_error``,
+    every other rank (and, without ``own_error``, the failed one too) one CheckpointError
+    naming the failed ranks."""
+    error: BaseException | None = None
+    done: tuple = (None, None)
+    try:
+        done = work()
     except (MoepecError, OSError) as exc:
         error = exc
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if error is not None:
             raise error
-        return choice
+        return done, [done[1]]
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (None if error is None else str(error), digest))
-    if error is not None:
+    dist.all_gather_object(every, (None if error is None else str(error), done[1]))
+    if error is not None and own_error:
         raise error
     failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(every) if e is not None]
     if failed:
-        raise CheckpointError(f"{where} not loaded; {'; '.join(failed)}")
-    if len({d for _, d in every}) > 1:
-        raise CheckpointError(f"{where}: the ranks read different copies of its experts (a "
-                              f"folder it needs was deleted or written while they read "
-                              f"it); load again")
-    return choice
+        raise CheckpointError(f"{where} not loaded; {'; '.join(failed)}") from error
+    return done, [d for _, d in every]
