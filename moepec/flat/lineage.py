@@ -173,15 +173,15 @@ def settled(read: Callable[[], T], where: str) -> T:
 def _on_every_rank(work: Callable[[], tuple[T, str | None]], where: str, *, own_error: bool
                    ) -> tuple[tuple[T, str | None], list[str | None]]:
     """``work()`` (a result and a digest) on this rank, then every rank's outcome (one
-    all_gather of the digests, where there are several ranks). A MoepecError or OSError of
-    any rank makes every rank raise: the failed rank its own error where ``own_error``,
-    every other rank (and, without ``own_error``, the failed one too) one CheckpointError
-    naming the failed ranks."""
+    all_gather of the digests, where there are several ranks). An exception on any rank
+    (a MoepecError, an OSError, or a bug: chained, not lost) makes every rank raise: the
+    failed rank its own error where ``own_error``, every other rank (and, without
+    ``own_error``, the failed one too) one CheckpointError naming the failed ranks."""
     error: BaseException | None = None
     done: tuple = (None, None)
     try:
         done = work()
-    except (MoepecError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
         error = exc
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if error is not None:
