@@ -69,3 +69,21 @@ def test_demo_end_to_end(tmp_path, monkeypatch):
 
 class _Stop(Exception):
     pass
+
+
+def test_the_report_says_why_plt_ends_over_budget_and_only_then():
+    """The demo faults every ~100 steps, so its PLT ends over the 3.75% budget; the report
+    says so (with dynamic K's steps) rather than leave a reader to think the budget broke,
+    and says nothing when the PLT is within it."""
+    from moepec.cli.demo_report import PLT_BUDGET, _over_budget
+
+    faults = [{"recovered_to": 109, "k_after": 2}, {"recovered_to": None},
+              {"recovered_to": 189, "k_after": 4}, {"recovered_to": 329, "k_after": 8}]
+    r = {"plt": 0.15, "faults": faults, "settings": {"steps": 400, "k_persist": 1}}
+    why = _over_budget(r)
+    assert "3 recoveries in 400 steps (one every ~133)" in why
+    assert "K_persist 1 -> 2 -> 4 -> 8" in why and "moepec advise" in why
+    assert _over_budget({**r, "plt": PLT_BUDGET}) == ""
+    assert _over_budget({**r, "faults": [{"recovered_to": None}]}) == ""
+    fixed_k = [{**f, "k_after": None} for f in faults]
+    assert "dynamic K" not in _over_budget({**r, "faults": fixed_k})
