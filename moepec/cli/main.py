@@ -471,8 +471,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --storage-options "
                   f"'{{\"key\": ..., \"secret\": ...}}')", file=sys.stderr)
             return EXIT_USAGE
-        # Not a user's mistake we know of: still one line, the traceback under DEBUG.
+        # Not a user's mistake we know of: still one line (a C++ error's message goes on
+        # with its stack frames), the whole message and the traceback under DEBUG.
         log.debug("unexpected error", exc_info=True)
-        print(f"moepec: error: {type(exc).__name__}: {exc} (rerun with --log-level DEBUG "
-              f"for the traceback; please report it)", file=sys.stderr)
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        print(f"moepec: error: {type(exc).__name__}: {first.strip()} (rerun with --log-level "
+              f"DEBUG for the whole message and the traceback; please report it)",
+              file=sys.stderr)
         return 1

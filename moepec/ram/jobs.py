@@ -4,6 +4,13 @@
 is named for the root (:func:`job_name`), so a restarted worker finds the folder of the
 one it replaces. Also what the tier may take of shared memory (:func:`check_budget`) and
 what ``moepec ram ls|clean`` show and delete.
+
+Shared memory is shared by every user of the node and a job folder's name is predictable,
+so another user may make a folder first or plant links in one. Every folder the tier
+creates or reuses is checked by :func:`own_folder`: the job and rank folders must be
+this user's own and writable by nobody else; the base folder (``ram_dir``) may instead be
+shared like ``/tmp`` (owned by root, sticky: no one can rename or delete another's
+folders in it). Nothing is read or written through a link.
 """
 
 from __future__ import annotations
@@ -11,17 +18,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pwd
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
-from moepec.errors import ConfigError
+from moepec.errors import ConfigError, CorruptCheckpointError
 from moepec.store.lease import pid_alive
+from moepec.store.reader import read_small
 
 DEFAULT_DIR = "/dev/shm/moepec"
 """The RAM tier's folder for ``ram_dir="auto"`` (node-local shared memory)."""
+MAX_HEADER_BYTES = 64 << 20
+"""The most bytes a slot header may hold."""
 
 
 def job_name(root_url: str) -> str:
@@ -42,6 +54,68 @@ def job_dir(ram_dir: str, url: str, local: bool) -> Path:
     return Path(ram_dir) / job_name(root_identity(url, local))
 
 
+def _user(uid: int) -> str:
+    try:
+        return f"{uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return str(uid)
+
+
+def folder_problem(st: os.stat_result, *, shared: bool) -> str | None:
+    """What makes a folder with ``os.lstat`` result ``st`` unfit to hold this user's RAM
+    slots, or None. Private (job and rank folders): a real folder, owned by this user
+    (effective uid), writable by no one else. ``shared`` (the base folder): the same, or
+    sticky and owned by root (like /tmp: others may add folders, but only root may
+    rename or delete ours). A sticky folder of another user is refused: its owner could
+    rename our job folder away and plant a link in its place."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    mode = stat.S_IMODE(st.st_mode)
+    root_sticky = shared and st.st_uid == 0 and bool(mode & stat.S_ISVTX)
+    if st.st_uid != os.geteuid() and not root_sticky:
+        return f"belongs to user {_user(st.st_uid)}, not to you (uid {os.geteuid()})"
+    if mode & 0o022 and not (shared and mode & stat.S_ISVTX):
+        return ("is writable by other users" + (" without the sticky bit" if shared else "")
+                + f" (mode {mode:o})")
+    return None
+
+
+def own_folder(path: Path, *, shared: bool = False) -> None:
+    """Make the RAM tier folder ``path`` (mode 0700), or check the one there: its parent
+    must exist (``shared``: the base folder, whose parents are made too). Raises
+    ConfigError naming the folder, what is wrong and the fix, when :func:`folder_problem`
+    finds one (checked also after a fresh mkdir: the same lstat either way)."""
+    if shared:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    problem = folder_problem(os.lstat(path), shared=shared)
+    if problem is None:
+        return
+    if shared:
+        fix = ("use a folder of your own (mode 0700), or one shared like /tmp (owned by "
+               "root, mode 1777): remove it or fix it, or set ram_dir to a folder of your "
+               "own")
+    else:
+        fix = ("moepec keeps RAM snapshots only in folders of your own, writable by you "
+               "alone: remove it, or set ram_dir to a folder of your own")
+    raise ConfigError(f"the RAM tier's folder {path} {problem}; {fix}")
+
+
+def read_header(path: Path) -> bytes:
+    """The bytes of a slot header, never through a link (nor from a FIFO or device);
+    raises OSError, or CorruptCheckpointError for a link, not a regular file, or a
+    header over MAX_HEADER_BYTES."""
+    data = read_small(str(path), MAX_HEADER_BYTES + 1)
+    if len(data) > MAX_HEADER_BYTES:
+        raise CorruptCheckpointError(f"{path}: header over {MAX_HEADER_BYTES} bytes")
+    return data
+
+
 def free_shm_bytes(directory: str) -> int:
     """Free bytes of the filesystem holding ``directory`` (or its nearest parent)."""
     p = Path(directory)
@@ -59,8 +133,9 @@ def check_budget(need_bytes: int, budget_bytes: int | None, directory: str,
     Raises ConfigError."""
     free = free_shm_bytes(directory)
     job = Path(directory) / job_name(root) if root is not None else None
-    if job is not None and job.is_dir():
-        free += sum(f.stat().st_size for f in job.rglob("*") if f.is_file())
+    if job is not None and job.is_dir() and not job.is_symlink():
+        free += sum(f.lstat().st_size for f in job.rglob("*")
+                    if f.is_file() and not f.is_symlink())
     budget = free // 2 if budget_bytes is None else budget_bytes
     if need_bytes > budget:
         raise ConfigError(
@@ -81,12 +156,14 @@ def list_jobs(ram_dir: str) -> list[dict[str, Any]]:
     for job in sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink()):
         files = [f for f in job.rglob("*") if f.is_file() and not f.is_symlink()]
         headers = []
-        for h in job.glob("rank*/slot*.json"):
+        # Not glob("rank*/slot*.json"): it would follow a rank folder that is a link.
+        ranks = [r for r in job.glob("rank*") if r.is_dir() and not r.is_symlink()]
+        for h in (h for r in ranks for h in r.glob("slot*.json")):
             try:
-                data = json.loads(h.read_text())
+                data = json.loads(read_header(h))
                 headers.append((data.get("root"), data.get("meta", {}).get("run_id"),
                                 data.get("step"), data.get("pid")))
-            except (OSError, ValueError, AttributeError):
+            except (OSError, ValueError, AttributeError, CorruptCheckpointError):
                 continue
         mtime = max((f.stat().st_mtime for f in files), default=job.stat().st_mtime)
         rows.append({"job": job.name, "path": str(job),

@@ -2,7 +2,10 @@
 
 One folder per checkpoint root and rank: ``<ram_dir>/<job>/rank<R>/`` holds at most
 three slots (``slot<i>.data`` + ``slot<i>.json``), reused across checkpoints like the
-in-process buffer pool. Files are created mode 0600 in folders of mode 0700.
+in-process buffer pool. Files are created mode 0600 in folders of mode 0700. Shared
+memory is shared by every user of the node: the folders must be this user's own
+(:func:`moepec.ram.jobs.own_folder`), and no slot file is opened through a link, for
+writing or reading (a link in a slot's place is refused, or the slot is torn).
 
 A slot is committed like a checkpoint on storage: its header is removed before the
 data is overwritten, the data is written, then the JSON header (keys with offsets,
@@ -20,6 +23,7 @@ restarted worker may read is decided against the storage's lineage by
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -28,6 +32,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -36,8 +41,8 @@ from typing import Any
 
 import torch
 
-from moepec.errors import ManifestError
-from moepec.ram.jobs import job_name
+from moepec.errors import ConfigError, CorruptCheckpointError, ManifestError
+from moepec.ram.jobs import job_name, own_folder, read_header
 from moepec.store.checksum import checksum_matches, stored_checksum
 from moepec.store.items import Item
 from moepec.store.meta import CheckpointMeta, meta_from_json
@@ -47,7 +52,6 @@ log = logging.getLogger(__name__)
 HEADER_FORMAT = "moepec-ram-1"
 ALIGN = 64
 """Byte alignment of every tensor in a slot (any dtype may be viewed at it)."""
-MAX_HEADER_BYTES = 64 << 20
 
 
 def _align(n: int) -> int:
@@ -152,16 +156,22 @@ class SlotStore:
         self.job_dir = Path(ram_dir) / job_name(root)
         self.dir = self.job_dir / (f"replica-of-rank{rank}" if replica else f"rank{rank}")
         self.root, self.rank, self.world_size = root, rank, world_size
-        Path(ram_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-        for d in (self.job_dir, self.dir):
-            d.mkdir(mode=0o700, exist_ok=True)
+        own_folder(Path(ram_dir), shared=True)
+        own_folder(self.job_dir)
+        own_folder(self.dir)
         self._owner = _lock_owner(self.dir)
         self._lock = threading.Lock()
         self.slots: list[Slot] = []
-        for path in sorted(self.dir.glob("slot*.data")):
-            m = re.fullmatch(r"slot(\d+)\.data", path.name)
-            if m:
-                self.slots.append(self._slot(int(m.group(1))))
+        try:
+            for path in sorted(self.dir.glob("slot*")):
+                m = re.fullmatch(r"slot(\d+)\.(data|json)", path.name)
+                if m and not stat.S_ISREG((st := os.lstat(path)).st_mode):
+                    raise ConfigError(_not_a_slot_file(path, st))  # refused before any use
+                if m and m.group(2) == "data":
+                    self.slots.append(self._slot(int(m.group(1))))
+        except BaseException:
+            os.close(self._owner)
+            raise
         self.slots.sort(key=lambda s: s.index)
         for slot in self.slots:
             slot.seq = self._peek_seq(slot)
@@ -244,7 +254,8 @@ class SlotStore:
     def _write_header(slot: Slot, header: bytes) -> None:
         """The slot's header, written last: temporary name (mode 0600), then rename."""
         tmp = slot.header_path.with_name(f".{slot.header_path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp.unlink(missing_ok=True)  # a leftover (or a link): made anew, never written through
+        fd = _open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "wb") as f:
             f.write(header)
         os.replace(tmp, slot.header_path)
@@ -252,7 +263,7 @@ class SlotStore:
     def raw(self, slot: Slot) -> tuple[bytes, torch.Tensor]:
         """A committed slot's header bytes and used data bytes (to send as a replica)."""
         end = max((e["offset"] + e["nbytes"] for e in slot.entries.values()), default=0)
-        return slot.header_path.read_bytes(), slot.base[:end]
+        return read_header(slot.header_path), slot.base[:end]
 
     def release(self, slot: Slot) -> None:
         with self._lock:
@@ -270,7 +281,7 @@ class SlotStore:
     def _map(self, slot: Slot, need: int) -> None:
         if slot.mm is not None and slot.size >= need:
             return
-        fd = os.open(slot.data_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_file(slot.data_path, os.O_RDWR | os.O_CREAT)
         try:
             size = max(os.fstat(fd).st_size, need)  # grows only: older views stay valid
             # The pages are allocated here, by fallocate, which releases the GIL (a full
@@ -300,12 +311,10 @@ class SlotStore:
     def _header(self, slot: Slot, quiet: bool = False) -> SlotHeader | None:
         where = str(slot.header_path)
         try:
-            if slot.header_path.stat().st_size > MAX_HEADER_BYTES:
-                raise ManifestError(f"{where}: header too large")
-            header = SlotHeader.from_json(json.loads(slot.header_path.read_text()), where)
+            header = SlotHeader.from_json(json.loads(read_header(slot.header_path)), where)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, ManifestError, TypeError) as exc:
+        except (OSError, ValueError, ManifestError, CorruptCheckpointError, TypeError) as exc:
             if not quiet:
                 log.warning("ignoring RAM slot %s: %s", where, exc)
             return None
@@ -344,7 +353,10 @@ class SlotStore:
     def _verified(self, slot: Slot, header: SlotHeader) -> dict[str, torch.Tensor] | None:
         where = str(slot.header_path)
         try:
-            size = slot.data_path.stat().st_size
+            st = os.lstat(slot.data_path)  # (a link to identical bytes is not this slot)
+            if not stat.S_ISREG(st.st_mode):
+                raise ManifestError(_not_a_slot_file(slot.data_path, st))
+            size = st.st_size
             for key, e in header.entries.items():
                 # The typed reader of stored tensors checks shape, dtype and size (the
                 # slot's entries are items without a file: the slot's data file holds them).
@@ -392,13 +404,36 @@ def _lock_owner(folder: Path) -> int:
     """Hold an exclusive lock on ``folder``'s owner file for this process's lifetime (the
     kernel drops it when the process dies, so a restarted worker gets it). Raises
     SlotsInUse while another live process holds it: two writers must never share slots."""
-    fd = os.open(folder / OWNER_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = _open_file(folder / OWNER_NAME, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise SlotsInUse(f"another live process on this host uses the RAM slots in {folder} "
                          f"(a second run into the same checkpoint root?)") from None
+    return fd
+
+
+def _not_a_slot_file(path: Path, st: os.stat_result) -> str:
+    what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+    return (f"{path} is {what}, not a file moepec made (nothing was written through it); "
+            f"remove it, or set ram_dir to a folder of your own")
+
+
+def _open_file(path: Path, flags: int) -> int:
+    """Open a file of a slot folder (mode 0600 when created) without following a link at
+    ``path`` and without blocking on a FIFO. Raises ConfigError for a link or anything
+    but a regular file (closing it), else OSError."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ConfigError(_not_a_slot_file(path, os.lstat(path))) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ConfigError(_not_a_slot_file(path, st))
     return fd
 
 

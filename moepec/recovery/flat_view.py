@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from moepec.errors import CorruptCheckpointError
 from moepec.store.flat import empty_like_item, read_keys, scan
 
 Unit = tuple[str, int]
@@ -77,10 +78,15 @@ def verify_root(root: str) -> FlatVerify:
     res = FlatVerify(damaged=[f"{n}: {e}" for n, e in found.damaged.items()],
                      uncommitted=list(found.uncommitted))
     for name, m in found.manifests.items():
-        targets = {k: empty_like_item(v) for k, v in m.items.items()}
+        targets = {}
+        for key, item in m.items.items():
+            try:
+                targets[key] = empty_like_item(item)
+            except CorruptCheckpointError:  # a forged shape: a bad item, nothing read
+                res.bad.append(f"{name}:{key}")
         res.bad += [f"{name}:{k}" for k in read_keys(root, found.manifests,
                                                      dict.fromkeys(targets, name), targets)]
-        res.checked += len(targets)
+        res.checked += len(m.items)
     bad = set(res.bad)
     for name, m in found.manifests.items():
         res.needs[name] = sorted(m.needs(), key=lambda n: found.manifests[n].seq

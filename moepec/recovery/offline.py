@@ -259,44 +259,66 @@ def check_output(path: str, out: str) -> None:
 def consolidate(manifest: Manifest, values: dict[str, torch.Tensor]
                 ) -> dict[str, torch.Tensor]:
     """Reassemble a view into ordinary names: ``model.<param>`` and ``optim.<param>.<state>``
-    full tensors (stacked experts put back at [e]); objects as ``objects.<name>`` bytes."""
+    full tensors (stacked experts put back at [e]); objects as ``objects.<name>`` bytes.
+
+    A tensor put together from parts (a stacked expert weight from its experts' items, a
+    sharded tensor from its chunks) is allocated only when its parts in ``values`` hold
+    exactly as many elements as the shape the manifest claims for it: a stranger's
+    manifest cannot make the export allocate more than the checkpoint holds. Raises
+    ValueError (and, for parts that do not fit, IndexError or RuntimeError) when the
+    manifest and its items disagree."""
     structure = manifest.meta.structure
     shapes = {n: (s, d) for n, s, d in structure["params"]}
     layouts = {i: lay for i, (_, lay, _) in enumerate(structure["experts"])}
-    out: dict[str, torch.Tensor] = {}
+    placed = []  # (output name, stacked param name or None, expert, chunk, value)
+    held: dict[str, int] = {}  # elements of ``values`` in each tensor put together
     for key, value in values.items():
         key, chunk = split_chunk(key)  # a shard of a sharded tensor goes to its place
         info = parse_key(key)
+        pname: str | None = None
         if not info.is_expert:
             part, rest = key.split("/", 1)
-            _put(out, f"{part}.{rest.replace('/', '.')}", value, chunk)
+            name = f"{part}.{rest.replace('/', '.')}"
+        else:
+            rest = key.split("/", 4)[4]
+            if info.part == "model":
+                pname, name = rest, f"model.{rest}"
+            else:
+                pname = rest.rsplit("/", 1)[0]
+                name = f"optim.{rest.replace('/', '.')}"
+            if layouts[info.layer] != "stacked":
+                pname = None
+        if pname is not None or chunk is not None:
+            held[name] = held.get(name, 0) + value.numel()
+        placed.append((name, pname, info.expert, chunk, value))
+    out: dict[str, torch.Tensor] = {}
+    for name, pname, expert, chunk, value in placed:
+        if pname is None:
+            _put(out, name, value, chunk, held.get(name, 0))
             continue
-        rest = key.split("/", 4)[4]
-        if info.part == "model":
-            pname, name = rest, f"model.{rest}"
-        else:
-            pname = rest.rsplit("/", 1)[0]
-            name = f"optim.{rest.replace('/', '.')}"
-        if layouts[info.layer] == "stacked":
-            if name not in out:
-                shape, dtype = shapes[pname]
-                numel = math.prod(chunk[2]) if chunk else value.numel()
-                if math.prod(shape) != numel * shape[0] or dtype not in DTYPE_SIZES:
-                    raise ValueError(f"{pname}: structure says {shape} {dtype}, an expert "
-                                     f"item is {list(value.shape)}")
-                out[name] = torch.zeros(shape, dtype=getattr(torch, dtype))
-            _into(out[name][info.expert], value, chunk)
-        else:
-            _put(out, name, value, chunk)
+        if name not in out:
+            shape, dtype = shapes[pname]
+            numel = math.prod(chunk[2]) if chunk else value.numel()
+            if (math.prod(shape) != numel * shape[0] or math.prod(shape) != held[name]
+                    or dtype not in DTYPE_SIZES):
+                raise ValueError(f"{pname}: structure says {shape} {dtype}, its expert items "
+                                 f"hold {held[name]} elements (one is {list(value.shape)})")
+            out[name] = torch.zeros(shape, dtype=getattr(torch, dtype))
+        _into(out[name][expert], value, chunk)
     return out
 
 
-def _put(out: dict[str, torch.Tensor], name: str, value: torch.Tensor, chunk) -> None:
-    """``out[name] = value``, or for a chunk its block of the whole tensor."""
+def _put(out: dict[str, torch.Tensor], name: str, value: torch.Tensor, chunk,
+         held: int) -> None:
+    """``out[name] = value``, or for a chunk its block of the whole tensor (whose chunks
+    hold ``held`` elements in all: they must fill it)."""
     if chunk is None:
         out[name] = value
         return
     if name not in out:
+        if math.prod(chunk[2]) != held:
+            raise ValueError(f"{name}: its chunks claim a tensor of shape {list(chunk[2])} "
+                             f"and hold {held} elements of it")
         out[name] = torch.zeros(chunk[2], dtype=value.dtype)
     _into(out[name], value, chunk)
 

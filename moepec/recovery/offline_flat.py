@@ -39,6 +39,7 @@ from moepec.store.storage import single_process_dcp
 OBJECT_PREFIX = "object:"
 _SHARD = re.compile(r"^(?P<name>.+)#(?P<offsets>\d+(?:,\d+)*)?\+(?P<shape>\d+(?:,\d+)*)?"
                     r"(?:~(?P<start>\d+):(?P<stop>\d+))?$")
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,9 @@ class ShardKey:
 
 
 def parse_shard_key(key: str) -> ShardKey | None:
-    """The parts of a shard key; None for an object or a key of another form."""
+    """The parts of a shard key; None for an object or a key of another form. Raises
+    CorruptCheckpointError for a shard that ends past what a tensor can index (int64):
+    no framework writes one, and torch cannot allocate it."""
     m = _SHARD.match(key)
     if m is None or key.startswith(OBJECT_PREFIX):
         return None
@@ -65,6 +68,10 @@ def parse_shard_key(key: str) -> ShardKey | None:
     if len(offsets) != len(shape):
         return None
     flat = (int(m["start"]), int(m["stop"])) if m["start"] is not None else None
+    if any(o + n > _INT64_MAX for o, n in zip(offsets, shape)) or (
+            flat is not None and max(flat) > _INT64_MAX):
+        raise CorruptCheckpointError(f"shard key {key!r:.160} reaches past the largest "
+                                     f"tensor index (2**63 - 1); the key is damaged")
     return ShardKey(name=m["name"], offsets=offsets, shape=shape, flattened=flat)
 
 
@@ -198,8 +205,15 @@ def _tile(shards: list[tuple[ShardKey, torch.Tensor]]) -> torch.Tensor | None:
     if any(len(s.shape) != ndim or v.dtype != dtype or v.numel() != math.prod(s.shape)
            for s, v in shards):
         return None
-    size = tuple(max(s.offsets[d] + s.shape[d] for s, _ in shards) for d in range(ndim))
+    # The tensor is what the non-empty shards cover; an empty shard adds no element, so
+    # it may not stretch the tensor (a stranger's empty shard at offset 2**62 would).
     boxes = [s for s, _ in shards if math.prod(s.shape)]
+    size = tuple(max(s.offsets[d] + s.shape[d] for s in boxes or [s for s, _ in shards])
+                 for d in range(ndim))
+    if any(o + n > g for s, _ in shards for o, n, g in zip(s.offsets, s.shape, size)):
+        return None  # an empty shard outside the tensor the others tile
+    if not boxes and math.prod(max(g, 1) for g in size) > _INT64_MAX:
+        return None  # only empty shards, claiming a shape torch cannot even describe
     if sum(math.prod(s.shape) for s in boxes) != math.prod(size) or any(
             _overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]):
         return None
@@ -215,7 +229,8 @@ def _tile(shards: list[tuple[ShardKey, torch.Tensor]]) -> torch.Tensor | None:
 def assemble(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A flat view's values under export names (see the module docstring): shards that
     tile a tensor as the whole tensor under its name, every other key as stored. Raises
-    CheckpointError when a whole tensor's name is also a stored key."""
+    CheckpointError when a whole tensor's name is also a stored key, CorruptCheckpointError
+    for a shard key past int64 (:func:`parse_shard_key`)."""
     out: dict[str, torch.Tensor] = {}
     groups: dict[str, list[tuple[ShardKey, torch.Tensor]]] = {}
     keys: dict[str, list[str]] = {}
@@ -258,12 +273,17 @@ class FlatExport:
 def export_flat(root: str, out: str, fmt: str) -> FlatExport:
     """Write the stitched state of ``root``'s newest committed folder (:func:`read_flat_view`,
     :func:`assemble`) as one safetensors file or one plain DCP checkpoint. Refuses an
-    output inside ``root``; raises what :func:`read_flat_view` raises."""
+    output inside ``root``; raises what :func:`read_flat_view` and :func:`assemble` raise
+    (a damaged shard key: CorruptCheckpointError naming the folder)."""
     check_output(root, out)
     if fmt not in ("safetensors", "dcp"):
         raise CheckpointError(f"unknown export format {fmt!r}; use dcp or safetensors")
     view = read_flat_view(root)
-    tensors = {k: v.contiguous() for k, v in assemble(view.values).items()}
+    try:
+        tensors = {k: v.contiguous() for k, v in assemble(view.values).items()}
+    except CorruptCheckpointError as exc:  # a damaged shard key: name the folder
+        raise CorruptCheckpointError(f"{root}/{view.manifest.name}: {exc}; run `moepec "
+                                     f"verify {root}`") from None
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     if fmt == "safetensors":
         from safetensors.torch import save_file

@@ -11,6 +11,7 @@ no committed checkpoint yet. Reads directory listings only.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from enum import StrEnum
 from moepec.errors import NoCheckpointError
 from moepec.store.flat import is_flat_root
 from moepec.store.storage import Storage
+
+log = logging.getLogger(__name__)
 
 
 class RootKind(StrEnum):
@@ -33,13 +36,24 @@ class RootKind(StrEnum):
 
 
 def group_roots(st: Storage) -> list[str]:
-    """The replica groups' roots directly under ``st`` (``group-<I>``), in group order."""
+    """The replica groups' roots directly under ``st`` (``group-<I>``), in group order.
+
+    On a local disk a ``group-<I>`` that is a link is skipped (with a warning): the tools
+    read nothing outside the folder they were given, and a link could lead anywhere."""
     try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in st.fs.ls(st.root, detail=False)]
     except (FileNotFoundError, OSError):
         return []
-    found = sorted((int(n[6:]), n) for n in names if re.fullmatch(r"group-\d{1,6}", n))
-    return [n for _, n in found]
+    found = []
+    for n in names:
+        if not re.fullmatch(r"group-\d{1,6}", n):
+            continue
+        if st.local and os.path.islink(os.path.join(st.root, n)):
+            log.warning("skipping %s/%s: a link, not a replica group's root in the folder "
+                        "given", st.url, n)
+            continue
+        found.append((int(n[6:]), n))
+    return [n for _, n in sorted(found)]
 
 
 def _local(path: str) -> str | None:

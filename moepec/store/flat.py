@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -45,7 +46,7 @@ from moepec.store.dcp_raw import RAW_DESCRIPTOR, RawFileSystemWriter
 from moepec.store.items import Encoding, Item
 from moepec.store.manifest import FORMAT, MAX_ANCESTORS, check_format
 from moepec.store.meta import check_schedule
-from moepec.store.reader import confined, read_items
+from moepec.store.reader import confined, read_items, read_small
 from moepec.store.storage import single_process_dcp
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,14 @@ class FlatManifest:
                    layers=_layers(data.get("layers"), where),
                    schedule=_schedule(data.get("schedule"), data.get("layers"), where),
                    uid=uid, ancestors=[(a[0], a[1]) for a in ancestors],
-                   committed_at=float(data.get("committed_at", 0.0)))
+                   committed_at=_committed_at(data.get("committed_at", 0.0), where))
+
+
+def _committed_at(value: Any, where: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ManifestError(f"{where}: manifest field 'committed_at' is not a time "
+                            f"({value!r:.40})")
+    return float(value)
 
 
 def _key(key: Any, where: str) -> str:
@@ -315,11 +323,10 @@ def read_manifest(root: str, name: str) -> FlatManifest:
     none (not committed), ManifestError when it cannot be used."""
     path = confined(root, name, MANIFEST_NAME, local=True)
     try:
-        with open(path, "rb") as f:
-            data = json.load(f)
+        data = json.loads(read_small(path))
     except FileNotFoundError:
         raise CheckpointError(f"{root}/{name} has no moepec manifest (not committed)") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, CorruptCheckpointError) as exc:
         raise ManifestError(f"{path} is not valid JSON ({exc}): the folder is damaged; run "
                             f"`moepec verify {root}`") from exc
     manifest = FlatManifest.from_json(data, f"{root}/{name}")
@@ -402,7 +409,11 @@ def empty_like_item(item: Item) -> torch.Tensor:
     dtype = getattr(torch, item.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise CorruptCheckpointError(f"dtype {item.dtype!r} is not a torch dtype")
-    return torch.empty(item.shape, dtype=dtype)
+    try:  # pages are touched only as bytes are read, and the read is bounded by the file
+        return torch.empty(item.shape, dtype=dtype)
+    except RuntimeError as exc:  # more than this host can address: a forged shape
+        raise CorruptCheckpointError(f"an item of shape {item.shape} ({item.nbytes} bytes) "
+                                     f"cannot be allocated; the manifest is damaged") from exc
 
 
 def folders_needed(manifests: Mapping[str, FlatManifest],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -32,6 +33,9 @@ from moepec.store.storage import Storage
 log = logging.getLogger(__name__)
 
 LEASE_NAME = "moepec.lease"
+
+PID_LIMIT = 2**31
+"""Process ids are below this (a C ``pid_t``; Linux's ``pid_max`` is at most 2**22)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,25 +51,29 @@ class Holder:
 
     @classmethod
     def parse(cls, raw: bytes) -> Holder | None:
-        """The holder recorded in a lease file, or None when it is unreadable."""
+        """The holder recorded in a lease file, or None when it is unreadable (a damaged
+        lease: not JSON, a field missing, a pid no process can have, a heartbeat that is
+        no time)."""
         try:
             d = json.loads(raw)
             holder = cls(run_id=str(d["run_id"]), host=str(d["host"]), pid=int(d["pid"]),
                          heartbeat=float(d["heartbeat"]))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):
+            return None
+        if not (0 < holder.pid < PID_LIMIT and math.isfinite(holder.heartbeat)):
             return None
         # The run id names the holder's heartbeat file: nothing but a plain id may.
         return holder if RUN_ID_RE.fullmatch(holder.run_id) else None
 
 
-
 def pid_alive(pid: object) -> bool:
-    """A process with this id runs on this host (an id that is not a positive int: no)."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+    """A process with this id runs on this host (an id that is not a positive int below
+    :data:`PID_LIMIT`: no)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < PID_LIMIT:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True
@@ -228,7 +236,13 @@ class Lease:
             return None
         if value == "released":
             return "released"
-        return float(value) if isinstance(value, int | float) else None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        try:  # a stranger's file: an int too large for a float, inf, nan are no time
+            beat = float(value)
+        except OverflowError:
+            return None
+        return beat if math.isfinite(beat) else None
 
     def _beat(self) -> None:
         """Refresh this run's own heartbeat file (never the lease file)."""

@@ -21,9 +21,11 @@ must lie inside the resolved root, so a symlink cannot lead out of it.
 
 from __future__ import annotations
 
+import errno
 import io
 import mmap
 import os
+import stat
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -49,6 +51,35 @@ def confined(root: str, *parts: str, local: bool) -> str:
             raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint "
                                          f"root {real_root}")
     return path
+
+
+SMALL_FILE_LIMIT = 256 << 20
+"""The most bytes a small file of a checkpoint (manifest, lease, record) may hold: a
+manifest of a million items is about 200 MB."""
+
+
+def read_small(path: str, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` (or the whole file, which
+    must not exceed SMALL_FILE_LIMIT). Never follows a link at ``path``, never blocks on
+    a FIFO or device: CorruptCheckpointError for those and for an oversized file;
+    FileNotFoundError when there is none."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptCheckpointError(f"{path} is a link; moepec reads no checkpoint file "
+                                         f"through a link") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path} is not a regular file")
+    with open(fd, "rb") as f:
+        if limit is None and st.st_size > SMALL_FILE_LIMIT:
+            raise CorruptCheckpointError(f"{path} holds {st.st_size} bytes, more than any "
+                                         f"moepec small file ({SMALL_FILE_LIMIT})")
+        return f.read(-1 if limit is None else limit)
 
 
 CAN_MAP = hasattr(mmap, "MAP_PRIVATE")
@@ -131,6 +162,10 @@ def _read_one(stream, key: str, item: Item, target: torch.Tensor) -> None:
     if list(target.shape) != item.shape or str(target.dtype).removeprefix("torch.") != item.dtype:
         raise CheckpointError(f"{key}: the target is {list(target.shape)} {target.dtype}, the "
                               f"item {item.shape} {item.dtype}")
+    size = _stream_size(stream)
+    if size is not None and item.offset + item.length > size:  # before allocating for it
+        raise CheckpointError(f"{key}: its file ends at byte {size}, the item at "
+                              f"{item.offset}+{item.length} (truncated or damaged)")
     stream.seek(item.offset)
     if item.encoding == Encoding.RAW:
         if target.is_cpu and target.is_contiguous() and not target.is_conj() \
@@ -143,8 +178,23 @@ def _read_one(stream, key: str, item: Item, target: torch.Tensor) -> None:
         return
     buf = bytearray(item.length)
     read_exact(stream, memoryview(buf), key)
-    value = torch.load(io.BytesIO(bytes(buf)), weights_only=True)
+    try:
+        value = torch.load(io.BytesIO(bytes(buf)), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is a damaged record
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CorruptCheckpointError(f"{key}: the stored record does not decode as a "
+                                     f"tensor ({first:.200})") from exc
     if not torch.is_tensor(value) or list(value.shape) != item.shape:
         raise CorruptCheckpointError(f"{key}: the stored record is not the {item.shape} tensor "
                                      f"the manifest describes")
     target.copy_(value)
+
+
+def _stream_size(stream) -> int | None:
+    """The size of the file under ``stream`` (a local file or an fsspec file), or None
+    where the stream does not tell."""
+    try:
+        return os.fstat(stream.fileno()).st_size
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        size = getattr(stream, "size", None)
+        return size if isinstance(size, int) else None

@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from fsspec.core import split_protocol, url_to_fs
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from moepec.errors import CheckpointError, ManifestError, check_choice
+from moepec.errors import CheckpointError, CorruptCheckpointError, ManifestError, check_choice
 from moepec.keys import MANIFEST_NAME, is_legacy_name, parse_checkpoint_name
 from moepec.store import dcp_raw
 from moepec.store import manifest as mf
@@ -281,11 +281,14 @@ class Storage(ABC):
         """The manifest of checkpoint ``name``. Raises CheckpointError when it has none,
         ManifestError when it cannot be used (ManifestFormatError: a newer format). Any
         rank, any thread; the view file is read on first use."""
+        where = f"{self.url}/{name}"
         try:
             raw = self.get(f"{name}/{MANIFEST_NAME}")
         except FileNotFoundError as exc:
             raise CheckpointError(f"{name} has no manifest (not committed)") from exc
-        where = f"{self.url}/{name}"
+        except CorruptCheckpointError as exc:  # a link, a FIFO, an oversized file
+            raise ManifestError(f"manifest of {where} cannot be read ({exc}); the checkpoint "
+                                f"is damaged: delete that folder") from exc
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -24,7 +24,7 @@ from moepec.keys import parse_checkpoint_name
 from moepec.store.atomic import write_atomic
 from moepec.store.dcp_raw import RawFileSystemWriter
 from moepec.store.items import Item, Serialization
-from moepec.store.reader import CAN_MAP, map_items, read_items
+from moepec.store.reader import CAN_MAP, map_items, read_items, read_small
 from moepec.store.storage.base import Storage, is_local_url
 
 
@@ -52,8 +52,16 @@ class LocalStorage(Storage):
         write_atomic(self._full(path), data, exclusive=True)
 
     def get(self, path: str, limit: int | None = None) -> bytes:
-        with open(self._full(path), "rb") as f:
-            return f.read(-1 if limit is None else limit)
+        # A small file of a stranger's root: never through a link, never a FIFO or a
+        # device, never more than a small file holds (CorruptCheckpointError).
+        return read_small(self.confined(path), limit)
+
+    def is_committed(self, name: str) -> bool:
+        try:
+            self.confined(name)
+        except CorruptCheckpointError:  # a folder linked out of the root: none of its
+            return False  # commits, a leftover that retention removes (the link only)
+        return super().is_committed(name)
 
     def exists(self, path: str) -> bool:
         return os.path.exists(self._full(path))

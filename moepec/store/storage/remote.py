@@ -18,9 +18,10 @@ import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from moepec.errors import CorruptCheckpointError
 from moepec.store.dcp_raw import RawFsspecWriter
 from moepec.store.items import Item
-from moepec.store.reader import read_items
+from moepec.store.reader import SMALL_FILE_LIMIT, read_items
 from moepec.store.storage.base import Storage, is_local_url
 
 
@@ -41,8 +42,13 @@ class FsspecStorage(Storage):
         self.fs.pipe_file(self._full(path), data, mode="create")
 
     def get(self, path: str, limit: int | None = None) -> bytes:
-        return self.fs.cat_file(self._full(path), start=None if limit is None else 0,
-                                end=limit)
+        # One ranged GET; one byte over the cap tells an oversized object.
+        data = self.fs.cat_file(self._full(path), start=0,
+                                end=SMALL_FILE_LIMIT + 1 if limit is None else limit)
+        if limit is None and len(data) > SMALL_FILE_LIMIT:
+            raise CorruptCheckpointError(f"{self.url}/{path} holds more than any moepec "
+                                         f"small file ({SMALL_FILE_LIMIT} bytes)")
+        return data
 
     def exists(self, path: str) -> bool:
         return self.fs.exists(self._full(path))
