@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moepec.errors import CheckpointError, ConfigError, MoepecError
+from moepec.errors import CheckpointError, ConfigError, CorruptCheckpointError, MoepecError
 from moepec.flat.lineage import (
     GONE,
     REWRITTEN,
@@ -65,6 +65,7 @@ from moepec.store.flat import (
     record_name,
     scan,
 )
+from moepec.store.items import Item
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +331,8 @@ class FlatFrontEnd:
         direct = [k for k in keys if k in head.view]
         wanted = direct + sorted({k for ks in pieces.values() for k in ks})
         sources = {k: head.view[k] for k in wanted}
-        targets = {k: empty_like_item(manifests[sources[k]].items[k]) for k in wanted}
+        targets = {k: empty_like_item(_item(root, name, manifests, sources[k], k))
+                   for k in wanted}
         bad = read_keys(root, manifests, sources, targets)
         if bad:
             raise CheckpointError(f"{len(bad)} shard(s) are damaged (e.g. {sources[bad[0]]}:"
@@ -362,7 +364,7 @@ class FlatFrontEnd:
             end = tuple(o + n for o, n in zip(r.offset, r.shape))
             shape, _ = out.get(r.key, (end, ""))
             out[r.key] = (tuple(max(a, b) for a, b in zip(shape, end)),
-                          manifests[folder].items[key].dtype)
+                          _item(root, name, manifests, folder, key).dtype)
         return out
 
     def _report_of(self, head: Any, manifests: Mapping[str, Any], seconds: float):
@@ -380,6 +382,18 @@ class FlatFrontEnd:
     def last_load_report(self) -> RestoreReport | None:
         """What the last :meth:`load` in this process restored, or None."""
         return self._report
+
+
+def _item(root: str, name: str, manifests: Mapping[str, FlatManifest], folder: str,
+          key: str) -> Item:
+    """The item of ``key`` in ``folder``, where folder ``name``'s view says it is.
+    Raises CorruptCheckpointError when that folder does not hold it."""
+    m = manifests.get(folder)
+    if m is None or key not in m.items:
+        raise CorruptCheckpointError(f"{root}/{name}: {key!r:.160} is not in {folder}, "
+                                     f"where its view says it is; run `moepec verify "
+                                     f"{root}`")
+    return m.items[key]
 
 
 def _pieces(view: Mapping[str, str], wants: Iterable[Region]) -> dict[Region, list[str]]:

@@ -59,6 +59,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 import moepec
 from moepec.errors import CheckpointError, ConfigError, MoepecError
 from moepec.flat import FLAT_FIELDS, FlatFrontEnd, write_rank
+from moepec.integrations.ds_export import read_latest
 from moepec.integrations.ds_files import (
     expert_params,
     file_keys,
@@ -333,11 +334,14 @@ class PecCheckpointEngine(CheckpointEngine):
     def committed_tag(self, load_dir: str, tag: str | None) -> str | None:
         """The tag to load: ``tag``, else the one ``latest`` names; if that is a moepec
         save still uncommitted (the process died while it was written in the
-        background), the newest committed tag of the directory, with a warning."""
-        if tag is not None or not os.path.isfile(os.path.join(load_dir, "latest")):
+        background), the newest committed tag of the directory, with a warning. Raises
+        CheckpointError for a ``latest`` that is not a small regular file naming a plain
+        tag folder of ``load_dir`` (:func:`~moepec.integrations.ds_export.read_latest`)."""
+        if tag is not None:
             return tag
-        with open(os.path.join(load_dir, "latest")) as f:
-            named = f.read().strip()
+        named = read_latest(load_dir)
+        if named is None:
+            return None  # DeepSpeed says there is no `latest`
         root, where = location(load_dir, named)
         if os.path.exists(os.path.join(root, where, _MANIFEST)) or \
                 not os.path.isdir(os.path.join(root, where)) or root != \

@@ -6,7 +6,10 @@ and, at each file's path, a stub. :func:`materialize` writes a tag of real DeepS
 (``torch.save``, as DeepSpeed's own engine writes them), each stitched from the experts'
 newest copies, plus ``latest`` and DeepSpeed's recovery scripts: what a DeepSpeed without
 moepec loads, and what ``zero_to_fp32.py`` and ``ds_to_universal`` read. No process
-group; reads only inside the save directory.
+group; reads only inside the save directory, writes only inside the output folder: a
+tag must be a plain folder name and a file name one DeepSpeed writes
+(:data:`~moepec.integrations.ds_files.DS_FILE`), whatever the save directory says.
+:func:`read_latest` reads DeepSpeed's ``latest`` for these tools and for the door's load.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moepec.errors import CheckpointError
-from moepec.flat import FlatFrontEnd
+from moepec.errors import CheckpointError, CorruptCheckpointError
+from moepec.flat import FlatFrontEnd, read_small
 from moepec.integrations.ds_files import (
+    DS_FILE,
     HF_CHECKPOINT,
     SKELETON,
     file_keys,
@@ -29,6 +33,8 @@ from moepec.integrations.ds_files import (
 )
 
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+LATEST_BYTES = 4096
+"""The most of DeepSpeed's ``latest`` file (one tag name) that is read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,22 +44,62 @@ class Materialized:
     out: str
 
 
+def plain_tag(tag: str, save_dir: str, source: str = "the tag") -> str:
+    """``tag`` if it is a plain folder name (DeepSpeed's tags are, e.g. ``global_step100``):
+    not empty, no ``/`` or ``\\``, not ``.`` or ``..``, printable, at most 255
+    characters; so that ``save_dir/tag`` is inside ``save_dir``. Raises CheckpointError
+    naming ``source`` (where the tag came from) otherwise."""
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or len(tag) > 255 \
+            or not tag.isprintable() or os.path.isabs(tag):
+        raise CheckpointError(f"{source} {tag!r:.80} is not a plain folder name of "
+                              f"{save_dir}; name a tag folder of it (such as global_step100)")
+    return tag
+
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag DeepSpeed's ``save_dir/latest`` names, None when there is no such file.
+    Reads at most :data:`LATEST_BYTES` of a regular file, never through a symlink and
+    never waiting on a FIFO or a device. Raises CheckpointError for a ``latest`` that is
+    anything else, cannot be read, or names no plain tag (:func:`plain_tag`)."""
+    path = os.path.join(save_dir, "latest")
+    try:
+        data = read_small(path, LATEST_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except CorruptCheckpointError as exc:  # a link, a FIFO, a folder
+        raise CheckpointError(f"{exc}; DeepSpeed's `latest` is a plain file naming a tag "
+                              f"folder: replace it with one") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path} (DeepSpeed's `latest`) cannot be read: "
+                              f"{exc.strerror or exc}") from None
+    if len(data) > LATEST_BYTES:
+        raise CheckpointError(f"{path} holds more than {LATEST_BYTES} bytes; DeepSpeed's "
+                              f"`latest` names one tag folder (such as global_step100)")
+    try:
+        tag = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not text; DeepSpeed's `latest` names one tag "
+                              f"folder (such as global_step100)") from None
+    return plain_tag(tag, save_dir, f"{path}: its tag")
+
+
 def resolve_tag(save_dir: str, tag: str | None) -> tuple[str, str, str]:
     """(DeepSpeed tag, moepec root, moepec folder) of ``save_dir``'s ``tag``, by default
     the one ``latest`` names; a Hugging Face Trainer's output folder means its newest
-    committed ``checkpoint-<N>``. Raises CheckpointError naming what is missing."""
+    committed ``checkpoint-<N>``. Raises CheckpointError naming what is missing, or a
+    tag that is not a plain folder name of ``save_dir`` (``latest`` read as
+    :func:`read_latest` reads it)."""
     save_dir = os.path.abspath(save_dir)
     newest = FlatFrontEnd.newest(save_dir) \
-        if not os.path.exists(os.path.join(save_dir, "latest")) else None
+        if not os.path.lexists(os.path.join(save_dir, "latest")) else None
     if newest is not None and HF_CHECKPOINT.match(newest):  # a Trainer's output folder
         save_dir = os.path.join(save_dir, newest)
     if tag is None:
-        try:
-            with open(os.path.join(save_dir, "latest")) as f:
-                tag = f.read().strip()
-        except OSError:
+        tag = read_latest(save_dir)
+        if tag is None:
             raise CheckpointError(f"{save_dir} has no `latest` file; name the tag with "
-                                  f"--tag (a folder such as global_step100)") from None
+                                  f"--tag (a folder such as global_step100)")
+    plain_tag(tag, save_dir)
     root, folder = location(save_dir, tag)
     if not os.path.exists(os.path.join(root, folder, "moepec.json")):
         raise CheckpointError(f"{os.path.join(save_dir, tag)} is not a committed moepec "
@@ -63,19 +109,30 @@ def resolve_tag(save_dir: str, tag: str | None) -> tuple[str, str, str]:
 
 def materialize(save_dir: str, out: str, tag: str | None = None) -> Materialized:
     """Write ``out/<tag>/`` with every DeepSpeed file of ``save_dir``'s tag (stitched),
-    ``out/latest`` and DeepSpeed's recovery scripts. Refuses an existing ``out/<tag>``."""
+    ``out/latest`` and DeepSpeed's recovery scripts. Refuses an existing ``out/<tag>``;
+    raises CorruptCheckpointError for a file name DeepSpeed does not write (nothing is
+    written then) or a file that cannot be rebuilt (its partial folder is removed)."""
     tag, root, folder = resolve_tag(save_dir, tag)
     target = os.path.join(os.path.abspath(out), tag)
-    if os.path.exists(target):
+    if os.path.lexists(target):
         raise CheckpointError(f"{target} exists; materialize into a new folder")
     front = FlatFrontEnd()
     view = front.keys(root, folder)
-    files = _file_names(view)
-    os.makedirs(target + ".partial")
-    for name in files:
-        sd = join_file(name, front.read(root, folder, file_keys(name, view)))
-        torch.save(sd, os.path.join(target + ".partial", name))
-    os.rename(target + ".partial", target)
+    files = _file_names(view, os.path.join(root, folder))
+    partial = target + ".partial"
+    os.makedirs(partial)
+    try:
+        inside = os.path.realpath(partial)
+        for name in files:
+            path = os.path.join(partial, name)
+            if os.path.dirname(os.path.realpath(path)) != inside:  # DS_FILE rules it out
+                raise CorruptCheckpointError(f"{name!r:.160} leads out of {partial}")
+            sd = join_file(name, front.read(root, folder, file_keys(name, view)))
+            torch.save(sd, path)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    os.rename(partial, target)
     for script in SCRIPTS:
         src = os.path.join(os.path.abspath(save_dir), script)
         if os.path.isfile(src) and not os.path.islink(src):
@@ -85,9 +142,19 @@ def materialize(save_dir: str, out: str, tag: str | None = None) -> Materialized
     return Materialized(tag, files, target)
 
 
-def _file_names(view: list[str]) -> list[str]:
-    """The DeepSpeed files a tag holds (each has a skeleton key), sorted."""
-    return sorted(k.removesuffix(f"/{SKELETON}") for k in view if k.endswith(f"/{SKELETON}"))
+def _file_names(view: list[str], where: str) -> list[str]:
+    """The DeepSpeed files a tag holds (each has a skeleton key), sorted. Raises
+    CorruptCheckpointError naming a skeleton key whose file name is not one DeepSpeed
+    writes (:data:`~moepec.integrations.ds_files.DS_FILE`: a plain name, never a path)."""
+    named = {k.removesuffix(f"/{SKELETON}") for k in view if k.endswith(f"/{SKELETON}")}
+    files = {n for n in named if DS_FILE.fullmatch(n)}
+    for n in sorted(named - files):
+        if n.split("/", 1)[0] not in files:  # else a value named __skeleton__ in a file
+            raise CorruptCheckpointError(f"{where}: its key {n + '/' + SKELETON!r:.200} "
+                                         f"names a DeepSpeed file {n!r:.160}, which is not "
+                                         f"a name DeepSpeed writes; the checkpoint is "
+                                         f"damaged or not moepec's")
+    return sorted(files)
 
 
 def is_deepspeed_save(save_dir: str) -> bool:
@@ -110,7 +177,7 @@ def export_model(save_dir: str, out: str, tag: str | None = None) -> tuple[str, 
     front = FlatFrontEnd()
     view = front.keys(root, folder)
     model: dict[str, torch.Tensor] = {}
-    for name in _file_names(view):
+    for name in _file_names(view, os.path.join(root, folder)):
         if not name.endswith("_model_states.pt"):
             continue  # optimizer partitions: `moepec materialize` writes those
         sd = join_file(name, front.read(root, folder, file_keys(name, view)))
@@ -137,7 +204,7 @@ def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, i
     tag, root, folder = resolve_tag(save_dir, tag)
     front = FlatFrontEnd()
     view = front.keys(root, folder)
-    names = _file_names(view)
+    names = _file_names(view, os.path.join(root, folder))
     optim = {int(m[1]): n for n in names if (m := _OPTIM_FILE.match(n)) and m[2] == "00"}
     model_file = next((n for n in names if n.startswith("mp_rank_00_")), None)
     if not optim or model_file is None:

@@ -18,8 +18,9 @@ unpickled on the way back). Which expert unit ``(layer, expert)`` a key belongs 
   each parameter's state goes with that parameter's unit;
 - anything else (non-expert module state, scalars, RNG) is non-expert state.
 
-Pure (no I/O, no collectives), as are :func:`location` (where a save's files live) and
-:func:`expert_params` / :func:`optimizer_index` (what the engine holds).
+Pure (no I/O, no collectives), as are :func:`location` (where a save's files live),
+:data:`DS_FILE` (the file names a tag may hold) and :func:`expert_params` /
+:func:`optimizer_index` (what the engine holds).
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ from moepec.flat import Unit, decode_object, encode_object
 
 HF_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_\d+_model_states\.pt$")
+DS_FILE = re.compile(
+    r"(?:mp_rank_[0-9]+_model_states"                              # _get_ckpt_name
+    r"|zero_pp_rank_[0-9]+_mp_rank_[0-9]+_model_states"            # ... at ZeRO-3
+    r"|(?:bf16_)?zero_pp_rank_[0-9]+_mp_rank_[0-9]+_optim_states"  # _get_rank_zero_ckpt_name
+    r"|expp_rank_[0-9]+_mp_rank_[0-9]+_optim_states"               # _get_optimizer_ckpt_name
+    r"|(?:layer_[0-9]+_)?expert_[0-9]+_mp_rank_[0-9]+_model_states"  # _get_expert_ckpt_name
+    r"|layer_[0-9]+(?:-[a-z]+_[0-9]+)*-model_states"               # PipelineModule's layers
+    r")\.pt")
+"""Every name DeepSpeed 0.19.8 gives a file of a checkpoint tag (``runtime/engine.py``,
+``runtime/pipe/module.py``), for ``fullmatch``: a plain name, never a path. A file name
+read from a checkpoint is used only if it is one of these."""
 SKELETON = "__skeleton__"
 _MARK = "__moepec_ds__"
 _ALLOWED = {
@@ -279,16 +291,43 @@ def _rebuild(x: Any, tensors: Mapping[str, torch.Tensor], name: str) -> Any:
         if kind == "t":
             return tensors[x["k"]]
         if kind == "flat":
-            out = torch.zeros(int(x["numel"]), dtype=getattr(torch, x["dtype"]))
-            for start, numel, k in x["pieces"]:
-                out[int(start):int(start) + int(numel)] = tensors[k]
-            return out
+            return _flat(x, tensors)
         if kind in ("enum", "obj") and x["type"] in _ALLOWED:
             return _build(x)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{name}: its skeleton does not fit its tensors "
                                      f"({type(exc).__name__}: {exc})") from None
     raise CorruptCheckpointError(f"{name}: unknown value in its skeleton ({kind!r:.40})")
+
+
+def _flat(x: dict, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A flat tensor from its pieces (as :meth:`_Splitter.cut` made them: fragments and
+    gaps that cover it from 0 to its end), allocated only once they are found to cover
+    it: a skeleton never makes moepec allocate more than its tensors hold. Raises
+    ValueError (or KeyError, TypeError) for anything else."""
+    numel, dtype = x["numel"], getattr(torch, str(x["dtype"]), None)
+    if type(numel) is not int or numel < 0 or not isinstance(dtype, torch.dtype):
+        raise ValueError(f"a flat tensor of {numel!r:.40} values of {x['dtype']!r:.40}")
+    pieces = []
+    for start, n, k in x["pieces"]:
+        if type(start) is not int or type(n) is not int or start < 0 or n < 0 \
+                or start + n > numel:
+            raise ValueError(f"a piece [{start!r:.20}, {n!r:.20}] of {numel} values")
+        t = tensors[k]
+        if t.dim() != 1 or t.numel() != n:
+            raise ValueError(f"{k!r:.160} holds {t.numel()} values, its piece {n}")
+        pieces.append((start, n, t))
+    at = 0
+    for start, n, _ in sorted(pieces, key=lambda p: p[0]):
+        if start > at:
+            break
+        at = max(at, start + n)
+    if at != numel:
+        raise ValueError(f"its pieces leave values {at}.. of its {numel} unfilled")
+    out = torch.empty(numel, dtype=dtype)
+    for start, n, t in pieces:
+        out[start:start + n] = t
+    return out
 
 
 def _build(x: dict) -> Any:
