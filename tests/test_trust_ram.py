@@ -256,3 +256,61 @@ def test_a_folder_of_another_user_is_refused(tmp_path, which):
     os.chown(bad, nobody, nobody)
     with pytest.raises(ConfigError, match=rf"{bad}.*belongs to user {nobody}.*ram_dir"):
         SlotStore(str(tmp_path / "shm"), root=str(tmp_path / "ckpt"), rank=0, world_size=1)
+
+
+def test_ram_dir_auto_keeps_the_tier_in_the_process_when_the_folder_is_not_yours(
+        tmp_path, monkeypatch, caplog):
+    # On a shared node /dev/shm/moepec may be another user's, or writable by all: "auto"
+    # then keeps the snapshots in the process, with the reason, rather than failing.
+    import moepec.manager.ram_setup as ram_setup
+
+    base = tmp_path / "shm" / "moepec"
+    folders(tmp_path / "shm", base, mode=0o777)
+    monkeypatch.setattr(ram_setup, "DEFAULT_DIR", str(base))
+    model, opt, sched = make(0, "stacked", 4)
+    with caplog.at_level("INFO", logger="moepec"):
+        mgr = CheckpointManager(model, opt, CheckpointConfig(
+            path=str(tmp_path / "ckpt"), ram_dir="auto", interval=2, k_persist=1),
+            extra_state={"data": Counter(), "sched": sched})
+        mgr.close()
+    assert any("in-process buffers" in r.message and "writable by other users" in r.message
+               for r in caplog.records), [r.message for r in caplog.records]
+    assert list(base.iterdir()) == []
+
+
+def _two_ranks_open(rank: int, world: int, tmp: str) -> None:
+    """A rank of the test below: rank 1's ram_dir is a file, not a folder."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    model, opt, sched = make(0, "stacked", 4)
+    ram = f"{tmp}/shm" if rank == 0 else f"{tmp}/a-file"
+    start = time.monotonic()
+    try:
+        CheckpointManager(model, opt, CheckpointConfig(
+            path=f"{tmp}/ckpt", ram_dir=ram, interval=2, k_persist=1),
+            extra_state={"data": Counter(), "sched": sched}).close()
+        out = {"ok": True}
+    except ConfigError as exc:
+        out = {"ok": False, "error": str(exc)}
+    out["seconds"] = time.monotonic() - start
+    Path(tmp, f"result-{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_open_its_slots_fails_every_rank_at_once(tmp_path):
+    """Rank 1 alone cannot open its RAM slots: both ranks raise ConfigError naming it,
+    at once, rather than rank 0 waiting in the next collective for the 120 s timeout."""
+    from tests.spawning import start_processes
+
+    (tmp_path / "a-file").write_text("not a folder")
+    start_processes(_two_ranks_open, (2, str(tmp_path)), 2)
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    assert not any(r["ok"] for r in results), results
+    assert "a-file" in results[1]["error"], results
+    assert results[0]["error"].startswith("rank 1 cannot open its RAM slots"), results
+    assert all(r["seconds"] < 60 for r in results), results

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moepec.errors import ConfigError
 from moepec.hooks import FaultHooks
 from moepec.manager.config import AUTO, CheckpointConfig
-from moepec.ram.jobs import DEFAULT_DIR, check_budget, root_identity
+from moepec.ram.jobs import DEFAULT_DIR, check_budget, folder_problem, root_identity
 from moepec.ram.replica import Replicator, node_id, ring_peers
 from moepec.ram.shm import SlotsInUse, SlotStore
 from moepec.ram.snapshot import RamTier
@@ -82,7 +82,7 @@ class RamSetup:
         second run into the same root, as in a takeover while the old run lives): the
         tier is then in the process, with one warning. Collective when distributed."""
         slots = held = None
-        busy = None
+        busy = failed = None
         try:
             slots = SlotStore(ram_dir, root=root, rank=self.rank, world_size=self.world_size)
             if peers:
@@ -91,18 +91,29 @@ class RamSetup:
         except SlotsInUse as exc:
             busy = str(exc)
         except OSError as exc:
-            raise ConfigError(f"cannot keep RAM snapshots in ram_dir={ram_dir!r} ({exc}); use "
-                              f"a writable folder on a shared-memory filesystem such as "
-                              f"/dev/shm/moepec, or ram_dir=None") from exc
+            failed = ConfigError(f"cannot keep RAM snapshots in ram_dir={ram_dir!r} ({exc}); "
+                                 f"use a writable folder on a shared-memory filesystem such "
+                                 f"as /dev/shm/moepec, or ram_dir=None")
+            failed.__cause__ = exc
+        except ConfigError as exc:  # a folder that is not this user's own (moepec.ram.jobs)
+            failed = exc
+        # Every rank hears every rank's outcome: a rank that cannot open its slots fails
+        # the manager on all ranks at once, not in the next collective's timeout.
+        outcomes = [(busy, None if failed is None else str(failed))]
         if self.distributed:
-            reasons: list[Any] = [None] * self.world_size
-            dist.all_gather_object(reasons, busy)
-            busy = next((f"rank {r}: {b}" for r, b in enumerate(reasons) if b), None)
-        if busy is None:
+            outcomes = [None] * self.world_size
+            dist.all_gather_object(outcomes, (busy, None if failed is None else str(failed)))
+        busy = next((f"rank {r}: {b}" for r, (b, _) in enumerate(outcomes) if b), None)
+        bad = next(((r, f) for r, (_, f) in enumerate(outcomes) if f), None)
+        if busy is None and bad is None:
             return slots, held
         for store in (slots, held):
             if store is not None:
                 store.close(unlink=False)
+        if failed is not None:
+            raise failed
+        if bad is not None:
+            raise ConfigError(f"rank {bad[0]} cannot open its RAM slots: {bad[1]}")
         if self.rank == 0:
             log.warning("RAM tier: in-process buffers (%s)", busy)
         return None, None
@@ -116,8 +127,11 @@ class RamSetup:
             return chosen
         shm = os.path.dirname(DEFAULT_DIR)
         why = None
+        mine = _not_own(DEFAULT_DIR)
         if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
             why = f"no writable shared memory at {shm}; a restarted worker recovers from storage"
+        elif mine is not None:  # another user's folder on a shared node
+            why = f"{DEFAULT_DIR} {mine}; set ram_dir to a folder of your own to use the tier"
         else:
             try:
                 check_budget(self.need_bytes(None), self.config.ram_budget_bytes, shm,
@@ -158,3 +172,12 @@ class RamSetup:
         per_copy = model * (3 if self.catalog.optimizer is not None else 1)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return 3 * -(-per_copy // self.world_size) * (2 if peers else 1) * local
+
+
+def _not_own(path: str) -> str | None:
+    """What makes an existing ``path`` unfit as the RAM tier's base folder, or None
+    (also when it does not exist yet: the tier makes it)."""
+    try:
+        return folder_problem(os.lstat(path), shared=True)
+    except FileNotFoundError:
+        return None
