@@ -99,13 +99,13 @@ class RamSetup:
             failed = exc
         # Every rank hears every rank's outcome: a rank that cannot open its slots fails
         # the manager on all ranks at once, not in the next collective's timeout.
-        outcomes = [(busy, None if failed is None else str(failed))]
+        bad = None
         if self.distributed:
-            outcomes = [None] * self.world_size
+            outcomes: list[Any] = [None] * self.world_size
             dist.all_gather_object(outcomes, (busy, None if failed is None else str(failed)))
-        busy = next((f"rank {r}: {b}" for r, (b, _) in enumerate(outcomes) if b), None)
-        bad = next(((r, f) for r, (_, f) in enumerate(outcomes) if f), None)
-        if busy is None and bad is None:
+            busy = next((f"rank {r}: {b}" for r, (b, _) in enumerate(outcomes) if b), None)
+            bad = next(((r, f) for r, (_, f) in enumerate(outcomes) if f), None)
+        if busy is None and bad is None and failed is None:
             return slots, held
         for store in (slots, held):
             if store is not None:
