@@ -41,6 +41,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moepec import CheckpointConfig, CheckpointManager, FaultHooks
+from moepec.bench import at_least_one
 from moepec.bench.records import Records
 from moepec.models.configs import get_config
 from moepec.models.gpt_moe import GPTMoE
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--ram-dir", default=SHM_DIR,
                     help="shared-memory folder of the moepec-pec-shm row's RAM tier")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=at_least_one, default=1,
                     help="run the methods this many times, interleaved (order reversed "
                          "every other round); rows pool their checkpoints")
     ap.add_argument("--bw-config", default="gpt-125m-8e",

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from moepec import CheckpointConfig, CheckpointManager, FaultHooks
+from moepec.bench import at_least_one
 from moepec.bench.size import scaled, trained_model
 from moepec.models.configs import get_config
 
@@ -190,7 +191,7 @@ def process_start_s() -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=["small", "gpt-125m-8e/4"])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=at_least_one, default=5)
     ap.add_argument("--ram-base", default="/dev/shm/moepec-bench" if os.path.isdir("/dev/shm")
                     else None)
     ap.add_argument("--s3", action="store_true",

@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moepec import CheckpointConfig, CheckpointManager
+from moepec.bench import at_least_one
 from moepec.models.configs import get_config
 from moepec.models.gpt_moe import GPTMoE
 from moepec.store.storage import single_process_dcp
@@ -112,7 +113,7 @@ def run(experts: list[int], repeats: int = 5) -> list[dict]:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--experts", type=int, nargs="+", default=[32, 64])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=at_least_one, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (%(default)s)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from moepec.bench import at_least_one
 from moepec.bench.checkout import REPO, tests_dir
 
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=13)
     p.add_argument("--interval", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=at_least_one, default=1)
     args = p.parse_args(argv)
     tests = str(tests_dir("titan_assets.py"))
     if tests not in sys.path:

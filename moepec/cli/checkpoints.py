@@ -199,6 +199,9 @@ def _run_export(args: argparse.Namespace) -> int:
     from moepec.recovery.offline import export_view
     from moepec.recovery.offline_paths import RootKind, root_kind
 
+    if not args.out.strip():
+        raise ConfigError("the output path is empty; name a new folder (DCP) or a "
+                          ".safetensors file")
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "dcp")
     opts = _storage_options(args)
     if root_kind(args.path, opts) == RootKind.FLAT:

@@ -12,8 +12,10 @@ Exit code 0 when experts were found, 1 when none, 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -39,7 +41,8 @@ def load_model(target: str) -> nn.Module:
         spec = importlib.util.spec_from_file_location("_moepec_user_model", module_name)
         module = importlib.util.module_from_spec(spec)
         sys.path.insert(0, os.path.dirname(os.path.abspath(module_name)))
-        spec.loader.exec_module(module)
+        with _your_code(f"{module_name} failed to load"):
+            spec.loader.exec_module(module)
     else:
         sys.path.insert(0, os.getcwd())
         try:
@@ -47,6 +50,8 @@ def load_model(target: str) -> nn.Module:
         except ModuleNotFoundError as exc:
             raise ConfigError(f"cannot import {module_name!r} ({exc}); run from the directory "
                               f"that holds it or install it") from None
+        except Exception as exc:  # noqa: BLE001 - the user's module: its error, one line
+            raise _their_error(f"{module_name} failed to load", exc) from exc
     factory = module
     for part in factory_name.split("."):
         factory = getattr(factory, part, None)
@@ -56,11 +61,38 @@ def load_model(target: str) -> nn.Module:
     if not callable(factory):
         raise ConfigError(f"{target} is not callable; name a function or class that "
                           f"builds the model with no arguments")
-    model = factory()
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise ConfigError(f"{target} needs arguments; name a function or class that builds "
+                          f"the model with no arguments (wrap yours in one)") from None
+    except ValueError:
+        pass  # no signature to read (a builtin): call it and see
+    with _your_code(f"{target}() failed"):
+        model = factory()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{target}() returned a {type(model).__name__}, not a torch "
                           f"nn.Module; return the model")
     return model
+
+
+def _their_error(what: str, exc: BaseException) -> ConfigError:
+    where = ""
+    if isinstance(exc, SyntaxError):
+        where = f" ({exc.filename}, line {exc.lineno})"
+    return ConfigError(f"{what}: {type(exc).__name__}: {exc}{where}; the error is in your "
+                       f"code, not moepec's (run it alone to see the traceback)")
+
+
+@contextlib.contextmanager
+def _your_code(what: str):
+    """Any error of the user's code, as one line that says whose it is."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code: any error it raises
+        raise _their_error(what, exc) from exc
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:

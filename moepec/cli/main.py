@@ -456,7 +456,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2) already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    setup_logging(args.log_level, rank=int(os.environ.get("RANK", "0")))
+    rank = os.environ.get("RANK", "0")
+    if not rank.isdigit():
+        print(f"moepec: error: the environment's RANK={rank!r:.40} is not a rank (a whole "
+              f"number, set by torchrun); unset it or run under torchrun", file=sys.stderr)
+        return EXIT_USAGE
+    setup_logging(args.log_level, rank=int(rank))
     try:
         return args._command.run(args)
     except MoepecError as exc:
@@ -465,11 +470,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a path, a permission, a full disk, a network: one line
         print(f"moepec: error: {exc.__class__.__name__}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("moepec: interrupted", file=sys.stderr)
+        return 130
     except Exception as exc:
-        if "Credentials" in type(exc).__name__:  # botocore's NoCredentialsError and kin
+        name = type(exc).__name__
+        if "Credentials" in name:  # botocore's NoCredentialsError and kin
+            options = (" or --storage-options '{\"key\": ..., \"secret\": ...}'"
+                       if hasattr(args, "storage_options") else "")
             print(f"moepec: error: {exc}: set the storage's credentials (for s3://, "
-                  f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --storage-options "
-                  f"'{{\"key\": ..., \"secret\": ...}}')", file=sys.stderr)
+                  f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY{options})", file=sys.stderr)
+            return EXIT_USAGE
+        if "EndpointConnection" in name or "ConnectTimeout" in name \
+                or "ClientConnector" in name:  # botocore's, aiohttp's: no server there
+            print(f"moepec: error: cannot reach the storage server ({exc}); is it running, "
+                  f"and is the endpoint (AWS_ENDPOINT_URL or the endpoint_url storage "
+                  f"option) right?", file=sys.stderr)
+            return 1
+        if isinstance(exc, TypeError) and "unexpected keyword argument" in str(exc) \
+                and getattr(args, "storage_options", None):
+            print(f"moepec: error: a storage option is not one this filesystem takes ({exc}); "
+                  f"check --storage-options against its documentation", file=sys.stderr)
             return EXIT_USAGE
         # Not a user's mistake we know of: still one line (a C++ error's message goes on
         # with its stack frames), the whole message and the traceback under DEBUG.
@@ -479,3 +500,18 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"DEBUG for the whole message and the traceback; please report it)",
               file=sys.stderr)
         return 1
+    except BaseException as exc:
+        if type(exc).__name__ != "CheckpointException":  # SystemExit and kin: as they are
+            raise
+        # DCP's error (a BaseException, so not caught above): each rank's cause, one line.
+        causes = [f"rank {r}: {_cause(f)}" for r, f in sorted(exc.failures.items())]
+        print(f"moepec: error: DCP failed ({'; '.join(causes) or exc}); check the path "
+              f"(a new folder that can be written)", file=sys.stderr)
+        return 1
+
+
+def _cause(failure: Any) -> str:
+    """One line of a DCP rank's failure (its wrapped exception, where DCP wrapped it)."""
+    exc = failure[0] if isinstance(failure, tuple) else failure  # DCP's (exc, traceback)
+    first = next((line for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first.strip()}"

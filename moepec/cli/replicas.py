@@ -80,7 +80,7 @@ def ft_config_from_args(args: argparse.Namespace) -> Any:
 
 
 def _add_lighthouse(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=29510, help="port, 0 for a free one (%(default)s)")
+    p.add_argument("--port", type=_port, default=29510, help="port, 0 for a free one (%(default)s)")
     p.add_argument("--min-replicas", type=int, default=1,
                    help="groups a quorum needs; 1 lets a survivor train on alone (%(default)s)")
     p.add_argument("--heartbeat-timeout-ms", type=int, default=1000,
@@ -93,13 +93,29 @@ def _add_lighthouse(p: argparse.ArgumentParser) -> None:
                    help="also write the address to this file (for scripts)")
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535; 0: a free one)")
+    return port
+
+
 def _run_lighthouse(args: argparse.Namespace) -> int:
     os.environ.setdefault("RUST_LOG", "warn")  # before torchft is imported: its logger
     from moepec.integrations.torchft import start_lighthouse
 
-    lighthouse = start_lighthouse(args.port, min_replicas=args.min_replicas,
-                                  heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-                                  join_timeout_ms=args.join_timeout_ms)
+    try:
+        lighthouse = start_lighthouse(args.port, min_replicas=args.min_replicas,
+                                      heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                                      join_timeout_ms=args.join_timeout_ms)
+    except RuntimeError as exc:
+        if "in use" not in str(exc):
+            raise
+        raise ConfigError(f"port {args.port} is in use (another lighthouse?); pick another "
+                          f"--port, or --port 0 for a free one") from None
     print(lighthouse.address, flush=True)
     if args.address_file:
         tmp = args.address_file + ".tmp"

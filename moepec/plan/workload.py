@@ -149,6 +149,14 @@ def shape_from_hf(path: str) -> ModelShape:
         raise ConfigError(f"{path} is not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path} must hold a JSON object (a Hugging Face config.json)")
+    try:
+        return _hf_shape(cfg, path)
+    except (TypeError, ValueError) as exc:  # a field of the wrong type: "x" for a size
+        raise ConfigError(f"{path}: a field is not the number it should be ({exc}); check "
+                          f"its sizes and expert counts") from None
+
+
+def _hf_shape(cfg: dict, path: str) -> ModelShape:
     d, n_layers = int(_first(cfg, "hidden_size")), int(_first(cfg, "num_hidden_layers"))
     n_exp = int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts"))
     top_k = int(_first(cfg, "num_experts_per_tok", "moe_top_k"))
