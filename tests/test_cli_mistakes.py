@@ -95,3 +95,16 @@ def test_a_hugging_face_config_with_a_bad_field_is_refused(tmp_path):
 def test_a_benchmark_run_zero_times_is_a_usage_error(tmp_path, repeats):
     p = moepec("bench", "overhead", "--repeats", repeats, cwd=tmp_path)
     assert p.returncode == 2 and "at least 1" in p.stderr, p.stderr[-2000:]
+
+
+def test_one_checkpoint_given_for_its_root_names_the_root(trained, tmp_path):
+    one = next(p for p in sorted(trained.iterdir()) if p.name.startswith("ckpt-"))
+    for command in ("inspect", "verify"):
+        one_line(moepec(command, str(one), cwd=tmp_path), 2, "one checkpoint of the root",
+                 str(trained))
+
+
+def test_a_plain_dcp_checkpoint_is_named_as_one(trained, tmp_path):
+    p = moepec("export", str(trained), "plain", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    one_line(moepec("inspect", "plain", cwd=tmp_path), 2, "plain DCP checkpoint")

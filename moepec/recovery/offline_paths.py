@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 
 from moepec.errors import NoCheckpointError
+from moepec.keys import parse_checkpoint_name
 from moepec.store.flat import is_flat_root
 from moepec.store.storage import Storage
 
@@ -82,6 +83,14 @@ def root_kind(path: str, storage_options: dict | None = None) -> RootKind:
 def nothing_committed(path: str, uncommitted: Sequence[str] = ()) -> str:
     """The sentence for a folder with no committed checkpoint (``moepec`` exits 2)."""
     text = f"no committed checkpoint in {path} yet"
+    local = _local(path)
+    if local is not None and os.path.isdir(local):
+        parent = os.path.dirname(os.path.abspath(local))
+        if parse_checkpoint_name(os.path.basename(os.path.abspath(local))) is not None:
+            return f"{path} is one checkpoint of the root {parent}; pass the root: {parent}"
+        if os.path.isfile(os.path.join(local, ".metadata")):
+            return (f"{path} is a plain DCP checkpoint, not a moepec checkpoint root; moepec "
+                    f"reads roots it wrote (torch's dcp.load reads this one, if you trust it)")
     if uncommitted:
         text += (f" ({len(uncommitted)} uncommitted: {', '.join(list(uncommitted)[:3])}"
                  f"{', ...' if len(uncommitted) > 3 else ''}; a save still running or "
