@@ -21,11 +21,13 @@ Collectives run on the default process group of ``torch.distributed``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +54,13 @@ from moepec.flat.plan import (
     plan_save,
     schedule_for,
 )
-from moepec.flat.regions import Region, assemble, parse_shard_key
+from moepec.flat.regions import (
+    assemble,
+    global_shapes,
+    overlapping,
+    parse_shard_key,
+    stored_region,
+)
 from moepec.keys import MANIFEST_NAME
 from moepec.recovery.outcome import RestoreReport
 from moepec.store.flat import (
@@ -267,7 +275,9 @@ class FlatFrontEnd:
         (:func:`moepec.flat.regions.shard_key`) the save did not write, as after a change
         of the parallel layout, is cut from the saved shards of its tensor that overlap
         it. Raises CheckpointError for a key the saved shards do not cover, a damaged
-        item or a missing folder. The next save continues this folder's lineage."""
+        item or a missing folder; CorruptCheckpointError naming the folder for a damaged
+        shard key (:mod:`moepec.flat.regions`), before anything larger than the shards
+        it reads is allocated. The next save continues this folder's lineage."""
         started = time.monotonic()
         warnings: list[str] = []
         def choose():
@@ -327,19 +337,25 @@ class FlatFrontEnd:
         if any(r is None for r in cut.values()):
             k = next(k for k, r in cut.items() if r is None)
             raise CheckpointError(f"{root}/{name} has no {k!r:.160}")
-        pieces = _pieces(head.view, cut.values())
+        with _naming(root, name):  # a damaged saved key
+            pieces = overlapping(head.view, cut.values())
         direct = [k for k in keys if k in head.view]
-        wanted = direct + sorted({k for ks in pieces.values() for k in ks})
+        wanted = direct + sorted({k for ps in pieces.values() for _, k in ps})
         sources = {k: head.view[k] for k in wanted}
-        targets = {k: empty_like_item(_item(root, name, manifests, sources[k], k))
-                   for k in wanted}
+        items = {k: _item(root, name, manifests, sources[k], k) for k in wanted}
+        with _naming(root, name):  # a shard read as saved holds what its key says
+            for k in direct:
+                if "#" in k:
+                    stored_region(k, math.prod(items[k].shape))
+        targets = {k: empty_like_item(items[k]) for k in wanted}
         bad = read_keys(root, manifests, sources, targets)
         if bad:
             raise CheckpointError(f"{len(bad)} shard(s) are damaged (e.g. {sources[bad[0]]}:"
                                   f"{bad[0]}); run `moepec verify {root}`")
         out = {k: targets[k] for k in direct}
-        for k, want in cut.items():  # another layout than the save's: cut from its shards
-            out[k] = assemble(want, {parse_shard_key(p): targets[p] for p in pieces[want]})
+        with _naming(root, name):
+            for k, want in cut.items():  # another layout than the save's: cut from shards
+                out[k] = assemble(want, {r: targets[p] for r, p in pieces[want]})
         return out
 
     @staticmethod
@@ -354,18 +370,14 @@ class FlatFrontEnd:
 
     def shapes(self, root: str, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
         """Any rank: every tensor of folder ``name`` by its key (the part of a shard key
-        before ``#``) -> (global shape, dtype name), from the manifests alone."""
+        before ``#``) -> (global shape, dtype name), from the manifests alone. Raises
+        CorruptCheckpointError naming the folder for a damaged shard key (one whose item
+        is of another size, or shards whose keys claim more than they hold)."""
         head, manifests = self._manifests(root, name)
-        out: dict[str, tuple[tuple[int, ...], str]] = {}
-        for key, folder in head.view.items():
-            r = parse_shard_key(key)
-            if r is None:
-                continue
-            end = tuple(o + n for o, n in zip(r.offset, r.shape))
-            shape, _ = out.get(r.key, (end, ""))
-            out[r.key] = (tuple(max(a, b) for a, b in zip(shape, end)),
-                          _item(root, name, manifests, folder, key).dtype)
-        return out
+        shards = {key: _item(root, name, manifests, folder, key)
+                  for key, folder in head.view.items() if "#" in key}
+        with _naming(root, name):
+            return global_shapes((k, math.prod(i.shape), i.dtype) for k, i in shards.items())
 
     def _report_of(self, head: Any, manifests: Mapping[str, Any], seconds: float):
         sources, lost, ledger = account_load(head, manifests, head.view)
@@ -396,24 +408,13 @@ def _item(root: str, name: str, manifests: Mapping[str, FlatManifest], folder: s
     return m.items[key]
 
 
-def _pieces(view: Mapping[str, str], wants: Iterable[Region]) -> dict[Region, list[str]]:
-    """For each wanted region, the saved keys of its tensor whose boxes overlap it."""
-    wants = list(wants)
-    names = {w.key for w in wants}  # parse only the keys of tensors a cut needs
-    by_tensor: dict[str, list[tuple[Region, str]]] = {}
-    for key in view:
-        if key.rpartition("#")[0] not in names:
-            continue
-        r = parse_shard_key(key)
-        if r is not None:
-            by_tensor.setdefault(r.key, []).append((r, key))
-    out: dict[Region, list[str]] = {}
-    for want in wants:
-        out[want] = [k for r, k in by_tensor.get(want.key, ())
-                     if len(r.offset) == len(want.offset) and all(
-                         a < b + m and b < a + n for a, n, b, m in
-                         zip(r.offset, r.shape, want.offset, want.shape))]
-    return out
+@contextlib.contextmanager
+def _naming(root: str, name: str) -> Iterator[None]:
+    """Re-raise a CheckpointError of the block with folder ``root/name`` in its message."""
+    try:
+        yield
+    except CheckpointError as exc:
+        raise type(exc)(f"{root}/{name}: {exc}") from None
 
 
 def _commit(plan: FlatPlan) -> None:
