@@ -1,16 +1,20 @@
 """``moepec ram ls|clean``: see and free what the shared-memory RAM tier left behind.
 
 A clean ``CheckpointManager.close()`` removes its slots; a crashed run's stay until its
-restarted workers reuse them or this command removes them. ``commands()`` returns the
-subcommand for ``moepec.cli.main`` to register (nothing happens at import).
+restarted workers reuse them or this command removes them. Only RAM-tier job folders
+(:func:`moepec.ram.jobs.is_job_folder`) are listed or removed: anything else under
+``--ram-dir`` (a checkpoint root given by mistake, a home folder) is left alone, and
+``clean`` of a folder holding only such things says so and exits 1. ``commands()``
+returns the subcommand for ``moepec.cli.main`` to register (nothing happens at import).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from moepec.ram.jobs import DEFAULT_DIR, list_jobs, remove_job
+from moepec.ram.jobs import DEFAULT_DIR, list_jobs, looks_like, remove_job, scan
 
 
 def _add_ram(p: argparse.ArgumentParser) -> None:
@@ -28,6 +32,14 @@ def _add_ram(p: argparse.ArgumentParser) -> None:
 
 
 def _run_ram(args: argparse.Namespace) -> int:
+    jobs, others = scan(args.ram_dir)
+    if not jobs and others:  # the wrong folder: never list or remove what is not ours
+        print(f"{args.ram_dir} holds no RAM-tier job folders ({looks_like(others)}); "
+              f"nothing {'removed' if args.action == 'clean' else 'listed'}",
+              file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print("[]")
+        return 1 if args.action == "clean" else 0
     rows = [r for r in list_jobs(args.ram_dir)
             if (args.run is None or args.run == r["job"] or args.run in r["runs"])
             and (args.older_than is None or r["age_h"] >= args.older_than)]
@@ -52,6 +64,10 @@ def _run_ram(args: argparse.Namespace) -> int:
     if args.action == "clean":
         freed = sum(r["bytes"] for r in rows if r["removed"])
         print(f"freed {freed / 2**20:.1f} MiB")
+    if others:
+        print(f"left alone: {len(others)} other entr{'y' if len(others) == 1 else 'ies'} of "
+              f"{args.ram_dir} that {'is' if len(others) == 1 else 'are'} not RAM-tier job "
+              f"folders")
     return 0
 
 

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from fsspec.core import split_protocol
 
 from moepec.errors import ConfigError, check_choice
 from moepec.policy.plan import WriteMode
 from moepec.policy.selection_policy import Selection, resolve_selection
 from moepec.store.items import Serialization
+from moepec.store.storage.base import is_local_url
 
 AUTO = "auto"
 """``CheckpointConfig.ram_dir="auto"``: shared memory when it exists and fits."""
@@ -172,6 +176,7 @@ class CheckpointConfig:
                                               or isinstance(self.ram_replicas, bool)):
             raise ConfigError(f"ram_replicas must be 0, 1 or None (1 when ranks span nodes); "
                               f"got {self.ram_replicas!r}")
+        self._check_ram_dir_apart()
         if self.ram_replicas and self.ram_dir is None:
             raise ConfigError("ram_replicas needs the shared-memory RAM tier: set ram_dir "
                               "(e.g. /dev/shm/moepec, or 'auto')")
@@ -189,6 +194,23 @@ class CheckpointConfig:
                 != len(self.peer_paths) + 1:
             raise ConfigError(f"peer_paths must be the other groups' checkpoint roots, each "
                               f"once and none equal to path (got {list(self.peer_paths)})")
+
+    def _check_ram_dir_apart(self) -> None:
+        """A ``ram_dir`` folder apart from the checkpoint root: neither the same folder
+        nor one inside the other (their files would mix; ``moepec ram clean`` of one
+        would meet the other's)."""
+        if self.ram_dir in (None, AUTO) or not is_local_url(self.path):
+            return
+        root = os.path.realpath(split_protocol(self.path)[1])
+        ram = os.path.realpath(self.ram_dir)
+        if os.path.commonpath([root, ram]) not in (root, ram):
+            return
+        how = ("are the same folder" if root == ram
+               else "nest: ram_dir is inside the checkpoint root" if ram.startswith(root)
+               else "nest: the checkpoint root is inside ram_dir")
+        raise ConfigError(f"ram_dir ({self.ram_dir}) and the checkpoint root ({self.path}) "
+                          f"{how}; give the RAM tier a folder of its own, apart from the "
+                          f"checkpoint root (e.g. /dev/shm/moepec)")
 
     def _check_types(self) -> None:
         """Whole numbers are ints, fractions numbers, switches bools, options a dict."""

@@ -133,9 +133,8 @@ def check_budget(need_bytes: int, budget_bytes: int | None, directory: str,
     Raises ConfigError."""
     free = free_shm_bytes(directory)
     job = Path(directory) / job_name(root) if root is not None else None
-    if job is not None and job.is_dir() and not job.is_symlink():
-        free += sum(f.lstat().st_size for f in job.rglob("*")
-                    if f.is_file() and not f.is_symlink())
+    if job is not None and is_job_folder(job):
+        free += sum(st.st_size for st in _job_files(job))
     budget = free // 2 if budget_bytes is None else budget_bytes
     if need_bytes > budget:
         raise ConfigError(
@@ -146,15 +145,97 @@ def check_budget(need_bytes: int, budget_bytes: int | None, directory: str,
             f"k_snapshot, or use ram_dir=None (in-process snapshots)")
 
 
-def list_jobs(ram_dir: str) -> list[dict[str, Any]]:
-    """What is under ``ram_dir``: one row per job folder (``moepec ram ls``). ``live``:
-    a process that wrote one of its slots still runs on this host."""
-    rows: list[dict[str, Any]] = []
+RANK_FOLDER = re.compile(r"(replica-of-)?rank\d+")
+"""The folders of a job folder: one rank's slots, or the replicas of another's."""
+SLOT_FILE = re.compile(r"slot\d+\.(data|json)|\.slot\d+\.json\.\d+\.tmp|owner\.lock")
+"""The files of a rank folder (:mod:`moepec.ram.shm`): slots, headers being written, lock."""
+
+
+def _entries(folder: Path) -> list[os.DirEntry] | None:
+    """``folder``'s entries (one level, no link followed), or None when it cannot be read."""
+    try:
+        with os.scandir(folder) as it:
+            return list(it)
+    except OSError:
+        return None
+
+
+def is_job_folder(path: Path) -> bool:
+    """Whether ``path`` is a job folder of the RAM tier, judged by its contents alone: a
+    real folder (not a link) holding at least one rank folder and nothing else, each rank
+    folder (``rank<R>``, ``replica-of-rank<R>``) holding only slot files and its lock
+    (a link in either place is never followed: an entry's name is all that is read).
+    Anything else (a checkpoint root, a home folder, ``/proc``) is not one, and is told
+    apart by the names of its entries alone: nothing below them is opened.
+
+    Not by name: a checkpoint's folder (``ckpt-...-<12 hex>``) looks like
+    :func:`job_name`'s, and folders the tier never made may still hold its layout."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    entries = _entries(path)
+    if not entries:
+        return False
+    # Every name first: a foreign folder is told apart without opening any of its own.
+    if not all(RANK_FOLDER.fullmatch(e.name) and (e.is_symlink() or e.is_dir(
+            follow_symlinks=False)) for e in entries):
+        return False
+    for entry in entries:
+        if entry.is_symlink():
+            continue  # planted in a job folder: never followed, removed with it
+        files = _entries(Path(entry.path))
+        if files is None or any(not SLOT_FILE.fullmatch(f.name)
+                                or f.is_dir(follow_symlinks=False) for f in files):
+            return False
+    return True
+
+
+def scan(ram_dir: str) -> tuple[list[Path], list[str]]:
+    """The job folders directly under ``ram_dir`` (:func:`is_job_folder`) and the names of
+    the other entries there, which ``moepec ram`` neither lists nor removes. Nothing
+    when ``ram_dir`` is missing or is itself a link (the tier never uses one)."""
     base = Path(ram_dir)
-    if not base.is_dir():
-        return rows
-    for job in sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink()):
-        files = [f for f in job.rglob("*") if f.is_file() and not f.is_symlink()]
+    try:
+        if not stat.S_ISDIR(os.lstat(base).st_mode):
+            return [], []
+    except OSError:
+        return [], []
+    jobs, others = [], []
+    for entry in sorted(_entries(base) or [], key=lambda e: e.name):
+        path = Path(entry.path)
+        (jobs.append(path) if is_job_folder(path) else others.append(entry.name))
+    return jobs, others
+
+
+def looks_like(names: list[str]) -> str:
+    """What a folder whose entries are ``names`` (none of them job folders) seems to be,
+    for the message of ``moepec ram clean``."""
+    if "moepec.lease" in names or any(n.startswith("ckpt-") for n in names):
+        return "it looks like a checkpoint root"
+    return "it holds other files"
+
+
+def _job_files(job: Path) -> list[os.stat_result]:
+    """lstat of the regular files of a job folder (:func:`is_job_folder`), two levels."""
+    out = []
+    for rank in _entries(job) or []:
+        if rank.is_dir(follow_symlinks=False):
+            for f in _entries(Path(rank.path)) or []:
+                st = f.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    out.append(st)
+    return out
+
+
+def list_jobs(ram_dir: str) -> list[dict[str, Any]]:
+    """The job folders under ``ram_dir``, one row each (``moepec ram ls``); any other
+    entry is left out (:func:`scan`). ``live``: a process that wrote one of its slots
+    still runs on this host."""
+    rows: list[dict[str, Any]] = []
+    for job in scan(ram_dir)[0]:
+        files = _job_files(job)
         headers = []
         # Not glob("rank*/slot*.json"): it would follow a rank folder that is a link.
         ranks = [r for r in job.glob("rank*") if r.is_dir() and not r.is_symlink()]
@@ -165,9 +246,9 @@ def list_jobs(ram_dir: str) -> list[dict[str, Any]]:
                                 data.get("step"), data.get("pid")))
             except (OSError, ValueError, AttributeError, CorruptCheckpointError):
                 continue
-        mtime = max((f.stat().st_mtime for f in files), default=job.stat().st_mtime)
+        mtime = max((f.st_mtime for f in files), default=job.lstat().st_mtime)
         rows.append({"job": job.name, "path": str(job),
-                     "bytes": sum(f.stat().st_size for f in files),
+                     "bytes": sum(f.st_size for f in files),
                      "root": next((h[0] for h in headers if h[0]), None),
                      "runs": sorted({h[1] for h in headers if isinstance(h[1], str)}),
                      "newest_step": max((h[2] for h in headers if isinstance(h[2], int)),
@@ -178,9 +259,13 @@ def list_jobs(ram_dir: str) -> list[dict[str, Any]]:
 
 
 def remove_job(ram_dir: str, job: str) -> None:
-    """Delete one job folder, confined to ``ram_dir`` (a direct child, not a link)."""
+    """Delete one job folder, confined to ``ram_dir`` (a direct child, not a link) and
+    only when it is one (:func:`is_job_folder`, checked again here). Raises ConfigError
+    for anything else, removing nothing. Links inside are removed, never followed."""
     base = Path(ram_dir).resolve()
     target = base / job
-    if target.is_symlink() or target.resolve().parent != base or not target.is_dir():
-        raise ConfigError(f"{job!r} is not a job folder of {ram_dir}; nothing removed")
+    if (target.is_symlink() or target.resolve().parent != base or not target.is_dir()
+            or not is_job_folder(target)):
+        raise ConfigError(f"{job!r} is not a RAM-tier job folder of {ram_dir}; nothing "
+                          f"removed")
     shutil.rmtree(target)

@@ -25,8 +25,9 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -105,6 +106,18 @@ class Snapshot:
     def persist_experts(self) -> list[tuple[int, ...]] | None:
         """Experts per layer to persist; None when this snapshot is not to be persisted."""
         return [tuple(e) for e in self.meta.experts_saved] if self.persist else None
+
+
+def slot_jobs(snaps: Iterable[Snapshot]) -> list[Path]:
+    """The job folders of the shared-memory slots ``snaps`` were loaded from, sorted."""
+    return sorted({s.slot.header_path.parent.parent for s in snaps
+                   if s.slot is not None and s.origin != "process"})
+
+
+def clean_command(jobs: Iterable[Path]) -> str:
+    """The ``moepec ram clean`` that removes ``jobs`` (:func:`slot_jobs`)."""
+    return "; ".join(f"moepec ram clean --ram-dir {j.parent} --run {j.name}"
+                     for j in jobs) or "moepec ram clean --ram-dir <ram_dir>"
 
 
 class Snapshotter:

@@ -36,7 +36,7 @@ from moepec.errors import (
 )
 from moepec.keys import newest, parse_key, seq_of
 from moepec.policy.plt import PLTLedger
-from moepec.ram.snapshot import RamTier, Snapshot
+from moepec.ram.snapshot import RamTier, Snapshot, clean_command, slot_jobs
 from moepec.recovery.outcome import RestoreContext, RestoreOutcome
 from moepec.recovery.records import lost_since, read_recoveries
 from moepec.recovery.stitch import Recovered, Source, Tier, lost_tokens, recover
@@ -66,7 +66,34 @@ def restore_state(ctx: RestoreContext, found: Committed,
     if head_name is not None:
         check_structure(ctx, manifests[head_name].meta)
     views = _Views(ctx, manifests, ram_src)
+    snaps = [ram] if isinstance(ram, Snapshot) else list(ram or [])
+    jobs = slot_jobs(snaps)
+    where = ", ".join(map(str, jobs)) or "shared memory"
+    # Every rank joins the vote, whatever it holds (no rank may skip a collective).
+    if _any_rank(ctx, ram_src is not None and views.uncovered() is ram_src):
+        # Slots that cannot be a base with what storage holds: storage serves, as
+        # without the RAM tier (or nothing: a fresh start), instead of failing every run.
+        if ctx.rank == 0:
+            log.warning("not restoring from the RAM snapshot of step %d in %s: it does not "
+                        "hold every expert of the model and %s has no checkpoint of its run "
+                        "to complete it (deleted, or the slots were written with another "
+                        "ExpertSpec); %s. To remove those slots: %s", ram_src.step, where,
+                        ctx.storage.url, "restoring from storage" if manifests
+                        else "starting fresh", clean_command(jobs))
+        ram_src = None
+        if not manifests:
+            return None
+        views = _Views(ctx, manifests, None)
+    views.check_coverage()
     rec = agreed_recover(ctx, views)
+    if rec.base.tier == Tier.RAM and not manifests and ctx.rank == 0 and (
+            not snaps or any(s.origin != "process" for s in snaps)):
+        # Meant for a first checkpoint that died before its commit; a user who deleted
+        # the root to start over must hear that the slots bring the old run back.
+        log.warning("restoring step %d from RAM slots in %s although %s holds no committed "
+                    "checkpoint (its first checkpoint had not reached storage, or the "
+                    "checkpoints were deleted). To start fresh instead, stop and run: %s",
+                    rec.base.step, where, ctx.storage.url, clean_command(jobs))
     head = views.head_for(rec.base)
     ledger, lost = account(ctx, rec)
     sources, units_from = where_from(rec)
@@ -110,16 +137,28 @@ class _Views:
         if not self.bases:
             raise NoCheckpointError(f"no committed checkpoint under {ctx.storage.url} and "
                                     f"no complete RAM snapshot")
-        for base in self.bases:  # the newest whose view can be read (recover skips others)
+
+    def uncovered(self) -> Source | None:
+        """The newest base whose view can be read (recover skips the others), when it
+        does not hold every expert this rank owns; else None."""
+        for base in self.bases:
             try:
                 required = self.required_of(base)
             except ManifestError:
                 continue
-            if not ctx.catalog.covers_owned_experts(required, ctx.weights_in_view):
-                raise NoCheckpointError(
-                    f"{base.name} does not hold every expert of the model (saved with a "
-                    f"different ExpertSpec?); restore with the spec it was saved with")
-            break
+            if not self.ctx.catalog.covers_owned_experts(required, self.ctx.weights_in_view):
+                return base
+            return None
+        return None
+
+    def check_coverage(self) -> None:
+        """Raises NoCheckpointError when the newest readable base lacks experts of the
+        model (:meth:`uncovered`): it was saved with another ExpertSpec."""
+        base = self.uncovered()
+        if base is not None:
+            raise NoCheckpointError(
+                f"{base.name} does not hold every expert of the model (saved with a "
+                f"different ExpertSpec?); restore with the spec it was saved with")
 
     def head_for(self, base: Source) -> Manifest | None:
         name = self.ram_head if base.tier == Tier.RAM else base.name
@@ -147,6 +186,15 @@ class _Views:
 
 
 # -- the RAM tier ---------------------------------------------------------------------
+def _any_rank(ctx: RestoreContext, flag: bool) -> bool:
+    """``flag`` on any rank (collective when distributed: every rank calls it)."""
+    if ctx.world_size == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def gather_ram(ctx: RestoreContext, snaps: Snapshot | Sequence[Snapshot] | None
                 ) -> Source | None:
     """The RAM snapshot to restore from, with every share a rank still has, materialised
