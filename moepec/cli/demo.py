@@ -13,6 +13,7 @@ in the output folder) is built by :mod:`moepec.cli.demo_report`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -25,19 +26,28 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moepec import CheckpointConfig
-from moepec.errors import MoepecError
+from moepec.errors import ConfigError, MoepecError
 from moepec.train.config import TrainConfig, TrainResult
+from moepec.train.faults import Fault, FaultPlan
 
 __all__ = ["DemoSettings", "format_summary", "run_demo", "train_argv"]
 
 log = logging.getLogger(__name__)
 
+DEFAULT_STEPS = 400
+"""The demo's length, for which its default faults are placed."""
+DEFAULT_FAULTS = "sigkill@110:r1,kill_persist@185:r0,enospc@240,exception@330:r1"
+"""The faulty run's faults, placed for DEFAULT_STEPS steps on 2 ranks; another length or
+fewer ranks get them moved to the same fractions of the run (:meth:`DemoSettings.planned_faults`)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class DemoSettings:
-    """What the demo runs. The defaults take a few minutes on 2 CPU cores."""
+    """What the demo runs. The defaults take a few minutes on 2 CPU cores. Validated on
+    construction (ConfigError naming the flag): everything either run needs is checked
+    before the first run starts."""
 
-    steps: int = 400
+    steps: int = DEFAULT_STEPS
     """Training steps of each run."""
     batch_size: int = 16
     """Global batch (sequences of 128 bytes)."""
@@ -53,8 +63,10 @@ class DemoSettings:
     """Experts per MoE layer persisted per checkpoint."""
     k_snapshot: int = 2
     """Experts per MoE layer snapshotted to RAM per checkpoint."""
-    faults: str = "sigkill@110:r1,kill_persist@185:r0,enospc@240,exception@330:r1"
-    """Faults of the faulty run (moepec.train.faults spec)."""
+    faults: str = DEFAULT_FAULTS
+    """Faults of the faulty run (moepec.train.faults spec). The default ones are moved to
+    the same fractions of a run of other ``steps`` (and onto rank 0 with one rank); faults
+    given otherwise are used as they are, and refused when one can never fire."""
     dynamic_k: bool = True
     """Double K_persist after a recovery that leaves PLT over the 3.75% budget."""
     max_restarts: int = 6
@@ -69,10 +81,50 @@ class DemoSettings:
     """Add a ``ram_lost`` fault (the node's ``ram_dir`` wiped, then SIGKILL) at 70% of
     the run: that recovery comes from storage."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks, int) or self.ranks < 1:
+            raise ConfigError(f"ranks must be >= 1, got {self.ranks!r}; --ranks sets the "
+                              "torchrun processes (1: one process)")
+        if self.ram_lost and self.ram_dir is None:
+            raise ConfigError("the ram_lost fault wipes the shared-memory RAM tier, and "
+                              "--ram-dir none keeps snapshots in the process; give --ram-dir "
+                              "a folder on shared memory or drop --ram-lost")
+        # Both runs' configs (the faulty one has every field the fault-free one has):
+        # steps, interval, K and the fault spec against steps and interval.
+        cfg = self.train_config("demo-out", faulty=True, ranks=self.ranks)
+        FaultPlan.parse(cfg.faults or "").check(self.steps, world_size=self.ranks)
+
+    def planned_faults(self) -> tuple[str, str | None]:
+        """The faults of the faulty run without ``ram_lost``, and a line saying how the
+        default ones were moved (None when they were not). The default faults keep their
+        fractions of the run (sigkill at 27.5%, ...), go to rank 0 with one rank, and one
+        that could not act in a run this short is left out; faults given otherwise are
+        returned as they are."""
+        if self.faults != DEFAULT_FAULTS:
+            return self.faults, None
+        planned = FaultPlan.parse(DEFAULT_FAULTS).faults
+        kept, dropped = [], []
+        for f in planned:
+            moved = Fault(kind=f.kind, step=f.step * self.steps // DEFAULT_STEPS,
+                          rank=f.rank if f.rank < self.ranks else 0)
+            why = moved.never_fires(self.steps, interval=self.ckpt_interval,
+                                    world_size=self.ranks)
+            if why is None:
+                kept.append(moved)
+            else:
+                dropped.append(f"{moved.key} is left out: {why.split('; ')[0]}")
+        if kept == planned:
+            return DEFAULT_FAULTS, None  # they fit this run as they are
+        spec = ",".join(f.key for f in kept)
+        note = "; ".join([f"the default faults are placed for {DEFAULT_STEPS} steps on 2 "
+                          f"ranks; this run's {self.steps} step(s) on {self.ranks} rank(s) "
+                          f"get {spec or 'none'}", *dropped])
+        return spec, note
+
     def fault_spec(self) -> str:
-        """The faults of the faulty run: ``faults`` plus the ``ram_lost`` one."""
+        """The faults of the faulty run: :meth:`planned_faults` plus the ``ram_lost`` one."""
         extra = f"ram_lost@{int(self.steps * 0.7)}:r0" if self.ram_lost else ""
-        return ",".join(x for x in (self.faults, extra) if x)
+        return ",".join(x for x in (self.planned_faults()[0], extra) if x)
 
     def key(self) -> str:
         """Identifies the fault-free run these settings need (for its cache)."""
@@ -181,12 +233,24 @@ def _train_run(s: DemoSettings, out: Path, faulty: bool, say) -> int:
         say(f"torchrun could not start {ranks} ranks (exit {code}); running in one process "
             f"instead (see {log_path})")
         ranks = 1
+        if faulty:
+            s = _in_one_process(s, say)
     cmd = _train_cmd(s, out, faulty, 1)
     code = _supervise(cmd, log_path, s.max_restarts if faulty else 0, timeout=1800)
     if code != 0:
         raise MoepecError(f"the {'faulty' if faulty else 'fault-free'} run failed (exit "
                           f"{code}); see {log_path}")
     return 1
+
+
+def _in_one_process(s: DemoSettings, say) -> DemoSettings:
+    """The settings of the faulty run in one process: every fault on rank 0 (a fault on
+    another rank could never fire)."""
+    plan = FaultPlan.parse(s.faults).faults
+    faults = ",".join(f"{f.kind}@{f.step}:r0" for f in plan)
+    if any(f.rank for f in plan):
+        say(f"in one process the faults go to rank 0: {faults}")
+    return dataclasses.replace(s, ranks=1, faults=faults)
 
 
 def run_demo(out_dir: str | Path = "demo-out", settings: DemoSettings | None = None,
@@ -198,7 +262,15 @@ def run_demo(out_dir: str | Path = "demo-out", settings: DemoSettings | None = N
     """
     from moepec.cli.demo_report import build_report
 
-    s = settings or DemoSettings()
+    s = settings or DemoSettings()  # validated: nothing below fails on a setting
+    faults, note = s.planned_faults()
+    if note:
+        say(note)
+    s = dataclasses.replace(s, faults=faults)
+    cores = os.cpu_count() or 1
+    if s.ranks > cores:
+        log.warning("%d ranks on %d CPU core(s): the ranks share cores, and the runs take "
+                    "longer than they would with --ranks %d", s.ranks, cores, cores)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -470,8 +470,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a path, a permission, a full disk, a network: one line
         print(f"moepec: error: {exc.__class__.__name__}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("moepec: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        if not str(exc):  # the trainer's own says where it stopped (TrainingInterrupted)
+            print("moepec: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
         name = type(exc).__name__

@@ -236,7 +236,9 @@ class TrainConfig:
             # when faults are asked for.
             from moepec.train.faults import FaultPlan
 
-            FaultPlan.parse(self.faults)  # raises ConfigError for a bad spec
+            # A bad spec, or a fault that can never fire in this run: ConfigError. The
+            # ranks are checked once they are known (the trainer's set-up).
+            FaultPlan.parse(self.faults).check(self.steps, interval=ckpt.interval)
         _need(self.restarts == 0 or ckpt is not None,
               "restarts need checkpoints to resume from; set checkpoint (--ckpt-dir) or "
               "restarts=0")

@@ -127,10 +127,40 @@ class Fault:
         if self.kind not in KINDS + NAMED_KINDS:
             raise ConfigError(f"unknown fault kind {self.kind!r}; choose from "
                               f"{', '.join(KINDS + NAMED_KINDS)}")
+        if self.step < 0 or self.rank < 0:
+            raise ConfigError(f"fault {self.key} can never fire: steps and ranks count "
+                              "from 0")
 
     @property
     def key(self) -> str:
         return f"{self.kind}@{self.step}:r{self.rank}"
+
+    def never_fires(self, steps: int, *, interval: int | None = None,
+                    world_size: int | None = None) -> str | None:
+        """Why this fault can never fire in a run of ``steps`` steps (0 .. steps - 1),
+        checkpointing every ``interval`` steps, on ``world_size`` ranks; None when it can
+        (or when what it needs is not known: ``interval`` or ``world_size`` None). Pure."""
+        if self.step >= steps:
+            return (f"its step is past the run's last step {steps - 1} (--steps {steps} "
+                    f"trains steps 0-{steps - 1}); move it before step {steps} or raise "
+                    "--steps")
+        if world_size is not None and self.rank >= world_size:
+            return (f"the run has {world_size} rank(s), 0-{world_size - 1}; put it on a rank "
+                    f"below {world_size}")
+        if interval is None:
+            return None
+        # The manager checkpoints after step s when (s + 1) % interval == 0.
+        last = steps // interval * interval - 1
+        if self.kind in ("kill_persist", "kill_commit") and self.step > last:
+            where = f"the last is after step {last}" if last >= 0 else "the run takes none"
+            return (f"it strikes the persist of the first checkpoint at or after its step, "
+                    f"and {where} (--ckpt-interval {interval}, --steps {steps}); move it "
+                    "earlier")
+        if self.kind == "kill_copy" and (self.step + 1) % interval:
+            return (f"it strikes the RAM copy of the checkpoint of its own step, and step "
+                    f"{self.step} takes none (--ckpt-interval {interval}: checkpoints after "
+                    f"steps {interval - 1}, {2 * interval - 1}, ...); put it on such a step")
+        return None
 
 
 @dataclass(slots=True)
@@ -145,14 +175,27 @@ class FaultPlan:
         """``"sigkill@40,exception@90:r1,kill_persist@150"`` -> FaultPlan."""
         faults = []
         for part in filter(None, (p.strip() for p in spec.split(","))):
+            kind, at, rest = part.partition("@")
+            step, _, rank = rest.partition(":r")
             try:
-                kind, rest = part.split("@", 1)
-                step, _, rank = rest.partition(":r")
-                faults.append(Fault(kind=kind, step=int(step), rank=int(rank or 0)))
-            except ValueError as exc:
+                numbers = int(step), int(rank or 0)
+            except ValueError:
+                numbers = None
+            if not at or numbers is None:
                 raise ConfigError(f"bad fault {part!r}: write KIND@STEP or KIND@STEP:rRANK, "
-                                  f"e.g. sigkill@40:r1") from exc
+                                  f"e.g. sigkill@40:r1")
+            faults.append(Fault(kind=kind, step=numbers[0], rank=numbers[1]))
         return cls(faults=faults, state_dir=state_dir)
+
+    def check(self, steps: int, *, interval: int | None = None,
+              world_size: int | None = None) -> None:
+        """Raise ConfigError naming the first fault that can never fire in this run
+        (:meth:`Fault.never_fires`): an injected fault that silently does nothing would
+        pass for a run that survived it."""
+        for fault in self.faults:
+            why = fault.never_fires(steps, interval=interval, world_size=world_size)
+            if why is not None:
+                raise ConfigError(f"fault {fault.key} can never fire: {why}")
 
     @classmethod
     def random(cls, seed: int, steps: int, mtbf_steps: float, kinds: tuple[str, ...],

@@ -8,13 +8,57 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+from typing import TYPE_CHECKING
 
+from moepec.errors import CheckpointError
 from moepec.hooks import FaultHooks
+from moepec.train import dist
 from moepec.train.config import TrainConfig
 from moepec.train.fault_setup import ckpt_url
 from moepec.train.metrics import CheckpointLog, MetricsWriter, commit_logger
 
+if TYPE_CHECKING:
+    from moepec.train.dist import DistInfo
+
 log = logging.getLogger(__name__)
+
+
+def check_root_writable(cfg: TrainConfig, info: DistInfo) -> None:
+    """Refuse to start a run whose checkpoint root cannot be written: rank 0 probes it
+    (``Storage.check_writable``, the probe the manager makes before its first write) and
+    every rank raises the same CheckpointError, which names the path and the fix.
+
+    Called by the trainer's set-up on every rank, before anything is built (collective
+    when there is a process group). The manager itself would pause checkpoints to storage
+    and train on with RAM snapshots alone, right for storage that fails during a run; at
+    the start of one, a run that can never write a checkpoint is a mistake to stop on.
+    A worker that torchrun restarted (``TORCHELASTIC_RESTART_COUNT`` > 0) is in the middle
+    of its run: it only warns, and the manager's pause applies (it resumes from RAM).
+    """
+    if cfg.checkpoint is None:
+        return
+    outcome: list[str | None] = [None]
+    if info.rank == 0:
+        from moepec.store.storage import Storage
+
+        try:
+            Storage(cfg.checkpoint.path, cfg.checkpoint.storage_options).check_writable()
+        except (CheckpointError, OSError) as exc:
+            outcome = [str(exc)]
+    if dist.is_initialized():
+        import torch.distributed
+
+        torch.distributed.broadcast_object_list(outcome, src=0)
+    problem = outcome[0]
+    if problem is None:
+        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        if info.rank == 0:
+            log.warning("%s; this worker was restarted mid-run, so training goes on and "
+                        "checkpoints to storage are paused", problem.rstrip("."))
+        return
+    raise CheckpointError(f"{problem.rstrip('.')}; nothing was trained")
 
 
 def build_manager(cfg: TrainConfig, model, optimizer, scheduler, loader, ep, *,

@@ -35,7 +35,6 @@ from moepec.train.config import FtCheckpoints, TrainConfig, TrainResult
 from moepec.train.liveness import PeerWatch
 from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, record_step
 from moepec.train.metrics import MetricsWriter, checkpoint_record, recovery_record
-from moepec.train.persist_errors import persist_guard
 from moepec.train.setup import Run
 from moepec.train.spare import child_store_prefix, joined
 from moepec.train.steps import forward_backward, optimizer_step
@@ -250,7 +249,7 @@ def _train_ft_step(s: _Session, step: int, result: TrainResult) -> tuple[Any, fl
     group.allreduce_gradients(run.model.parameters())
     if run.manager:
         group.prepare_checkpoint(step)  # which part of a striped checkpoint, if due
-        persist_guard(cfg.on_persist_error, s.metrics, step, run.manager.wait_for_snapshot)
+        run.persist.call(step, run.manager.wait_for_snapshot)
     if not group.should_commit():
         run.optimizer.zero_grad(set_to_none=True)
         run.loader.load_state_dict(position)
@@ -261,7 +260,7 @@ def _train_ft_step(s: _Session, step: int, result: TrainResult) -> tuple[Any, fl
     if run.manager:
         if counts is not None:
             run.manager.observe_routing(list(counts))
-        persist_guard(cfg.on_persist_error, s.metrics, step, run.manager.step, step)
+        run.persist.call(step, run.manager.step, step)
         for event in run.checkpoints.take():
             s.metrics.write(checkpoint_record(event))
     return out, lr, grad_norm

@@ -20,8 +20,9 @@ from moepec.train import dist
 from moepec.train.config import Device, TrainConfig
 from moepec.train.data import TokenLoader, eval_batches, load_corpus
 from moepec.train.fault_setup import build_injector
-from moepec.train.manager_setup import build_manager, log_plt_outlook
+from moepec.train.manager_setup import build_manager, check_root_writable, log_plt_outlook
 from moepec.train.metrics import CheckpointLog, MetricsWriter
+from moepec.train.persist_errors import PersistGuard
 from moepec.train.steps import build_optimizer, build_scheduler
 
 __all__ = ["Run", "device_for", "setup"]
@@ -53,6 +54,9 @@ class Run:
     injector: Any = None  # moepec.train.faults.FaultInjector or None
     checkpoints: CheckpointLog = field(default_factory=CheckpointLog)
     """The checkpoints the manager started, not yet written as metrics records."""
+    persist: PersistGuard | None = None
+    """The policy for failed persists (``cfg.on_persist_error``) and the last one seen;
+    set with the manager."""
 
 
 def data_shard(cfg: TrainConfig, info: dist.DistInfo) -> tuple[int, int]:
@@ -76,6 +80,10 @@ def _check_world(cfg: TrainConfig, info: dist.DistInfo) -> None:
             f"ep={cfg.ep} does not divide the {info.world_size} rank(s); use an --ep that "
             "divides the number of ranks (torchrun --nproc_per_node)"
         )
+    if cfg.faults:
+        from moepec.train.faults import FaultPlan
+
+        FaultPlan.parse(cfg.faults).check(cfg.steps, world_size=info.world_size)
 
 
 def _load_data(cfg: TrainConfig, info: dist.DistInfo, seq_len: int,
@@ -187,6 +195,7 @@ def setup(cfg: TrainConfig, info: dist.DistInfo, metrics: MetricsWriter | None =
     receives the manager's commit records."""
     model_cfg = cfg.model_config()
     _check_world(cfg, info)
+    check_root_writable(cfg, info)  # before anything is built: a refusal costs nothing
     device = device_for(cfg, info)
     loader, val = _load_data(cfg, info, model_cfg.seq_len)
     # Collective: every rank creates every EP group (a no-op for ep=1), or the mesh.
@@ -223,4 +232,6 @@ def setup(cfg: TrainConfig, info: dist.DistInfo, metrics: MetricsWriter | None =
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, val=val,
                device=device, manager=manager,
                tokens_per_step=cfg.batch_size * model_cfg.seq_len,
-               injector=injector, checkpoints=checkpoints)
+               injector=injector, checkpoints=checkpoints,
+               persist=PersistGuard(cfg.on_persist_error,
+                                    metrics or MetricsWriter(None, enabled=False)))

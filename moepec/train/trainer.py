@@ -30,11 +30,11 @@ import torch
 from tqdm import tqdm
 
 from moepec.errors import ConfigError, DataError
+from moepec.keys import parse_checkpoint_name
 from moepec.train import dist
 from moepec.train.config import TrainConfig, TrainResult
 from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, record_step
 from moepec.train.metrics import MetricsWriter, checkpoint_record, recovery_record
-from moepec.train.persist_errors import close_manager, persist_guard
 from moepec.train.setup import Run, setup
 
 # Re-exported so `from moepec.train.trainer import train_step` (tests, notebooks) keeps working.
@@ -49,9 +49,9 @@ from moepec.train.steps import (  # noqa: F401
     train_step,
 )
 
-__all__ = ["StepResult", "TrainConfig", "TrainResult", "build_optimizer", "build_scheduler",
-           "evaluate", "forward_backward", "optimizer_step", "param_digest", "train",
-           "train_step"]
+__all__ = ["StepResult", "TrainConfig", "TrainResult", "TrainingInterrupted", "build_optimizer",
+           "build_scheduler", "evaluate", "forward_backward", "optimizer_step", "param_digest",
+           "train", "train_step"]
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def _train_one_step(cfg: TrainConfig, run: Run, step: int,
     if injector is not None:
         injector.after_backward(step)
     if manager:
-        persist_guard(cfg.on_persist_error, metrics, step, manager.wait_for_snapshot)
+        run.persist.call(step, manager.wait_for_snapshot)
     grad_norm = optimizer_step(run.model, run.optimizer, run.scheduler, cfg.grad_clip)
     if manager:
         _checkpoint(cfg, run, step, out, metrics)
@@ -111,7 +111,7 @@ def _checkpoint(cfg: TrainConfig, run: Run, step: int, out: StepResult,
     checkpoint (the manager's CheckpointEvent) becomes a ``checkpoint`` metrics record."""
     manager = run.manager
     manager.observe_routing([s.assigned for s in out.routing])
-    persist_guard(cfg.on_persist_error, metrics, step, manager.step, step)
+    run.persist.call(step, manager.step, step)
     for event in run.checkpoints.take():
         metrics.write(checkpoint_record(event))
 
@@ -204,6 +204,48 @@ def _close_quietly(manager) -> None:
         log.exception("checkpoint manager failed to close after an error")
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped :func:`train`. The checkpoint manager was closed first (its
+    persist in flight finished); the message says at which step, and what a rerun of the
+    same command resumes from."""
+
+
+def _interrupted(cfg: TrainConfig, run: Run | None, result: TrainResult,
+                 is_main: bool) -> TrainingInterrupted:
+    """Close the manager after Ctrl-C and say, in one line (rank 0 logs it), where the run
+    stopped and what a rerun resumes from; returns the exception to raise."""
+    if run is None:
+        message = ("interrupted during set-up, before a step was trained; rerun the same "
+                   "command to start")
+    else:
+        if result.final_step >= 0:
+            step = result.final_step + 1  # the step in progress
+        else:
+            step = 0 if result.resumed_from is None else result.resumed_from + 1
+        manager, run.manager = run.manager, None
+        if manager is not None:
+            try:
+                manager.close()  # waits for the persist in flight
+            except Exception as exc:  # noqa: BLE001 - said in one line: the user stopped it
+                log.warning("the checkpoint manager did not close cleanly after Ctrl-C: %s",
+                            exc)
+        name = manager.last_committed if manager is not None else None
+        parsed = parse_checkpoint_name(name) if name else None
+        if cfg.checkpoint is None:
+            then = "this run keeps no checkpoints (no --ckpt-dir): a rerun starts at step 0"
+        elif name is None:
+            then = ("no checkpoint was committed yet: rerunning the same command starts at "
+                    "step 0")
+        else:
+            newest = f"step {parsed.step} ({name})" if parsed is not None else name
+            then = (f"the newest committed checkpoint is {newest}; rerun the same command "
+                    "to resume")
+        message = f"interrupted at step {step}; {then}"
+    if is_main:
+        log.warning("%s", message)
+    return TrainingInterrupted(message)
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Train as ``cfg`` says; every rank of a torchrun job calls this.
 
@@ -216,7 +258,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     the same model, optimizer and loader are restored from the latest checkpoint (the
     manager's RAM copy when it has one) and training continues; after that it is
     re-raised. Restarts are in-process, meant for single-process runs and faults
-    injected on all ranks at the same step.
+    injected on all ranks at the same step. A checkpoint root that cannot be written when
+    the run starts raises CheckpointError before anything is built. Ctrl-C closes the
+    manager and raises :class:`TrainingInterrupted` (a KeyboardInterrupt) saying where the
+    run stopped and what a rerun resumes from.
     """
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
@@ -232,6 +277,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     metrics = MetricsWriter(_metrics_path(cfg), enabled=is_main,
                             append=cfg.checkpoint is not None)
     run: Run | None = None
+    result = TrainResult(steps=0, final_step=-1, world_size=info.world_size, ep_size=cfg.ep)
     try:
         run = setup(cfg, info, metrics)
         # What exists now (torch's modules, the model, the data) lives for the whole run.
@@ -240,8 +286,6 @@ def train(cfg: TrainConfig) -> TrainResult:
         # (measured: gen-2 pauses of 90-170 ms -> 15-35 ms beside checkpoint persists).
         gc.collect()
         gc.freeze()
-        result = TrainResult(steps=0, final_step=-1, world_size=info.world_size,
-                             ep_size=cfg.ep)
         if cfg.ft is not None:
             from moepec.train.replicas import ft_loop
 
@@ -250,12 +294,14 @@ def train(cfg: TrainConfig) -> TrainResult:
             train_time = _train_with_restarts(cfg, run, result, metrics, is_main)
         if run.manager:
             # waits for the last persist; its error is handled per on_persist_error
-            close_manager(cfg.on_persist_error, metrics, run.manager, result.final_step)
+            run.persist.close(run.manager, result.final_step)
             run.manager = None
         _finish(cfg, run, result, train_time, t_start)
         if cfg.out_dir and is_main:
             _write_summary(Path(cfg.out_dir), result)
         return result
+    except KeyboardInterrupt:
+        raise _interrupted(cfg, run, result, is_main) from None
     finally:
         if run is not None and run.manager:
             _close_quietly(run.manager)
