@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moepec import CheckpointConfig, CheckpointManager, ConfigError
+from moepec import CheckpointConfig, ConfigError
 from moepec.cli.main import main
 from moepec.ram.jobs import job_name, list_jobs
-from tests.toy import Counter, make, run_loop
+from tests.test_trust_ram import manager
+from tests.toy import run_loop
 
 
 def tree(base: Path, files: dict[str, bytes]) -> dict[Path, bytes]:
@@ -40,18 +41,12 @@ def intact(expected: dict[Path, bytes]) -> bool:
 
 
 def ram(capsys, *argv: str) -> tuple[int, str]:
+    """The command's exit code and output (only its own: what the test printed or logged
+    before is dropped)."""
+    capsys.readouterr()
     code = main(["ram", *argv])
     captured = capsys.readouterr()
     return code, captured.out + captured.err
-
-
-def manager(tmp_path: Path, seed: int = 0) -> tuple[CheckpointManager, tuple]:
-    model, opt, sched = make(seed, "stacked", 4)
-    counter = Counter()
-    cfg = CheckpointConfig(path=str(tmp_path / "ckpt"), ram_dir=str(tmp_path / "shm"),
-                           interval=2, k_persist=1)
-    mgr = CheckpointManager(model, opt, cfg, extra_state={"data": counter, "sched": sched})
-    return mgr, (model, opt, sched, counter)
 
 
 def crashed_run(tmp_path: Path, steps: int) -> Path:

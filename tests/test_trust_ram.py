@@ -24,8 +24,9 @@ from tests.toy import Counter, make, run_loop
 VICTIM_BYTES = b"precious user data\n"
 
 
-def manager(tmp_path: Path) -> tuple[CheckpointManager, tuple]:
-    model, opt, sched = make(0, "stacked", 4)
+def manager(tmp_path: Path, seed: int = 0) -> tuple[CheckpointManager, tuple]:
+    """A manager of ``tmp_path/ckpt`` with its RAM tier in ``tmp_path/shm``."""
+    model, opt, sched = make(seed, "stacked", 4)
     counter = Counter()
     cfg = CheckpointConfig(path=str(tmp_path / "ckpt"), ram_dir=str(tmp_path / "shm"),
                            interval=2, k_persist=1)
