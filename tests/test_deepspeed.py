@@ -27,11 +27,11 @@ CASES = ["0:fp32:2", "0:bf16:1", "1:bf16:2", "2:fp32:1", "2:fp32:2"]
 (the 12 combinations all passed once, by hand; 5 keep the suite's time)."""
 
 
-def torchrun(out: Path, phases: str) -> subprocess.CompletedProcess:
+def torchrun(out: Path, phases: str, worker: Path = WORKER) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "DS_ACCELERATOR": "cpu", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(WORKER), str(out), phases]
+           "2", str(worker), str(out), phases]
     with subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:

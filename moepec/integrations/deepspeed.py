@@ -12,31 +12,27 @@ whose config has the section saves K of N experts per MoE layer::
     moepec.integrations.deepspeed.last_load_report()   # a moepec.RestoreReport
 
 or, without the section, :func:`attach` ``(engine, k_persist=2)``. The section takes the
-fields of ``CheckpointConfig`` that apply (``moepec.flat.FLAT_FIELDS``: ``k_persist``,
-``selection``, ``full_every``, ``plt_budget``, ``dynamic_k``, ``dynamic_k_down``).
+``CheckpointConfig`` fields that apply (``moepec.flat.FLAT_FIELDS``), ``async_persist``
+and ``expert_spec`` (an ``ExpertSpec``'s fields). The door is attached when the engine is
+built (a section's mistakes, and a model with no experts found, are said then).
 
-The door is a DeepSpeed ``CheckpointEngine`` put in the engine's ``checkpoint_engine``
-seam. DeepSpeed still decides what each file holds and names it; the door gathers the
-files of one save, turns them into moepec flat keys (:mod:`moepec.integrations.ds_files`:
-each expert's weights file, its fragments of the ZeRO-1/2 flat optimizer partitions, a
-ZeRO-0 optimizer's per-parameter state) and saves them on the flat front end
-(``moepec.flat``: the manager's schedule, selection policies, dynamic K, PLT ledger),
-K experts per MoE layer, all non-expert state every time, each expert's keys written by
-one of the ranks that hold it (spread over the expert-data-parallel ranks). The tag
-folder is a moepec flat checkpoint whose view names the older tags that hold the other
-experts' newest copies; `latest` is written by DeepSpeed after moepec committed. A load
-stitches each file back from its keys. Each rank's torch RNG state is saved too and
-restored by ``load_checkpoint`` (DeepSpeed's top-k gating draws from it).
+The experts: DeepSpeed's own ``deepspeed.moe.layer.MoE`` layers, else the one expert
+discovery of every door (``moepec.state.experts``: a Hugging Face model's stacked or
+module-list experts; shared experts and routers are non-expert state), with routing
+counts from their routers (:mod:`moepec.integrations.ds_experts`). The door is a
+DeepSpeed ``CheckpointEngine`` in the engine's ``checkpoint_engine`` seam: DeepSpeed
+still decides what each file holds and names it; the door turns one save's files into
+flat keys (:mod:`moepec.integrations.ds_files`: each expert's weights, rows of a stacked
+parameter, fragments of ZeRO-1/2 flat partitions, ZeRO-0's per-parameter optimizer
+state) and saves them on the flat front end (``moepec.flat``: schedule, selection,
+dynamic K, PLT), K experts per MoE layer, all non-expert state every time, writes spread
+over the ranks that hold each key. A load stitches each file from the experts' newest
+copies; each rank's torch RNG state goes with the save. Nothing on the load path
+unpickles (tensors from moepec's store, the rest tagged JSON); a tag saved without
+moepec loads as DeepSpeed loads it.
 
-Nothing on the load path unpickles: tensors come from moepec's store, the rest from
-tagged JSON; DeepSpeed's own small types (``fragment_address``, ``ZeroStageEnum``, its
-loss scalers) are rebuilt by name. A tag saved without moepec loads as DeepSpeed loads
-it (``torch.load``). Routing counts for load-aware selection and PLT come from each
-``MoE`` layer's forward (its per-expert token counts), in training mode.
-
-Supported: DeepSpeed's native ``deepspeed.moe.layer.MoE`` at ZeRO stages 0, 1, 2, fp32
-and bf16, any expert parallelism. Refused in one line: ZeRO-3 (native MoE refuses it),
-AutoEP layers, pipeline engines.
+Supported: ZeRO stages 0, 1, 2, fp32 and bf16, any expert parallelism of native MoE.
+Refused in one line: ZeRO-3, AutoEP layers, pipeline engines.
 """
 
 from __future__ import annotations
@@ -52,24 +48,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepspeed.moe.layer import MoE
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 import moepec
 from moepec.errors import CheckpointError, ConfigError, MoepecError
 from moepec.flat import FLAT_FIELDS, FlatFrontEnd, write_rank
+from moepec.integrations.ds_experts import (
+    RouterCounts,
+    check_supported,
+    expert_params,
+    module_replica,
+    native_layers,
+    no_experts_message,
+    optimizer_index,
+    spec_of,
+)
 from moepec.integrations.ds_export import read_latest
 from moepec.integrations.ds_files import (
-    expert_params,
     file_keys,
+    is_stub,
     join_file,
     location,
-    module_replica,
-    optimizer_index,
     owned_keys,
     split_file,
+    stub,
 )
+from moepec.state.experts import ExpertMap, discover
 
 log = logging.getLogger(__name__)
 
@@ -134,36 +139,29 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
         if door.fields != fields:
             raise ConfigError("this engine has moepec attached with other settings")
         return door
-    unknown = sorted(set(fields) - set(FLAT_FIELDS) - {"async_persist"})
+    unknown = sorted(set(fields) - set(FLAT_FIELDS) - set(_DOOR_FIELDS))
     if unknown:
         raise ConfigError(f'{", ".join(unknown)}: not a field of the DeepSpeed config\'s '
                           f'"{SECTION}" section; the ones that apply: '
-                          f'{", ".join(FLAT_FIELDS)}, async_persist')
-    _check_supported(engine)
+                          f'{", ".join(FLAT_FIELDS + _DOOR_FIELDS)}')
+    check_supported(engine)
     async_persist = fields.get("async_persist", True)
     if not isinstance(async_persist, bool):
         raise ConfigError(f"async_persist must be true or false (got {async_persist!r})")
+    emap = None if native_layers(engine.module) else \
+        discover(engine.module, spec_of(fields.get("expert_spec")))
+    if emap is not None and not emap.layers and (
+            not dist.is_initialized() or dist.get_rank() == 0):
+        log.warning("%s", no_experts_message(type(engine.module).__name__, emap, SECTION))
     door = PecCheckpointEngine(engine, FlatFrontEnd(**{k: v for k, v in fields.items()
-                                                      if k != "async_persist"}), fields)
+                                                      if k not in _DOOR_FIELDS}), fields, emap)
     engine._moepec_door = door
     engine.checkpoint_engine = door
     _doors.add(door)
     return door
 
 
-def _check_supported(engine: DeepSpeedEngine) -> None:
-    if engine.zero_optimization_stage() >= 3:
-        raise ConfigError("moepec's DeepSpeed door supports ZeRO stages 0, 1 and 2 "
-                          "(DeepSpeed's native MoE refuses ZeRO-3); set "
-                          "zero_optimization.stage to 2 or drop the moepec section")
-    if type(engine).__name__ == "PipelineEngine":
-        raise ConfigError("moepec's DeepSpeed door does not support pipeline engines; "
-                          "drop the moepec section")
-    for _, m in engine.module.named_modules():
-        if type(m).__name__ == "AutoEPMoELayer":
-            raise ConfigError("moepec's DeepSpeed door supports native "
-                              "deepspeed.moe.layer.MoE layers, not AutoEP; drop the "
-                              "moepec section")
+_DOOR_FIELDS = ("async_persist", "expert_spec")
 
 
 def _section(engine: DeepSpeedEngine) -> dict[str, Any] | None:
@@ -187,7 +185,7 @@ class PecCheckpointEngine(CheckpointEngine):
     PEC folder; loads each file stitched from its keys."""
 
     def __init__(self, engine: DeepSpeedEngine, front: FlatFrontEnd,
-                 fields: dict[str, Any]) -> None:
+                 fields: dict[str, Any], emap: ExpertMap | None = None) -> None:
         super().__init__()
         self.name = "moepec"
         self.fields = dict(fields)
@@ -201,18 +199,32 @@ class PecCheckpointEngine(CheckpointEngine):
         self._files: dict[str, Any] = {}
         self._loading: tuple[str, str] | None = None
         self._rng: torch.Tensor | None = None
-        layers = [m for _, m in engine.module.named_modules() if isinstance(m, MoE)]
+        self.emap = emap
+        """Discovery's experts (None for DeepSpeed's own MoE layers)."""
+        layers = native_layers(engine.module)
         self._layer = {id(m): i for i, m in enumerate(layers)}
         self._hooks = [m.register_forward_hook(self._count) for m in layers]
+        self.routers = None if emap is None else \
+            RouterCounts(engine.module, emap, front.observe_layer)
+        """Routing counts of discovered MoE layers (their routers' forward hooks)."""
+        self._experts: dict[str, Any] | None = None
+        self.saving = False
+        """Inside ``engine.save_checkpoint`` (every rank plans the save, files or not)."""
 
     # -- routing ---------------------------------------------------------------------
-    def _count(self, module: MoE, _inputs: Any, output: Any) -> None:
+    def _count(self, module: Any, _inputs: Any, output: Any) -> None:
         """A MoE layer's forward in training: its tokens per global expert."""
         if not module.training or not isinstance(output, tuple) or len(output) < 3:
             return
         self.front.observe_layer(self._layer[id(module)], output[2])
 
     # -- saving ----------------------------------------------------------------------
+    def experts(self) -> dict[str, Any]:
+        """This engine's expert parameters (``ds_experts.expert_params``), found once."""
+        if self._experts is None:
+            self._experts = expert_params(self._engine, self.emap)
+        return self._experts
+
     def create(self, info: Any) -> None:
         self._info, self._files = info, {}
 
@@ -240,7 +252,7 @@ class PecCheckpointEngine(CheckpointEngine):
         a stub at each file's path, write this rank's keys (in the background with
         ``async_persist``: the tensors are DeepSpeed's clones, a consistent snapshot),
         and commit once every rank's share is written."""
-        if not self._files:
+        if not self.saving:  # not a save_checkpoint (save_16bit_model's file is written)
             return self._inner.commit(info)
         files, self._files = self._files, {}
         error = self._previous_error()
@@ -250,13 +262,12 @@ class PecCheckpointEngine(CheckpointEngine):
         tensors, units = {}, {}
         try:
             for name, sd in files.items():
-                split = split_file(name, sd, expert_params(self._engine),
-                                   optimizer_index(self._engine))
+                split = split_file(name, sd, self.experts(), optimizer_index(self._engine))
                 tensors |= split.tensors
                 units |= split.units
-            replica = module_replica(self._engine, info, files)
-            tensors |= replica
-            units |= dict.fromkeys(replica)
+            replica = module_replica(self._engine, info, files, self.experts())
+            tensors |= replica.tensors
+            units |= replica.units
         except MoepecError as exc:
             error = error or str(exc)
         rank = dist.get_rank()
@@ -267,7 +278,7 @@ class PecCheckpointEngine(CheckpointEngine):
         share = {k: tensors[k].cpu() for k in mine if k in plan.written}
         tag_folder = os.path.join(os.path.abspath(info.save_dir), info.tag)
         for name in files:  # DeepSpeed's load looks for its files by name
-            _stub(os.path.join(tag_folder, name))
+            stub(os.path.join(tag_folder, name))
         folder = os.path.join(root, where)
         if not self.async_persist:
             write_rank(folder, share, rank)
@@ -311,7 +322,7 @@ class PecCheckpointEngine(CheckpointEngine):
         folder, name = os.path.split(os.path.abspath(path))
         root, tag = location(*os.path.split(folder))
         if not os.path.exists(os.path.join(root, tag, _MANIFEST)):
-            if _is_stub(path):
+            if is_stub(path):
                 raise CheckpointError(f"{folder} is a moepec save that never committed (it "
                                       f"was interrupted); load another tag")
             return self._inner.load(path, map_location=map_location)
@@ -376,25 +387,6 @@ class PecCheckpointEngine(CheckpointEngine):
         self._rng, self._loading = None, None
 
 
-STUB = (b"moepec: this DeepSpeed file is stored in the moepec checkpoint of this folder "
-        b"(moepec.json); DeepSpeed loads it with `import moepec.integrations.deepspeed`, "
-        b"`moepec export` writes it out\n")
-"""What stands at each DeepSpeed file's path (DeepSpeed checks they exist)."""
-
-
-def _stub(path: str) -> None:
-    with open(path, "wb") as f:
-        f.write(STUB)
-
-
-def _is_stub(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(STUB)) == STUB
-    except OSError:
-        return False
-
-
 _ORIGINAL: dict[str, Any] = {}
 
 
@@ -407,8 +399,14 @@ def _install() -> None:
 
     @functools.wraps(save)
     def save_checkpoint(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
-        _door_of(self)
-        return save(self, *args, **kwargs)
+        door = _door_of(self)
+        if door is None:
+            return save(self, *args, **kwargs)
+        door.saving = True
+        try:
+            return save(self, *args, **kwargs)
+        finally:
+            door.saving = False
 
     @functools.wraps(load)
     def load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = None,
@@ -431,6 +429,14 @@ def _install() -> None:
         found = None if door is None else door.model_files(checkpoints_path, tag)
         return names(self, checkpoints_path, tag) if found is None else found
 
+    _ORIGINAL["init"] = init = DeepSpeedEngine.__init__
+
+    @functools.wraps(init)
+    def __init__(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _door_of(self)  # at deepspeed.initialize: a section's mistakes, no experts found
+
+    DeepSpeedEngine.__init__ = __init__
     DeepSpeedEngine.save_checkpoint = save_checkpoint
     DeepSpeedEngine.load_checkpoint = load_checkpoint
     DeepSpeedEngine._get_all_ckpt_names = _get_all_ckpt_names

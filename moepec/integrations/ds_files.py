@@ -18,9 +18,14 @@ unpickled on the way back). Which expert unit ``(layer, expert)`` a key belongs 
   each parameter's state goes with that parameter's unit;
 - anything else (non-expert module state, scalars, RNG) is non-expert state.
 
-Pure (no I/O, no collectives), as are :func:`location` (where a save's files live),
-:data:`DS_FILE` (the file names a tag may hold) and :func:`expert_params` /
-:func:`optimizer_index` (what the engine holds).
+Expert tensors are named by a map from parameter name to unit, or to :class:`Rows` for a
+stacked ``[E, ...]`` parameter (:mod:`moepec.integrations.ds_experts`): its tensors in the
+module (``"module"``) and a torch optimizer's state are cut into one key per expert row,
+its ZeRO-1/2 fragments at the row boundaries inside them (a fragment may start or end
+inside a row: the partition boundary).
+
+Pure (no I/O, no collectives), as are :func:`location` (where a save's files live) and
+:data:`DS_FILE` (the file names a tag may hold).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moepec.errors import CorruptCheckpointError, MoepecError
+from moepec.errors import CorruptCheckpointError
 from moepec.flat import Unit, decode_object, encode_object
 
 HF_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
@@ -76,44 +81,6 @@ def location(save_dir: str, tag: str) -> tuple[str, str]:
     return save_dir, str(tag)
 
 
-def expert_params(engine: Any) -> dict[str, Unit]:
-    """Each expert parameter's name (as ``engine.module.named_parameters()``) -> its
-    unit: (MoE layer L in ``named_modules()`` order, global expert index)."""
-    from deepspeed.moe.layer import MoE
-    from deepspeed.utils import groups
-
-    out: dict[str, Unit] = {}
-    layer = 0
-    for prefix, module in engine.module.named_modules():
-        if not isinstance(module, MoE):
-            continue
-        rank = groups._get_expert_parallel_rank(module.expert_group_name)
-        local = module.num_local_experts
-        experts = module.deepspeed_moe.experts.deepspeed_experts
-        base = f"{prefix}." if prefix else ""
-        for e, expert in enumerate(experts):
-            for name, _ in expert.named_parameters():
-                out[f"{base}deepspeed_moe.experts.deepspeed_experts.{e}.{name}"] = (
-                    layer_name(layer), rank * local + e)
-        layer += 1
-    return out
-
-
-def optimizer_index(engine: Any) -> dict[int, str]:
-    """A torch optimizer's state index -> parameter name (ZeRO-0's state_dict(); under
-    bf16/fp16 the optimizer's parameters are fp32 copies of the model's, in the same
-    positions of ``fp32_groups`` and ``fp16_groups``)."""
-    opt = getattr(engine, "optimizer", None)
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    low, high = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
-    if low is not None and high is not None:
-        names |= {id(h): names.get(id(lo), "") for gl, gh in zip(low, high)
-                  for lo, h in zip(gl, gh)}
-    inner = getattr(opt, "optimizer", opt)
-    params = [p for g in getattr(inner, "param_groups", []) for p in g["params"]]
-    return {i: names[id(p)] for i, p in enumerate(params) if names.get(id(p))}
-
-
 def layer_name(layer: int) -> str:
     """The flat front end's name of DeepSpeed's MoE layer ``layer`` (natural order)."""
     return f"layer_{layer}"
@@ -125,6 +92,36 @@ def file_unit(name: str) -> Unit | None:
     return (layer_name(int(m[1])), int(m[2])) if m else None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rows:
+    """A stacked expert parameter ``[E, ...]`` of ``numel`` elements: expert ``e`` is its
+    row ``e`` (``numel // experts`` elements, contiguous in the flattened parameter).
+    ``offset``: where this rank's ZeRO-1/2 fragment of it starts (in the flattened
+    parameter); a fragment may begin and end inside a row."""
+
+    layer: str
+    experts: int
+    numel: int
+    offset: int = 0
+
+    def pieces(self, start: int, numel: int, offset: int) -> list[tuple[int, int, Unit]]:
+        """The ``numel`` elements at ``start`` of a flat tensor, which hold this
+        parameter's elements from ``offset`` on, cut at row boundaries: (start, numel,
+        unit) per piece."""
+        per = self.numel // self.experts
+        out, at = [], 0
+        while at < numel:
+            e = (offset + at) // per
+            end = min(numel, (e + 1) * per - offset)
+            out.append((start + at, end - at, (self.layer, e)))
+            at = end
+        return out
+
+
+Rule = Unit | Rows | None
+"""What of a tensor is whose: one unit's, rows of units, or non-expert."""
+
+
 @dataclasses.dataclass(slots=True)
 class Split:
     """One file as flat keys."""
@@ -134,24 +131,30 @@ class Split:
 
 
 class _Splitter:
-    def __init__(self, name: str, params: Mapping[str, Unit], opt_index: Mapping[int, str]):
+    def __init__(self, name: str, params: Mapping[str, Unit | Rows],
+                 opt_index: Mapping[int, str], to_cpu: bool = True):
         self.name, self.params, self.opt_index = name, params, opt_index
         self.unit = file_unit(name)
         self.out = Split({}, {})
+        self.to_cpu = to_cpu
 
     def key(self, path: list[Any]) -> str:
         return f"{self.name}/" + "/".join(str(p) for p in path)
 
     def put(self, t: torch.Tensor, path: list[Any], unit: Unit | None) -> dict[str, Any]:
         k = self.key(path)
-        self.out.tensors[k] = t.detach().cpu()
+        self.out.tensors[k] = t.detach().cpu() if self.to_cpu else t.detach()
         self.out.units[k] = self.unit if self.unit is not None else unit
         return {_MARK: "t", "k": k}
 
-    def walk(self, x: Any, path: list[Any], unit: Unit | None = None) -> Any:
+    def walk(self, x: Any, path: list[Any], unit: Rule = None) -> Any:
         if isinstance(x, torch.Tensor):
+            if isinstance(unit, Rows):
+                return self.rows(x, path, unit)
             return self.put(x, path, unit)
         if isinstance(x, dict):
+            if path == ["module"]:  # the model's parameters by name
+                return {k: self.walk(v, path + [k], self.params.get(k)) for k, v in x.items()}
             if "param_slice_mappings" in x:
                 return self.flat_optimizer(x, path)
             if _is_torch_optimizer(x):
@@ -163,6 +166,14 @@ class _Splitter:
         if isinstance(x, list) or (isinstance(x, tuple) and not hasattr(x, "_fields")):
             return type(x)(self.walk(v, path + [i], unit) for i, v in enumerate(x))
         return _plain(x)
+
+    def rows(self, t: torch.Tensor, path: list[Any], rows: Rows) -> Any:
+        """A whole stacked parameter (or a state of its shape) as one key per expert; any
+        other tensor of its optimizer state (a step count) as non-expert."""
+        if t.dim() == 0 or t.shape[0] != rows.experts or t.numel() != rows.numel:
+            return self.put(t, path, None)
+        flat = self.cut(t.reshape(-1), path, rows.pieces(0, t.numel(), 0))
+        return {**flat, "shape": list(t.shape)}
 
     def torch_optimizer(self, x: dict, path: list[Any]) -> Any:
         state = {i: {k: self.walk(v, path + ["state", i, k],
@@ -187,7 +198,8 @@ class _Splitter:
         maps = x["param_slice_mappings"]
         flats: dict[int, list[tuple[int, int, Unit | None]]] = {}
         for g, mapping in enumerate(maps):
-            frags = sorted((a.start, a.numel, self.params.get(n)) for n, a in mapping.items())
+            frags = sorted(piece for n, a in mapping.items()
+                           for piece in self.fragment(self.params.get(n), a))
             if any(u is not None for _, _, u in frags):
                 flats[g] = frags
         out = {}
@@ -204,6 +216,13 @@ class _Splitter:
             else:
                 out[k] = self.walk(v, path + [k])
         return out
+
+    @staticmethod
+    def fragment(rule: Unit | Rows | None, a: Any) -> list[tuple[int, int, Unit | None]]:
+        """A parameter's fragment ``a`` of a flat partition: one piece, or its rows."""
+        if isinstance(rule, Rows):
+            return rule.pieces(int(a.start), int(a.numel), rule.offset)
+        return [(int(a.start), int(a.numel), rule)]
 
     def cut(self, t: Any, path: list[Any], frags: list[tuple[int, int, Unit | None]] | None
             ) -> Any:
@@ -248,10 +267,11 @@ def _plain(x: Any) -> Any:
     return {_MARK: "obj", "type": name, "state": {k: _plain(v) for k, v in vars(x).items()}}
 
 
-def split_file(name: str, sd: Any, params: Mapping[str, Unit],
+def split_file(name: str, sd: Any, params: Mapping[str, Unit | Rows],
                opt_index: Mapping[int, str]) -> Split:
     """File ``name``'s state dict ``sd`` as flat keys. ``params``: expert parameter name
-    -> unit; ``opt_index``: a torch optimizer's parameter index -> parameter name.
+    -> its unit or rows (``sd["module"]``'s tensors, a torch optimizer's per-parameter
+    state, ZeRO's flat fragments go with them); ``opt_index``: a torch optimizer's parameter index -> parameter name.
     Raises ConfigError naming a value moepec does not store."""
     s = _Splitter(name, params, opt_index)
     skeleton = s.walk(sd, [])
@@ -259,6 +279,16 @@ def split_file(name: str, sd: Any, params: Mapping[str, Unit],
         skeleton, f"DeepSpeed checkpoint file {name}",
         fix="keep client_state to JSON values and tensors")
     s.out.units[f"{name}/{SKELETON}"] = s.unit
+    return s.out
+
+
+def split_module(name: str, module: Mapping[str, torch.Tensor],
+                 params: Mapping[str, Unit | Rows]) -> Split:
+    """The keys :func:`split_file` gives ``module`` as file ``name``'s ``"module"``
+    (another data-parallel rank's copy of rank 0's), tensors left on their device, no
+    skeleton."""
+    s = _Splitter(name, params, {}, to_cpu=False)
+    s.walk({"module": dict(module)}, [])
     return s.out
 
 
@@ -324,10 +354,21 @@ def _flat(x: dict, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         at = max(at, start + n)
     if at != numel:
         raise ValueError(f"its pieces leave values {at}.. of its {numel} unfilled")
+    shape = x.get("shape")
+    if shape is not None and (not isinstance(shape, list) or any(
+            type(d) is not int or d < 0 for d in shape) or _prod(shape) != numel):
+        raise ValueError(f"a shape {shape!r:.60} of {numel} values")
     out = torch.empty(numel, dtype=dtype)
     for start, n, t in pieces:
         out[start:start + n] = t
-    return out
+    return out if shape is None else out.view(shape)
+
+
+def _prod(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _build(x: dict) -> Any:
@@ -341,28 +382,6 @@ def _build(x: dict) -> Any:
     obj.__dict__.update({k: _build(v) if isinstance(v, dict) and _MARK in v else v
                          for k, v in x["state"].items()})
     return obj
-
-
-def module_replica(engine: Any, info: Any, files: Mapping[str, Any]
-                   ) -> dict[str, torch.Tensor]:
-    """On a data-parallel rank other than 0 (DeepSpeed hands its non-expert model file
-    over on rank 0 alone): this rank's copy of that file's trained non-expert parameters
-    (on their device: only those :func:`owned_keys` gives this rank are copied), keyed as
-    :func:`split_file` keys them there, so that their writes can be spread. Parameters
-    that train only: they are equal on every data-parallel rank after each step; buffers
-    and frozen parameters may not be (rank 0's are DeepSpeed's). Empty where the file is
-    this rank's. Raises MoepecError for anything unexpected (it reaches every rank)."""
-    try:
-        name = os.path.basename(engine._get_ckpt_name(info.save_dir, info.tag))
-        if name in files:
-            return {}
-        trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
-        state = engine._get_non_moe_state_dict(engine.module_state_dict())
-        key = _Splitter(name, {}, {}).key  # the keys split_file gives rank 0's file
-        return {key(["module", k]): v.detach() for k, v in state.items() if k in trained}
-    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not hang
-        raise MoepecError(f"the non-expert parameters of this rank cannot be read "
-                          f"({type(exc).__name__}: {exc})") from exc
 
 
 def owned_keys(units: Mapping[str, Unit | None],
@@ -395,3 +414,22 @@ def owned_keys(units: Mapping[str, Unit | None],
             load[owner[k]] += n
     me = dist.get_rank()
     return {k: u for k, u in units.items() if owner[k] == me}
+
+
+STUB = (b"moepec: this DeepSpeed file is stored in the moepec checkpoint of this folder "
+        b"(moepec.json); DeepSpeed loads it with `import moepec.integrations.deepspeed`, "
+        b"`moepec export` writes it out\n")
+"""What stands at each DeepSpeed file's path (DeepSpeed checks they exist)."""
+
+
+def stub(path: str) -> None:
+    with open(path, "wb") as f:
+        f.write(STUB)
+
+
+def is_stub(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(STUB)) == STUB
+    except OSError:
+        return False

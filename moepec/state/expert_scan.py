@@ -101,14 +101,18 @@ def _full(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+def is_router_name(attr: str, cls: str) -> bool:
+    """Whether a child named ``attr`` of class ``cls`` is taken for a router."""
+    return attr in ROUTER_NAMES or any(w in cls.lower() for w in _ROUTER_CLASS_WORDS)
+
+
 def router_outputs(mod: nn.Module | None) -> set[int]:
     """Rows of the 2-D weights of ``mod``'s router/gate children (its expert counts)."""
     if mod is None:
         return set()
     out: set[int] = set()
     for name, child in mod.named_children():
-        cls = type(child).__name__.lower()
-        if name in ROUTER_NAMES or any(w in cls for w in _ROUTER_CLASS_WORDS):
+        if is_router_name(name, type(child).__name__):
             out |= {p.shape[0] for p in child.parameters() if p.dim() == 2}
     for name, p in mod.named_parameters(recurse=False):
         if name.split("_")[0] in ROUTER_NAMES and p.dim() == 2:

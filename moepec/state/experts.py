@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from moepec.errors import ExpertDiscoveryError
-from moepec.state.expert_scan import Candidate, scan, suggest_spec
+from moepec.state.expert_scan import Candidate, is_router_name, scan, suggest_spec
 
 STACKED_PATTERN = r"^(?P<layer>.+)\.experts\.(?P<name>[A-Za-z_][^.]*)$"
 """The name-only pattern of stacked experts moepec used before structural discovery."""
@@ -390,3 +390,15 @@ def describe(emap: ExpertMap, params: dict[str, nn.Parameter] | None = None,
                               for c in refused for _, shape in c.tensors):
         lines.append(f"if these are experts, pass expert_spec={suggest_spec(emap.candidates)}")
     return "\n".join(lines)
+
+
+def find_router(block: nn.Module, n_experts: int) -> nn.Module | None:
+    """The router of the MoE layer ``block`` (an :class:`ExpertLayer`'s ``prefix``
+    module): the child the structural scan takes as its router (named ``gate``,
+    ``router``... or of a class named like one) with a 2-D weight of ``n_experts`` rows;
+    None if it has none. For a door's routing counts; pure."""
+    for name, child in block.named_children():
+        if is_router_name(name, type(child).__name__) and any(
+                p.dim() == 2 and p.shape[0] == n_experts for p in child.parameters()):
+            return child
+    return None

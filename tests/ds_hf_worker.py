@@ -1,0 +1,282 @@
+"""A torchrun worker for tests/test_deepspeed_hf.py: transformers MoE models (random
+weights from their config classes) under plain ``deepspeed.initialize`` with the moepec
+door, CPU, gloo, 2 ranks. ``python ds_hf_worker.py OUT PHASE[,PHASE...]``; each phase
+writes its results as JSON per rank in OUT:
+
+- ``stitched=CASES`` (``model:stage``): K=2 of 4 experts per layer, a save after each of 4
+  steps (the first full), the routers' own top-k choices counted beside the door; a fresh
+  engine (another seed) loads ``latest``: every parameter's weight, fp32 master and Adam
+  moments -- each expert's rows of a stacked parameter, or its module's parameters --
+  compared with their values at the step the load report names for that expert (the
+  last save's for non-expert state), on both ranks;
+- ``exact=CASES``: K = N, a save at step 2, 2 more steps; a fresh engine loads and trains
+  the same 2 steps: the losses, bit for bit;
+- ``dense``: a model with no experts and a section: the one-line warning;
+- ``trainer``: the Hugging Face Trainer at ZeRO-2 on transformers' own Mixtral, saves and
+  a resume.
+
+Models: ``mixtral`` is transformers' Mixtral with each layer's experts as a module list
+(one module per expert, ``experts.{e}.w1/w2/w3``: the layout of transformers 4.x and of
+most fine-tuning code; transformers 5 stacks them), ``qwen2`` Qwen2-MoE (stacked
+``[E, ...]`` experts and a shared expert), sized so that ZeRO-2's partition boundary
+between the 2 ranks falls inside one expert's row of a stacked parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import deepspeed
+import torch
+from torch import nn
+
+import moepec.integrations.deepspeed as door
+from moepec.integrations.ds_files import Rows
+from tests.ds_worker import state
+
+V, H, E = 64, 16, 4
+
+
+class ExpertMLP(nn.Module):
+    """One Mixtral expert as transformers 4.x built it (``MixtralBlockSparseTop2MLP``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(H, 16, bias=False)
+        self.w2 = nn.Linear(16, H, bias=False)
+        self.w3 = nn.Linear(H, 16, bias=False)
+
+    def forward(self, x):
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class ExpertList(nn.ModuleList):
+    """Mixtral's experts as a module list, called as transformers 5 calls its experts."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e, expert in enumerate(self):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel():
+                out.index_add_(0, token, expert(hidden[token]) * top_k_weights[token, slot, None])
+        return out
+
+
+def model(name: str, seed: int) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    attn = dict(vocab_size=V, hidden_size=H, num_attention_heads=2, num_key_value_heads=1,
+                num_hidden_layers=2)
+    if name == "mixtral":
+        m = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **attn, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2))
+        for layer in m.model.layers:
+            layer.mlp.experts = ExpertList(ExpertMLP() for _ in range(E))
+        return m
+    # 3 layers: ZeRO-2's boundary between 2 ranks falls in expert 2's row of layer 1's
+    # gate_up_proj (value 752 of it, 256 a row)
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **dict(attn, num_hidden_layers=3), moe_intermediate_size=8, shared_expert_intermediate_size=16, num_experts=E,
+        num_experts_per_tok=2))
+
+
+def engine(name: str, stage: int, seed: int, section: dict | None):
+    net = model(name, seed)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+           "steps_per_print": 10 ** 6}
+    if section is not None:
+        cfg["moepec"] = section
+    eng, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    return eng
+
+
+def train(eng, steps: int, seed: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        g = torch.Generator().manual_seed(seed * 1000 + int(eng.global_steps) * 2
+                                          + torch.distributed.get_rank())
+        ids = torch.randint(0, V, (2, 8), generator=g)
+        loss = eng(input_ids=ids, labels=ids).loss
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
+def routed(eng) -> tuple[list[list[int]], list]:
+    """Count each MoE layer's top-k choices as the model makes them (the routers'
+    ``top_k_index``), independently of the door: [layer][expert], and the hook handles."""
+    counts: list[list[int]] = []
+    handles = []
+    for block in (m for m in eng.module.modules() if hasattr(m, "experts")
+                  and hasattr(m, "gate")):
+        row = [0] * E
+        counts.append(row)
+
+        def hook(_m, _i, out, row=row):
+            for e in out[2].reshape(-1).tolist():
+                row[e] += 1
+        handles.append(block.gate.register_forward_hook(hook))
+    return counts, handles
+
+
+def compare(got: dict, at: dict, experts: dict, source: dict, last: int) -> list[str]:
+    """Each tensor of ``got`` against its value at the step its expert came from."""
+    bad = []
+    for name, vals in got.items():
+        rule = experts.get(name)
+        for k, v in vals.items():
+            if rule is None or isinstance(rule, tuple):
+                step = last if rule is None else source[_unit(rule)]
+                if not torch.equal(v, at[step][name][k]):
+                    bad.append(f"{name}.{k}@{step}")
+                continue
+            flat = v.reshape(-1)  # a stacked parameter: one expert's run of elements each
+            offset = 0 if k == "w" or flat.numel() == rule.numel else rule.offset
+            for start, n, unit in rule.pieces(0, flat.numel(), offset):
+                step = source[_unit(unit)]
+                if not torch.equal(flat[start:start + n],
+                                   at[step][name][k].reshape(-1)[start:start + n]):
+                    bad.append(f"{name}.{k}[{start}+{n}]@{step}")
+    return bad
+
+
+def _unit(unit: tuple[str, int]) -> str:
+    return f"{unit[0].removeprefix('layer_')}/{unit[1]}"
+
+
+def crossing(experts: dict) -> list[str]:
+    """Stacked parameters whose ZeRO fragment on this rank starts or ends inside a row."""
+    out = []
+    for name, rule in experts.items():
+        if isinstance(rule, Rows) and rule.offset:
+            per = rule.numel // rule.experts
+            if rule.offset % per:
+                out.append(name)
+    return out
+
+
+def stitched(out: str, cases: list[str]) -> dict:
+    results = {}
+    for case in cases:
+        name, stage = case.split(":")
+        save_dir = os.path.join(out, case.replace(":", "_"))
+        eng = engine(name, int(stage), seed=1, section={"k_persist": 2})
+        counts, handles = routed(eng)
+        at = {}
+        for _ in range(4):
+            train(eng, 1, seed=1)
+            eng.save_checkpoint(save_dir)
+            at[int(eng.global_steps)] = state(eng)
+        for h in handles:
+            h.remove()
+        door.wait()
+        experts = door.attach(eng, k_persist=2).experts()
+        fresh = engine(name, int(stage), seed=7, section={"k_persist": 2})
+        fresh.load_checkpoint(save_dir)
+        report = door.last_load_report()
+        source = {k: v["step"] for k, v in report.sources.items()}
+        results[case] = {
+            "bad": compare(state(fresh), at, experts, source, max(at)),
+            "checked": len(at[max(at)]), "sources": source, "step": report.step,
+            "plt": report.plt, "global_steps": int(fresh.global_steps),
+            "layouts": sorted({"rows" if isinstance(r, Rows) else "module"
+                               for r in experts.values()}),
+            "crossing": crossing(experts), "routed": counts,
+            "experts": sorted({n for n in experts}),
+        }
+    return results
+
+
+def exact(out: str, cases: list[str]) -> dict:
+    results = {}
+    for case in cases:
+        name, stage = case.split(":")
+        save_dir = os.path.join(out, "exact_" + case.replace(":", "_"))
+        eng = engine(name, int(stage), seed=3, section={"k_persist": E})
+        train(eng, 2, seed=3)
+        eng.save_checkpoint(save_dir)
+        after = train(eng, 2, seed=3)
+        fresh = engine(name, int(stage), seed=9, section={"k_persist": E})
+        fresh.load_checkpoint(save_dir)
+        results[case] = {"uninterrupted": after, "resumed": train(fresh, 2, seed=3),
+                         "sources": sorted({v["step"] for v in
+                                            door.last_load_report().sources.values()})}
+    return results
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def trainer(out: str, _cases: list[str]) -> dict:
+    """The Hugging Face Trainer (``deepspeed=`` a config dict with ZeRO-2 and the section)
+    on transformers' own Mixtral (stacked experts): saves every 2 steps to 6, then a new
+    Trainer resumes from the last checkpoint and trains to 10."""
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    def run(steps: int) -> Trainer:
+        torch.manual_seed(0)
+        net = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=V, hidden_size=H, num_attention_heads=2, num_key_value_heads=1,
+            num_hidden_layers=2, intermediate_size=16, num_local_experts=E,
+            num_experts_per_tok=2))
+        ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+              "moepec": {"k_persist": 1}}
+        args = TrainingArguments(output_dir=os.path.join(out, "trainer"), max_steps=steps,
+                                 per_device_train_batch_size=2, save_steps=2, use_cpu=True,
+                                 deepspeed=ds, report_to=[], seed=0, learning_rate=1e-2,
+                                 disable_tqdm=True, logging_steps=100)
+        return Trainer(model=net, args=args, train_dataset=_Tokens())
+
+    run(6).train()
+    resumed = run(10)
+    resumed.train(resume_from_checkpoint=True)
+    report = door.last_load_report()
+    return {"step": report.step, "global_step": resumed.state.global_step,
+            "sources": {k: v["step"] for k, v in report.sources.items()}, "plt": report.plt}
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def dense(out: str, _cases: list[str]) -> dict:
+    """A section on a model without experts: the warning, at deepspeed.initialize."""
+    lines = _Lines()
+    logging.getLogger("moepec.integrations.deepspeed").addHandler(lines)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+           "moepec": {"k_persist": 2}}
+    deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    return {"warnings": [m for m in lines.lines if "no experts" in m]}
+
+
+if __name__ == "__main__":
+    out, phases = sys.argv[1], sys.argv[2].split(",")
+    for phase in phases:
+        name, _, arg = phase.partition("=")
+        res = globals()[name](out, arg.split("+") if arg else [])
+        rank = torch.distributed.get_rank()
+        with open(os.path.join(out, f"results_{name}_{rank}.json"), "w") as f:
+            json.dump(res, f)

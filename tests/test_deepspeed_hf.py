@@ -1,0 +1,120 @@
+"""The DeepSpeed door on the models people train with it: transformers MoE models (random
+weights from their config classes) under plain ``deepspeed.initialize``, CPU, gloo, 2
+ranks under torchrun, found by the one expert discovery every door uses. One launch of
+tests/ds_hf_worker.py serves every test below (a module fixture)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_deepspeed import torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "ds_hf_worker.py"
+STITCHED = ["mixtral:0", "mixtral:2", "qwen2:0", "qwen2:1", "qwen2:2"]
+"""model : ZeRO stage. ``mixtral``: module-list experts; ``qwen2``: stacked experts and a
+shared expert, its ZeRO-1/2 partition boundary inside an expert's row."""
+EXACT = ["mixtral:0", "mixtral:2", "qwen2:0", "qwen2:2"]
+
+
+def results(out: Path, phase: str) -> list[dict]:
+    return [json.loads((out / f"results_{phase}_{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed_hf")
+    done = torchrun(out, f"stitched={'+'.join(STITCHED)},exact={'+'.join(EXACT)},dense,trainer",
+                    WORKER)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return out
+
+
+def test_stitched_load_restores_every_expert_from_its_save(runs):
+    """K=2 of 4 per layer, a save after each of 4 steps: a fresh engine's load gives each
+    expert -- its module's parameters, or its rows of each stacked parameter and of their
+    fp32 masters and Adam moments -- as it was at the step its report names, and every
+    non-expert tensor (shared experts and routers included) as at the last save, on both
+    ranks, at ZeRO-0, 1 and 2."""
+    for rank, res in enumerate(results(runs, "stitched")):
+        for case in STITCHED:
+            r = res[case]
+            assert r["bad"] == [], (rank, case, r["bad"][:5])
+            assert r["step"] == r["global_steps"] == 4
+            layers = 2 if case.startswith("mixtral") else 3
+            # the first save full, then two of four experts per layer each save: the
+            # newest copies of half of them are at step 3
+            assert sorted(r["sources"].values()) == [3] * (2 * layers) + [4] * (2 * layers)
+            assert r["layouts"] == (["module"] if case.startswith("mixtral") else ["rows"])
+            assert not any("shared" in n or ".gate." in n for n in r["experts"])
+            assert 0 < r["plt"] < 1
+
+
+def test_a_stacked_experts_row_split_by_the_zero_partition_boundary_is_restored(runs):
+    """The qwen2 model is sized so that rank 1's ZeRO-1/2 partition begins inside an
+    expert's row of a stacked parameter: that expert's fp32 master and moments are cut
+    from both ranks' partitions and restored whole (the stitched test's `bad` is empty)."""
+    rank1 = results(runs, "stitched")[1]
+    for case in ("qwen2:1", "qwen2:2"):
+        assert rank1[case]["crossing"] == ["model.layers.1.mlp.experts.gate_up_proj"]
+        assert rank1[case]["bad"] == []
+
+
+def test_each_save_writes_k_of_n_experts(runs):
+    for case in ("mixtral_2", "qwen2_2"):
+        manifests = {p.parent.name: json.loads(p.read_text())
+                     for p in (runs / case).glob("global_step*/moepec.json")}
+        layers = len(manifests["global_step1"]["layers"])
+        assert layers == (2 if case.startswith("mixtral") else 3)
+        saved = {n: len(m["experts_saved"]) for n, m in manifests.items()}
+        assert saved == {"global_step1": 4 * layers, "global_step2": 2 * layers,
+                         "global_step3": 2 * layers, "global_step4": 2 * layers}
+
+
+def test_routing_counts_are_what_the_routers_routed(runs):
+    """The door's counts (hooks on what discovery found, summed over ranks, in the last
+    save's schedule) equal the routers' own top-k choices counted beside it."""
+    res = results(runs, "stitched")
+    for case in ("mixtral_2", "qwen2_2"):
+        key = case.replace("_", ":")
+        m = json.loads((runs / case / "global_step4" / "moepec.json").read_text())
+        routed = [[a + b for a, b in zip(r0, r1)]
+                  for r0, r1 in zip(res[0][key]["routed"], res[1][key]["routed"])]
+        assert m["schedule"]["counts"] == routed
+        assert sum(map(sum, routed)) == 4 * 2 * 16 * 2 * len(routed)  # steps ranks tokens k
+
+
+def test_k_equal_n_resume_is_bit_exact(runs):
+    for res in results(runs, "exact"):
+        for case in EXACT:
+            assert res[case]["sources"] == [2], case
+            assert res[case]["resumed"] == res[case]["uninterrupted"], case
+
+
+def test_a_section_on_a_model_without_experts_says_so_once_at_initialize(runs):
+    said = [r["warnings"] for r in results(runs, "dense")]
+    assert said[1] == [] and len(said[0]) == 1
+    line = said[0][0]
+    assert "\n" not in line and "no experts found in Sequential" in line
+    assert "deepspeed.moe.layer.MoE" in line and '"expert_spec"' in line
+
+
+def test_the_trainer_at_zero_2_saves_k_experts_and_resumes_stitched(runs):
+    """The Trainer (``deepspeed=`` ZeRO-2 with ``{"moepec": {"k_persist": 1}}``) on
+    transformers' own Mixtral (stacked experts): its checkpoint-N folders are one lineage
+    (the first full, then one expert per layer), and resume_from_checkpoint stitches
+    checkpoint-6 from the older ones and trains on to step 10."""
+    manifests = {p.parent.name: json.loads(p.read_text())
+                 for p in (runs / "trainer").glob("checkpoint-*/moepec.json")}
+    saved = {n: len(manifests[n]["experts_saved"])
+             for n in ("checkpoint-2", "checkpoint-4", "checkpoint-6")}
+    assert saved == {"checkpoint-2": 8, "checkpoint-4": 2, "checkpoint-6": 2}
+    for res in results(runs, "trainer"):
+        assert res["step"] == 6 and res["global_step"] == 10
+        assert sorted(res["sources"].values()) == [2, 2, 2, 2, 4, 4, 6, 6]
+        assert 0 < res["plt"] < 1
