@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from tests.test_deepspeed import torchrun
 
@@ -118,3 +120,41 @@ def test_the_trainer_at_zero_2_saves_k_experts_and_resumes_stitched(runs):
         assert res["step"] == 6 and res["global_step"] == 10
         assert sorted(res["sources"].values()) == [2, 2, 2, 2, 4, 4, 6, 6]
         assert 0 < res["plt"] < 1
+
+
+class _Stacked(nn.Module):
+    """Stacked [E, ...] expert weights that structural discovery cannot take (no experts
+    module, no router beside them): the user names them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Module() for _ in range(2))
+        for b in self.blocks:
+            b.ffn = nn.Module()
+            b.ffn.w_in = nn.Parameter(torch.zeros(4, 8, 16))
+            b.ffn.w_out = nn.Parameter(torch.zeros(4, 16, 8))
+        self.head = nn.Linear(16, 4)
+
+
+def test_the_no_experts_line_names_an_expert_spec_that_finds_them():
+    """The warning's ``"expert_spec"`` is JSON for the section, and taken as it is it
+    finds the experts the structure could not; a wrong field is refused in one line."""
+    from moepec.errors import ConfigError
+    from moepec.integrations.ds_experts import expert_params, no_experts_message, spec_of
+    from moepec.integrations.ds_files import Rows
+    from moepec.state.experts import discover
+
+    model = _Stacked()
+    assert discover(model).layers == []
+    line = no_experts_message("_Stacked", discover(model), "moepec")
+    assert "\n" not in line
+    spec = json.loads(line.split('"expert_spec": ', 1)[1].removesuffix(
+        ' in the "moepec" section'))
+    emap = discover(model, spec_of(spec))
+    assert emap.n_experts == (4, 4)
+    engine = type("Engine", (), {"module": model})()
+    found = expert_params(engine, emap)
+    assert found["blocks.1.ffn.w_out"] == Rows("layer_1", 4, 4 * 16 * 8, 0)
+    assert "head.weight" not in found
+    with pytest.raises(ConfigError, match="stacked, modules and ragged"):
+        spec_of({"stack": "x"})

@@ -168,7 +168,7 @@ def spec_of(section: Any) -> ExpertSpec | None:
 def no_experts_message(model: str, emap: ExpertMap, section: str) -> str:
     """One line: a config section on a model where discovery found no experts (every
     save would be full), what was looked for and the ``expert_spec`` to name them."""
-    found = dict(re.findall(r"(stacked|modules)=r?'([^']*)'", suggest_spec(emap.candidates)))
+    found = dict(re.findall(r'(stacked|modules)=r"([^"]*)"', suggest_spec(emap.candidates)))
     spec = json.dumps(found or {"stacked": r"^(?P<layer>.+)\.experts\.(?P<name>[^.]+)$"})
     return (f"moepec: no experts found in {model} (looked for deepspeed.moe.layer.MoE "
             f"layers, stacked [E, ...] expert parameters and per-expert module lists beside "
