@@ -158,3 +158,21 @@ def test_the_no_experts_line_names_an_expert_spec_that_finds_them():
     assert "head.weight" not in found
     with pytest.raises(ConfigError, match="stacked, modules and ragged"):
         spec_of({"stack": "x"})
+
+
+def test_export_and_fp32_export_give_the_stitched_model(runs, tmp_path):
+    """`moepec export` (the module weights) and `--fp32` (ZeRO-2's fp32 masters joined
+    from both ranks' partitions, a stacked row split between them included) of the qwen2
+    save agree, and load into the model class strictly."""
+    from safetensors.torch import load_file
+
+    from moepec.integrations.ds_export import export_fp32, export_model
+    from tests.ds_hf_worker import model
+
+    export_model(str(runs / "qwen2_2"), str(tmp_path / "m.safetensors"))
+    export_fp32(str(runs / "qwen2_2"), str(tmp_path / "f.safetensors"))
+    weights, masters = (load_file(str(tmp_path / n)) for n in ("m.safetensors",
+                                                              "f.safetensors"))
+    assert sorted(weights) == sorted(masters)
+    assert [k for k in weights if not torch.equal(weights[k], masters[k])] == []
+    model("qwen2", 0).load_state_dict(weights, strict=True)
