@@ -13,7 +13,9 @@ writes its results as JSON per rank in OUT:
   the same 2 steps: the losses, bit for bit;
 - ``dense``: a model with no experts and a section: the one-line warning;
 - ``trainer``: the Hugging Face Trainer at ZeRO-2 on transformers' own Mixtral, saves and
-  a resume.
+  a resume;
+- ``accelerate``: Accelerate's ``save_state``/``load_state`` with its DeepSpeed plugin
+  at ZeRO-2, the same model.
 
 Models: ``mixtral`` is transformers' Mixtral with each layer's experts as a module list
 (one module per expert, ``experts.{e}.w1/w2/w3``: the layout of transformers 4.x and of
@@ -223,15 +225,10 @@ def trainer(out: str, _cases: list[str]) -> dict:
     """The Hugging Face Trainer (``deepspeed=`` a config dict with ZeRO-2 and the section)
     on transformers' own Mixtral (stacked experts): saves every 2 steps to 6, then a new
     Trainer resumes from the last checkpoint and trains to 10."""
-    import transformers
     from transformers import Trainer, TrainingArguments
 
     def run(steps: int) -> Trainer:
-        torch.manual_seed(0)
-        net = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            vocab_size=V, hidden_size=H, num_attention_heads=2, num_key_value_heads=1,
-            num_hidden_layers=2, intermediate_size=16, num_local_experts=E,
-            num_experts_per_tok=2))
+        net = mixtral(0)
         ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
               "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2},
               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
@@ -248,6 +245,61 @@ def trainer(out: str, _cases: list[str]) -> dict:
     report = door.last_load_report()
     return {"step": report.step, "global_step": resumed.state.global_step,
             "sources": {k: v["step"] for k, v in report.sources.items()}, "plt": report.plt}
+
+
+def mixtral(seed: int) -> nn.Module:
+    """transformers' own Mixtral (stacked experts), tiny."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=V, hidden_size=H, num_attention_heads=2, num_key_value_heads=1,
+        num_hidden_layers=2, intermediate_size=16, num_local_experts=E,
+        num_experts_per_tok=2))
+
+
+def accelerate(out: str, _cases: list[str]) -> dict:
+    """Accelerate's own loop with its DeepSpeed plugin (ZeRO-2, the section) and automatic
+    checkpoint naming: ``save_state`` after steps 2, 4 and 6 (``checkpoints/checkpoint_<i>``,
+    tag ``pytorch_model``); a new Accelerator and model (another seed) ``load_state``: every
+    expert as at the step its report names, all else as at step 6."""
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DummyOptim, ProjectConfiguration
+
+    def prepared(seed: int):
+        ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+              "moepec": {"k_persist": 1}}
+        # a new process's Accelerator (one DeepSpeed plugin per process; the Trainer
+        # phase's, and the first run's, reset as the Trainer resets them)
+        AcceleratorState._reset_state()
+        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds),
+                          project_config=ProjectConfiguration(
+                              project_dir=os.path.join(out, "accelerate"),
+                              automatic_checkpoint_naming=True))
+        net = mixtral(seed)
+        eng, _ = acc.prepare(net, DummyOptim(net.parameters()))
+        return acc, eng
+
+    acc, eng = prepared(1)
+    at = {}
+    for _ in range(3):
+        train(eng, 2, seed=1)
+        acc.save_state()
+        at[int(eng.global_steps)] = state(eng)
+    door.wait()
+    experts = door.attach(eng, k_persist=1).experts()
+    acc2, fresh = prepared(7)
+    acc2.load_state()
+    report = door.last_load_report()
+    source = {k: v["step"] for k, v in report.sources.items()}
+    root = os.path.join(out, "accelerate", "checkpoints")
+    saved = {f: len(json.load(open(os.path.join(root, f, "moepec.json")))["experts_saved"])
+             for f in sorted(os.listdir(root))}
+    return {"bad": compare(state(fresh), at, experts, source, max(at)), "sources": source,
+            "step": report.step, "saved": saved}
 
 
 class _Lines(logging.Handler):

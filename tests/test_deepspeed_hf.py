@@ -31,7 +31,8 @@ def results(out: Path, phase: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed_hf")
-    done = torchrun(out, f"stitched={'+'.join(STITCHED)},exact={'+'.join(EXACT)},dense,trainer",
+    done = torchrun(out, f"stitched={'+'.join(STITCHED)},exact={'+'.join(EXACT)},dense,trainer,"
+                    "accelerate",
                     WORKER)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out
@@ -120,6 +121,17 @@ def test_the_trainer_at_zero_2_saves_k_experts_and_resumes_stitched(runs):
         assert res["step"] == 6 and res["global_step"] == 10
         assert sorted(res["sources"].values()) == [2, 2, 2, 2, 4, 4, 6, 6]
         assert 0 < res["plt"] < 1
+
+
+def test_accelerate_save_state_folders_are_one_lineage_and_load_state_stitches(runs):
+    """Accelerate's own loop, its DeepSpeed plugin at ZeRO-2, automatic checkpoint naming:
+    ``save_state`` folders ``checkpoint_<i>`` (DeepSpeed tag ``pytorch_model`` in each) are
+    one lineage, the first full, then one expert per layer; ``load_state`` gives every
+    expert's weights, fp32 master and moments as at the step its report names."""
+    for res in results(runs, "accelerate"):
+        assert res["saved"] == {"checkpoint_0": 8, "checkpoint_1": 2, "checkpoint_2": 2}
+        assert res["step"] == 6 and res["bad"] == []
+        assert sorted(res["sources"].values()) == [2, 2, 2, 2, 4, 4, 6, 6]
 
 
 class _Stacked(nn.Module):

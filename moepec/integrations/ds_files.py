@@ -43,7 +43,9 @@ import torch.distributed as dist
 from moepec.errors import CorruptCheckpointError
 from moepec.flat import Unit, decode_object, encode_object
 
-HF_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
+HF_CHECKPOINT = re.compile(r"^checkpoint[-_]\d+$")
+"""A checkpoint folder of the Hugging Face Trainer (``checkpoint-<N>``) or of Accelerate's
+automatic naming (``checkpoint_<i>``): one DeepSpeed tag inside each."""
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_\d+_model_states\.pt$")
 DS_FILE = re.compile(
     r"(?:mp_rank_[0-9]+_model_states"                              # _get_ckpt_name
@@ -71,9 +73,10 @@ plain fields), never by unpickling."""
 def location(save_dir: str, tag: str) -> tuple[str, str]:
     """Where the moepec checkpoint of DeepSpeed's ``save_dir/tag`` lives: (root, folder).
     Normally ``(save_dir, tag)``: the tags of one save directory are one lineage. A save
-    directory named ``checkpoint-<N>`` (the Hugging Face Trainer's, one tag each) is
-    itself the folder, its parent the root, so that the Trainer's checkpoints are one
-    lineage and a checkpoint folder it deletes takes its experts' copies with it."""
+    directory named ``checkpoint-<N>`` (the Hugging Face Trainer's, one tag each) or
+    ``checkpoint_<i>`` (Accelerate's ``save_state``, its tag always ``pytorch_model``) is
+    itself the folder, its parent the root, so that those checkpoints are one lineage and
+    a checkpoint folder deleted takes its experts' copies with it."""
     save_dir = os.path.abspath(save_dir)
     parent, base = os.path.split(save_dir)
     if HF_CHECKPOINT.match(base):
