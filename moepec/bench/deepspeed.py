@@ -1,8 +1,13 @@
 """DeepSpeed: the moepec door against DeepSpeed's own checkpoint engines, on the same
 MoE model, ZeRO stage and Adam state, in the same run.
 
-    moepec bench deepspeed [--layers 4 --experts 8 --hidden 256 --ffn 1024
-                            --checkpoints 6 --steps 3 --k 1 --stage 2]
+    moepec bench deepspeed [--model native|mixtral --layers 4 --experts 8 --hidden 256
+                            --ffn 1024 --checkpoints 6 --steps 3 --k 1 --stage 2]
+
+``--model native``: DeepSpeed's own ``deepspeed.moe.layer.MoE`` layers; ``mixtral``:
+transformers' ``MixtralForCausalLM`` from its config class (random weights, stacked
+experts, vocabulary ``--vocab``), its parameters as they are (found by moepec's expert
+discovery).
 
 For each method, a fresh engine (same seed) trains ``--steps`` steps between
 checkpoints; per ``engine.save_checkpoint`` call: the bytes its tag folder holds once
@@ -33,6 +38,9 @@ METHODS = ("deepspeed", "decoupled", "moepec", "moepec-sync")
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="moepec bench deepspeed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("native", "mixtral"), default="native",
+                   help="DeepSpeed's MoE layers, or transformers' Mixtral")
+    p.add_argument("--vocab", type=int, default=1024, help="mixtral: vocabulary size")
     p.add_argument("--layers", type=int, default=4, help="MoE layers")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
@@ -49,7 +57,28 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _mixtral(args: argparse.Namespace) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+        num_local_experts=args.experts, num_experts_per_tok=2))
+
+
+def expert_share(net: torch.nn.Module) -> float:
+    """The experts' share of the model's parameters (moepec's discovery)."""
+    from moepec.state.experts import discover
+
+    params = dict(net.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    return sum(params[n].numel() for n in discover(net).owner) / total
+
+
 def _model(args: argparse.Namespace) -> torch.nn.Module:
+    if args.model == "mixtral":
+        return _mixtral(args)
     from deepspeed.moe.layer import MoE
     from torch import nn
 
@@ -80,8 +109,9 @@ def _engine(args: argparse.Namespace, method: str):
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     net = _model(args)
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(net.parameters()), "name": "p"})
+    groups = list(net.parameters()) if args.model == "mixtral" else \
+        split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(net.parameters()), "name": "p"})
     cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": args.stage},
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
            "steps_per_print": 10 ** 9}
@@ -93,11 +123,17 @@ def _engine(args: argparse.Namespace, method: str):
     return engine
 
 
-def _train(engine, steps: int) -> float:
+def _train(engine, steps: int, vocab: int | None = None) -> float:
     from torch import nn
 
     started = time.perf_counter()
     for _ in range(steps):
+        if vocab is not None:  # a causal LM
+            ids = torch.randint(0, vocab, (8, 32))
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            continue
         x = torch.randn(8, 64)
         out, aux = engine(x)
         loss = nn.functional.cross_entropy(out, torch.randint(0, 8, (8,))) + aux
@@ -114,14 +150,15 @@ def run_method(args: argparse.Namespace, method: str, root: Path) -> dict:
     import moepec.integrations.deepspeed as door
 
     engine = _engine(args, method)
+    vocab = args.vocab if args.model == "mixtral" else None
     save_dir = root / method
     blocked, step_s = [], []
     for _ in range(args.checkpoints):
-        step_s.append(_train(engine, args.steps))
+        step_s.append(_train(engine, args.steps, vocab))
         started = time.perf_counter()
         engine.save_checkpoint(str(save_dir))
         blocked.append(time.perf_counter() - started)
-    _train(engine, 1)  # the decoupled engine commits at the next step
+    _train(engine, 1, vocab)  # the decoupled engine commits at the next step
     if method.startswith("moepec"):
         door.wait()
     cleanup = getattr(engine.checkpoint_engine, "cleanup", None)
@@ -131,7 +168,7 @@ def run_method(args: argparse.Namespace, method: str, root: Path) -> dict:
                   key=lambda p: int(p.name.removeprefix("global_step")))
     sizes = [_bytes(t) for t in tags]
     return {"method": method, "blocked": blocked, "bytes": sizes,
-            "step_s": statistics.median(step_s)}
+            "step_s": statistics.median(step_s), "share": expert_share(engine.module)}
 
 
 def _setup(args: argparse.Namespace) -> None:
@@ -151,8 +188,11 @@ def report(rows: list[dict], args: argparse.Namespace) -> list[str]:
     base = next((r for r in rows if r["method"] == "deepspeed"), rows[0])
     b_blocked = statistics.median(base["blocked"][1:])
     b_bytes = statistics.median(base["bytes"][1:])
-    lines = [f"DeepSpeed MoE: {args.layers} MoE layers x {args.experts} experts, hidden "
-             f"{args.hidden}, ffn {args.ffn}, ZeRO-{args.stage}, fp32 Adam; K={args.k}; "
+    model = "DeepSpeed MoE" if args.model == "native" else \
+        f"transformers Mixtral (vocabulary {args.vocab})"
+    lines = [f"{model}: {args.layers} MoE layers x {args.experts} experts, hidden "
+             f"{args.hidden}, ffn {args.ffn}, experts {100 * base['share']:.1f}% of the "
+             f"parameters, ZeRO-{args.stage}, fp32 Adam; K={args.k}; "
              f"{args.checkpoints} saves, {args.steps} steps apart; medians over saves 2..",
              f"{'method':<12} {'MB/save':>8} {'x bytes':>8} {'first MB':>9} "
              f"{'blocked ms':>11} {'x blocked':>10} {'step ms':>8}"]
