@@ -12,8 +12,9 @@ writes its results as JSON per rank in OUT:
 - ``exact=CASES``: K = N, a save at step 2, 2 more steps; a fresh engine loads and trains
   the same 2 steps: the losses, bit for bit;
 - ``dense``: a model with no experts and a section: the one-line warning;
-- ``trainer``: the Hugging Face Trainer at ZeRO-2 on transformers' own Mixtral, saves and
-  a resume;
+- ``trainer=STAGES``: the Hugging Face Trainer on transformers' own Mixtral, saves and a
+  resume;
+- ``load_aware``: load-aware selection fed by the routers' counts;
 - ``accelerate``: Accelerate's ``save_state``/``load_state`` with its DeepSpeed plugin
   at ZeRO-2, the same model.
 
@@ -195,6 +196,23 @@ def stitched(out: str, cases: list[str]) -> dict:
     return results
 
 
+def load_aware(out: str, _cases: list[str]) -> dict:
+    """``selection: load_aware``, K=1, qwen2 at ZeRO-2, a save after each of 3 steps: the
+    routers' own choices counted beside the door after each save (cumulative)."""
+    save_dir = os.path.join(out, "load_aware")
+    eng = engine("qwen2", 2, seed=5, section={"k_persist": 1, "selection": "load_aware"})
+    counts, handles = routed(eng)
+    after = []
+    for _ in range(3):
+        train(eng, 1, seed=5)
+        eng.save_checkpoint(save_dir)
+        after.append([list(row) for row in counts])
+    for h in handles:
+        h.remove()
+    door.wait()
+    return {"after": after}
+
+
 def exact(out: str, cases: list[str]) -> dict:
     results = {}
     for case in cases:
@@ -221,19 +239,24 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def trainer(out: str, _cases: list[str]) -> dict:
-    """The Hugging Face Trainer (``deepspeed=`` a config dict with ZeRO-2 and the section)
-    on transformers' own Mixtral (stacked experts): saves every 2 steps to 6, then a new
-    Trainer resumes from the last checkpoint and trains to 10."""
+def trainer(out: str, stages: list[str]) -> dict:
+    """The Hugging Face Trainer (``deepspeed=`` a config dict with the ZeRO stage and the
+    section) on transformers' own Mixtral (stacked experts), per stage: saves every 2
+    steps to 6, then a new Trainer resumes from the last checkpoint and trains to 10."""
+    return {stage: _trainer(os.path.join(out, f"trainer_{stage}"), int(stage))
+            for stage in stages}
+
+
+def _trainer(out: str, stage: int) -> dict:
     from transformers import Trainer, TrainingArguments
 
     def run(steps: int) -> Trainer:
         net = mixtral(0)
         ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2},
+              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
               "moepec": {"k_persist": 1}}
-        args = TrainingArguments(output_dir=os.path.join(out, "trainer"), max_steps=steps,
+        args = TrainingArguments(output_dir=out, max_steps=steps,
                                  per_device_train_batch_size=2, save_steps=2, use_cpu=True,
                                  deepspeed=ds, report_to=[], seed=0, learning_rate=1e-2,
                                  disable_tqdm=True, logging_steps=100)

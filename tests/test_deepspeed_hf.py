@@ -31,8 +31,8 @@ def results(out: Path, phase: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed_hf")
-    done = torchrun(out, f"stitched={'+'.join(STITCHED)},exact={'+'.join(EXACT)},dense,trainer,"
-                    "accelerate",
+    done = torchrun(out, f"stitched={'+'.join(STITCHED)},exact={'+'.join(EXACT)},dense,"
+                    "trainer=0+2,accelerate,load_aware",
                     WORKER)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out
@@ -107,20 +107,36 @@ def test_a_section_on_a_model_without_experts_says_so_once_at_initialize(runs):
     assert "deepspeed.moe.layer.MoE" in line and '"expert_spec"' in line
 
 
-def test_the_trainer_at_zero_2_saves_k_experts_and_resumes_stitched(runs):
-    """The Trainer (``deepspeed=`` ZeRO-2 with ``{"moepec": {"k_persist": 1}}``) on
+@pytest.mark.parametrize("stage", ["0", "2"])
+def test_the_trainer_saves_k_experts_and_resumes_stitched(runs, stage):
+    """The Trainer (``deepspeed=`` ZeRO-0 or 2 with ``{"moepec": {"k_persist": 1}}``) on
     transformers' own Mixtral (stacked experts): its checkpoint-N folders are one lineage
     (the first full, then one expert per layer), and resume_from_checkpoint stitches
     checkpoint-6 from the older ones and trains on to step 10."""
     manifests = {p.parent.name: json.loads(p.read_text())
-                 for p in (runs / "trainer").glob("checkpoint-*/moepec.json")}
+                 for p in (runs / f"trainer_{stage}").glob("checkpoint-*/moepec.json")}
     saved = {n: len(manifests[n]["experts_saved"])
              for n in ("checkpoint-2", "checkpoint-4", "checkpoint-6")}
     assert saved == {"checkpoint-2": 8, "checkpoint-4": 2, "checkpoint-6": 2}
     for res in results(runs, "trainer"):
+        res = res[stage]
         assert res["step"] == 6 and res["global_step"] == 10
         assert sorted(res["sources"].values()) == [2, 2, 2, 2, 4, 4, 6, 6]
         assert 0 < res["plt"] < 1
+
+
+def test_load_aware_selection_takes_the_most_routed_expert(runs):
+    """``selection: load_aware``, K=1: the second save (the first after the full one)
+    takes, in each layer, an expert the routers sent the most tokens since the first."""
+    res = results(runs, "load_aware")
+    after = [[[a + b for a, b in zip(r0, r1)] for r0, r1 in zip(s0, s1)]
+             for s0, s1 in zip(res[0]["after"], res[1]["after"])]  # summed over ranks
+    m = json.loads((runs / "load_aware" / "global_step2" / "moepec.json").read_text())
+    assert m["schedule"]["selectors"]["persist"]["policy"] == "load_aware"
+    saved = dict(m["experts_saved"])
+    for layer, (first, second) in enumerate(zip(after[0], after[1])):
+        since = [b - a for a, b in zip(first, second)]
+        assert since[saved[f"layer_{layer}"]] == max(since), (layer, since, saved)
 
 
 def test_accelerate_save_state_folders_are_one_lineage_and_load_state_stitches(runs):
