@@ -133,9 +133,9 @@ def check_supported(engine: Any) -> None:
     from moepec.errors import ConfigError
 
     if engine.zero_optimization_stage() >= 3:
-        raise ConfigError("moepec's DeepSpeed door supports ZeRO stages 0, 1 and 2 "
-                          "(DeepSpeed's native MoE refuses ZeRO-3); set "
-                          "zero_optimization.stage to 2 or drop the moepec section")
+        raise ConfigError("moepec's DeepSpeed door supports ZeRO stages 0, 1 and 2, not "
+                          "ZeRO-3 yet; set zero_optimization.stage to 2 or drop the moepec "
+                          "section")
     if type(engine).__name__ == "PipelineEngine":
         raise ConfigError("moepec's DeepSpeed door does not support pipeline engines; "
                           "drop the moepec section")
