@@ -64,7 +64,8 @@ class ExpertList(nn.ModuleList):
         for e, expert in enumerate(self):
             token, slot = torch.where(top_k_index == e)
             if token.numel():
-                out.index_add_(0, token, expert(hidden[token]) * top_k_weights[token, slot, None])
+                part = expert(hidden[token]) * top_k_weights[token, slot, None]
+                out.index_add_(0, token, part.to(out.dtype))
         return out
 
 
@@ -87,11 +88,18 @@ def model(name: str, seed: int) -> nn.Module:
         num_experts_per_tok=2))
 
 
-def engine(name: str, stage: int, seed: int, section: dict | None):
+def engine(name: str, stage: int | str, seed: int, section: dict | None):
+    """``stage``: the ZeRO stage, ``"2bf16"`` for stage 2 in bf16."""
     net = model(name, seed)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+    bf16 = str(stage).endswith("bf16")
+    if bf16:
+        net = net.to(torch.bfloat16)
+    cfg = {"train_micro_batch_size_per_gpu": 2,
+           "zero_optimization": {"stage": int(str(stage).removesuffix("bf16"))},
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
            "steps_per_print": 10 ** 6}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
     if section is not None:
         cfg["moepec"] = section
     eng, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
@@ -169,7 +177,7 @@ def stitched(out: str, cases: list[str]) -> dict:
     for case in cases:
         name, stage = case.split(":")
         save_dir = os.path.join(out, case.replace(":", "_"))
-        eng = engine(name, int(stage), seed=1, section={"k_persist": 2})
+        eng = engine(name, stage, seed=1, section={"k_persist": 2})
         counts, handles = routed(eng)
         at = {}
         for _ in range(4):
@@ -180,7 +188,7 @@ def stitched(out: str, cases: list[str]) -> dict:
             h.remove()
         door.wait()
         experts = door.attach(eng, k_persist=2).experts()
-        fresh = engine(name, int(stage), seed=7, section={"k_persist": 2})
+        fresh = engine(name, stage, seed=7, section={"k_persist": 2})
         fresh.load_checkpoint(save_dir)
         report = door.last_load_report()
         source = {k: v["step"] for k, v in report.sources.items()}

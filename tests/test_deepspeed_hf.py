@@ -18,9 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "ds_hf_worker.py"
-STITCHED = ["mixtral:0", "mixtral:2", "qwen2:0", "qwen2:1", "qwen2:2"]
-"""model : ZeRO stage. ``mixtral``: module-list experts; ``qwen2``: stacked experts and a
-shared expert, its ZeRO-1/2 partition boundary inside an expert's row."""
+STITCHED = ["mixtral:0", "mixtral:2", "mixtral:0bf16", "qwen2:0", "qwen2:1bf16", "qwen2:2",
+            "qwen2:2bf16"]
+"""model : ZeRO stage (fp32, or bf16). ``mixtral``: module-list experts; ``qwen2``: stacked
+experts and a shared expert, its ZeRO-1/2 partition boundary inside an expert's row."""
 EXACT = ["mixtral:0", "mixtral:2", "qwen2:0", "qwen2:2"]
 
 
@@ -43,7 +44,7 @@ def test_stitched_load_restores_every_expert_from_its_save(runs):
     expert -- its module's parameters, or its rows of each stacked parameter and of their
     fp32 masters and Adam moments -- as it was at the step its report names, and every
     non-expert tensor (shared experts and routers included) as at the last save, on both
-    ranks, at ZeRO-0, 1 and 2."""
+    ranks, at ZeRO-0, 1 and 2, fp32 and bf16 (whose fp32 copies are the masters)."""
     for rank, res in enumerate(results(runs, "stitched")):
         for case in STITCHED:
             r = res[case]
@@ -63,7 +64,7 @@ def test_a_stacked_experts_row_split_by_the_zero_partition_boundary_is_restored(
     expert's row of a stacked parameter: that expert's fp32 master and moments are cut
     from both ranks' partitions and restored whole (the stitched test's `bad` is empty)."""
     rank1 = results(runs, "stitched")[1]
-    for case in ("qwen2:1", "qwen2:2"):
+    for case in ("qwen2:1bf16", "qwen2:2"):
         assert rank1[case]["crossing"] == ["model.layers.1.mlp.experts.gate_up_proj"]
         assert rank1[case]["bad"] == []
 
