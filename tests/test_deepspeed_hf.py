@@ -6,6 +6,9 @@ tests/ds_hf_worker.py serves every test below (a module fixture)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,10 +195,12 @@ def test_the_no_experts_line_names_an_expert_spec_that_finds_them():
 def test_export_and_fp32_export_give_the_stitched_model(runs, tmp_path):
     """`moepec export` (the module weights) and `--fp32` (ZeRO-2's fp32 masters joined
     from both ranks' partitions, a stacked row split between them included) of the qwen2
-    save agree, and load into the model class strictly."""
+    save agree and load into the model class strictly; `moepec materialize` writes
+    DeepSpeed's own files, from which DeepSpeed's zero_to_fp32.py joins the same
+    masters."""
     from safetensors.torch import load_file
 
-    from moepec.integrations.ds_export import export_fp32, export_model
+    from moepec.integrations.ds_export import export_fp32, export_model, materialize
     from tests.ds_hf_worker import model
 
     export_model(str(runs / "qwen2_2"), str(tmp_path / "m.safetensors"))
@@ -205,3 +210,13 @@ def test_export_and_fp32_export_give_the_stitched_model(runs, tmp_path):
     assert sorted(weights) == sorted(masters)
     assert [k for k in weights if not torch.equal(weights[k], masters[k])] == []
     model("qwen2", 0).load_state_dict(weights, strict=True)
+    # back to DeepSpeed's own format: its zero_to_fp32.py joins the same masters
+    materialize(str(runs / "qwen2_2"), str(tmp_path / "ds"))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(tmp_path / "ds" / "zero_to_fp32.py"),
+                           str(tmp_path / "ds"), str(tmp_path / "z2f")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    joined = torch.load(tmp_path / "z2f" / "pytorch_model.bin", weights_only=True)
+    assert sorted(joined) == sorted(masters)
+    assert all(torch.equal(joined[k], masters[k]) for k in masters)
