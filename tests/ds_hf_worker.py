@@ -136,6 +136,27 @@ def routed(eng) -> tuple[list[list[int]], list]:
     return counts, handles
 
 
+def snapshot(eng) -> dict[str, dict[str, torch.Tensor]]:
+    """:func:`tests.ds_worker.state`, and at ZeRO-3 each parameter's part of this rank's
+    partition: its weights, fp32 master and Adam moments (padding left out)."""
+    frags = door.zero3_fragments(eng)
+    if frags is None:
+        return state(eng)
+    opt = eng.optimizer
+    sd = opt.state_dict()
+    names = dict(eng.module.named_parameters())
+    out = {}
+    for g, group in enumerate(frags):
+        flat = sd["fp32_flat_groups"][g]
+        st = sd["optimizer_state_dict"]["state"][g]
+        for name, start, numel in group:
+            cut = slice(start, start + numel)
+            out[name] = {"w": names[name].ds_tensor.reshape(-1)[:numel].clone(),
+                         "fp32": flat[cut].clone(), "m": st["exp_avg"][cut].clone(),
+                         "v": st["exp_avg_sq"][cut].clone()}
+    return out
+
+
 def compare(got: dict, at: dict, experts: dict, source: dict, last: int) -> list[str]:
     """Each tensor of ``got`` against its value at the step its expert came from."""
     bad = []
@@ -148,7 +169,7 @@ def compare(got: dict, at: dict, experts: dict, source: dict, last: int) -> list
                     bad.append(f"{name}.{k}@{step}")
                 continue
             flat = v.reshape(-1)  # a stacked parameter: one expert's run of elements each
-            offset = 0 if k == "w" or flat.numel() == rule.numel else rule.offset
+            offset = 0 if flat.numel() == rule.numel else rule.offset
             for start, n, unit in rule.pieces(0, flat.numel(), offset):
                 step = source[_unit(unit)]
                 if not torch.equal(flat[start:start + n],
@@ -183,7 +204,7 @@ def stitched(out: str, cases: list[str]) -> dict:
         for _ in range(4):
             train(eng, 1, seed=1)
             eng.save_checkpoint(save_dir)
-            at[int(eng.global_steps)] = state(eng)
+            at[int(eng.global_steps)] = snapshot(eng)
         for h in handles:
             h.remove()
         door.wait()
@@ -193,7 +214,7 @@ def stitched(out: str, cases: list[str]) -> dict:
         report = door.last_load_report()
         source = {k: v["step"] for k, v in report.sources.items()}
         results[case] = {
-            "bad": compare(state(fresh), at, experts, source, max(at)),
+            "bad": compare(snapshot(fresh), at, experts, source, max(at)),
             "checked": len(at[max(at)]), "sources": source, "step": report.step,
             "plt": report.plt, "global_steps": int(fresh.global_steps),
             "layouts": sorted({"rows" if isinstance(r, Rows) else "module"

@@ -14,7 +14,8 @@ its results as JSON per rank in OUT:
 - ``materialized``: DeepSpeed without moepec loads what ``moepec materialize`` wrote;
 - ``hf``: the Hugging Face Trainer with the section in its DeepSpeed config saves and
   resumes;
-- ``refusals``: a section field that does not apply, and ZeRO-3, refused in one line;
+- ``refusals``: a section field that does not apply refused in one line; ZeRO-3 (a dense
+  model with the section) taken;
 - ``kill``: a committed save, then rank 1 is SIGKILLed inside the next save;
   ``afterkill`` (a new launch): ``latest`` loads the committed one, the killed tag
   is refused.

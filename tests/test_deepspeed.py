@@ -201,7 +201,9 @@ def test_what_the_door_refuses_it_refuses_in_one_line(runs):
     for res in results(runs, "refusals"):
         assert res["field"] is not None and "interval" in res["field"]
         assert "k_persist" in res["field"] and "\n" not in res["field"]
-        assert res["zero3"] is not None and "ZeRO stages 0, 1 and 2" in res["zero3"]
+        # ZeRO-3 is taken (DeepSpeed refuses its own MoE layers there): a dense model
+        # with the section saves, full (tests/test_deepspeed_hf.py: MoE models at ZeRO-3)
+        assert res["zero3"] is None
 
 
 def test_config_fields_are_the_flat_front_ends():

@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "ds_hf_worker.py"
-STITCHED = ["mixtral:0", "mixtral:2", "mixtral:0bf16", "qwen2:0", "qwen2:1bf16", "qwen2:2",
-            "qwen2:2bf16"]
+STITCHED = ["mixtral:0", "mixtral:2", "mixtral:3", "mixtral:0bf16", "qwen2:0", "qwen2:1bf16",
+            "qwen2:2", "qwen2:2bf16", "qwen2:3"]
 """model : ZeRO stage (fp32, or bf16). ``mixtral``: module-list experts; ``qwen2``: stacked
 experts and a shared expert, its ZeRO-1/2 partition boundary inside an expert's row."""
-EXACT = ["mixtral:0", "mixtral:2", "qwen2:0", "qwen2:2"]
+EXACT = ["mixtral:0", "mixtral:2", "mixtral:3", "qwen2:0", "qwen2:2", "qwen2:3"]
 
 
 def results(out: Path, phase: str) -> list[dict]:
@@ -47,7 +47,8 @@ def test_stitched_load_restores_every_expert_from_its_save(runs):
     expert -- its module's parameters, or its rows of each stacked parameter and of their
     fp32 masters and Adam moments -- as it was at the step its report names, and every
     non-expert tensor (shared experts and routers included) as at the last save, on both
-    ranks, at ZeRO-0, 1 and 2, fp32 and bf16 (whose fp32 copies are the masters)."""
+    ranks, at ZeRO-0, 1, 2 and 3 (each rank's partition of every parameter), fp32 and
+    bf16 (whose fp32 copies are the masters)."""
     for rank, res in enumerate(results(runs, "stitched")):
         for case in STITCHED:
             r = res[case]
@@ -200,6 +201,7 @@ def test_export_and_fp32_export_give_the_stitched_model(runs, tmp_path):
     masters."""
     from safetensors.torch import load_file
 
+    from moepec.errors import CheckpointError
     from moepec.integrations.ds_export import export_fp32, export_model, materialize
     from tests.ds_hf_worker import model
 
@@ -220,3 +222,14 @@ def test_export_and_fp32_export_give_the_stitched_model(runs, tmp_path):
     joined = torch.load(tmp_path / "z2f" / "pytorch_model.bin", weights_only=True)
     assert sorted(joined) == sorted(masters)
     assert all(torch.equal(joined[k], masters[k]) for k in masters)
+    # a ZeRO-3 save: its model files hold no weights, so export refuses in one line;
+    # materialized, DeepSpeed's zero_to_fp32.py joins every rank's partitions
+    with pytest.raises(CheckpointError, match="ZeRO-3 save.*zero_to_fp32"):
+        export_model(str(runs / "qwen2_3"), str(tmp_path / "z3.safetensors"))
+    materialize(str(runs / "qwen2_3"), str(tmp_path / "ds3"))
+    done = subprocess.run([sys.executable, str(tmp_path / "ds3" / "zero_to_fp32.py"),
+                           str(tmp_path / "ds3"), str(tmp_path / "z3f")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    model("qwen2", 0).load_state_dict(
+        torch.load(tmp_path / "z3f" / "pytorch_model.bin", weights_only=True), strict=True)

@@ -22,26 +22,24 @@ module-list experts; shared experts and routers are non-expert state), with rout
 counts from their routers (:mod:`moepec.integrations.ds_experts`). The door is a
 DeepSpeed ``CheckpointEngine`` in the engine's ``checkpoint_engine`` seam: DeepSpeed
 still decides what each file holds and names it; the door turns one save's files into
-flat keys (:mod:`moepec.integrations.ds_files`: each expert's weights, rows of a stacked
-parameter, fragments of ZeRO-1/2 flat partitions, ZeRO-0's per-parameter optimizer
-state) and saves them on the flat front end (``moepec.flat``: schedule, selection,
-dynamic K, PLT), K experts per MoE layer, all non-expert state every time, writes spread
-over the ranks that hold each key. A load stitches each file from the experts' newest
-copies; each rank's torch RNG state goes with the save. Nothing on the load path
-unpickles (tensors from moepec's store, the rest tagged JSON); a tag saved without
-moepec loads as DeepSpeed loads it.
+flat keys (:mod:`moepec.integrations.ds_files`: each expert's weights or rows, its parts
+of ZeRO's flat partitions or ZeRO-0's per-parameter state) and saves them on the flat
+front end (``moepec.flat``): K experts per MoE layer, all non-expert state every time,
+writes spread over the ranks that hold each key. A load stitches each file from the
+experts' newest copies; each rank's torch RNG state goes with the save. Nothing on the
+load path unpickles; a tag saved without moepec loads as DeepSpeed loads it.
 
-Supported: ZeRO stages 0, 1, 2, fp32 and bf16, any expert parallelism of native MoE.
-Refused in one line: ZeRO-3, AutoEP layers, pipeline engines.
+Supported: ZeRO stages 0-2 (native MoE, any expert parallelism) and 0-3 (other models),
+fp32 and bf16. Refused in one line: native MoE at ZeRO-3, AutoEP, pipeline engines.
 """
 
 from __future__ import annotations
 
 import atexit
+import fnmatch
 import functools
 import logging
 import os
-import re
 import threading
 import weakref
 from typing import Any
@@ -57,12 +55,14 @@ from moepec.flat import FLAT_FIELDS, FlatFrontEnd, write_rank
 from moepec.integrations.ds_experts import (
     RouterCounts,
     check_supported,
+    discover_experts,
     expert_params,
     module_replica,
     native_layers,
     no_experts_message,
     optimizer_index,
     spec_of,
+    zero3_fragments,
 )
 from moepec.integrations.ds_export import read_latest
 from moepec.integrations.ds_files import (
@@ -70,18 +70,17 @@ from moepec.integrations.ds_files import (
     is_stub,
     join_file,
     location,
-    owned_keys,
     split_file,
     stub,
 )
-from moepec.state.experts import ExpertMap, discover
+from moepec.integrations.ds_writers import owned_keys
+from moepec.state.experts import ExpertMap
 
 log = logging.getLogger(__name__)
 
 SECTION = "moepec"
 _RNG = "moepec_rng"
 _MANIFEST = "moepec.json"
-_MODEL_FILE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
 _last: list[moepec.RestoreReport] = []
 _doors: weakref.WeakSet[PecCheckpointEngine] = weakref.WeakSet()
 
@@ -149,7 +148,7 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
     if not isinstance(async_persist, bool):
         raise ConfigError(f"async_persist must be true or false (got {async_persist!r})")
     emap = None if native_layers(engine.module) else \
-        discover(engine.module, spec_of(fields.get("expert_spec")))
+        discover_experts(engine.module, spec_of(fields.get("expert_spec")))
     if emap is not None and not emap.layers and (
             not dist.is_initialized() or dist.get_rank() == 0):
         log.warning("%s", no_experts_message(type(engine.module).__name__, emap, SECTION))
@@ -262,7 +261,8 @@ class PecCheckpointEngine(CheckpointEngine):
         tensors, units = {}, {}
         try:
             for name, sd in files.items():
-                split = split_file(name, sd, self.experts(), optimizer_index(self._engine))
+                split = split_file(name, sd, self.experts(), optimizer_index(self._engine),
+                                   zero3_fragments(self._engine))
                 tensors |= split.tensors
                 units |= split.units
             replica = module_replica(self._engine, info, files, self.experts())
@@ -365,15 +365,16 @@ class PecCheckpointEngine(CheckpointEngine):
                         named, newest)
         return newest
 
-    def model_files(self, root: str, tag: str) -> list[str] | None:
-        """The paths of a moepec tag's non-expert model files (``mp_rank_*``), as
-        DeepSpeed's glob would find them; None for a tag that is not moepec's."""
+    def model_files(self, root: str, tag: str, pattern: str) -> list[str] | None:
+        """The paths of a moepec tag's model files that DeepSpeed's glob ``pattern`` (a
+        file name pattern: ``mp_rank_*``, ZeRO-3's ``zero_pp_rank_R_mp_rank_*``) would
+        find; None for a tag that is not moepec's."""
         folder = os.path.join(os.path.abspath(root), str(tag))
         at = location(root, str(tag))
         if not os.path.exists(os.path.join(*at, _MANIFEST)):
             return None
         names = {k.split("/", 1)[0] for k in self.front.keys(*at)}
-        return sorted(os.path.join(folder, n) for n in names if _MODEL_FILE.match(n))
+        return sorted(os.path.join(folder, n) for n in names if fnmatch.fnmatchcase(n, pattern))
 
     @staticmethod
     def _rng_key(view: Any) -> list[str]:
@@ -388,58 +389,57 @@ class PecCheckpointEngine(CheckpointEngine):
 
 
 _ORIGINAL: dict[str, Any] = {}
+"""DeepSpeedEngine's own methods, wrapped by :func:`_install`."""
+
+
+def _save_checkpoint(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
+    door = _door_of(self)
+    if door is None:
+        return _ORIGINAL["save_checkpoint"](self, *args, **kwargs)
+    door.saving = True
+    try:
+        return _ORIGINAL["save_checkpoint"](self, *args, **kwargs)
+    finally:
+        door.saving = False
+
+
+def _load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = None,
+                     *args: Any, **kwargs: Any) -> Any:
+    door = _door_of(self)
+    if door is not None:
+        _settle_before_load(door)
+        tag = door.committed_tag(load_dir, tag)
+    out = _ORIGINAL["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
+    if door is not None:
+        door.after_load()
+    return out
+
+
+def _ckpt_names(self: DeepSpeedEngine, checkpoints_path: str, tag: str) -> Any:
+    # DeepSpeed finds a tag's model files by glob; a moepec tag lists them itself.
+    door = getattr(self, "_moepec_door", None)
+    pattern = os.path.basename(self._get_ckpt_name(
+        checkpoints_path, tag, mp_placeholder="*",
+        pp_placeholder="0" if self.load_universal_checkpoint() else None))
+    found = None if door is None else door.model_files(checkpoints_path, tag, pattern)
+    return _ORIGINAL["_get_all_ckpt_names"](self, checkpoints_path, tag) if found is None \
+        else found
+
+
+def _init(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
+    _ORIGINAL["__init__"](self, *args, **kwargs)
+    _door_of(self)  # at deepspeed.initialize: a section's mistakes, no experts found
 
 
 def _install() -> None:
     """Route every engine's save and load through its door when its config has one."""
     if _ORIGINAL:
         return
-    _ORIGINAL["save"] = save = DeepSpeedEngine.save_checkpoint
-    _ORIGINAL["load"] = load = DeepSpeedEngine.load_checkpoint
-
-    @functools.wraps(save)
-    def save_checkpoint(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
-        door = _door_of(self)
-        if door is None:
-            return save(self, *args, **kwargs)
-        door.saving = True
-        try:
-            return save(self, *args, **kwargs)
-        finally:
-            door.saving = False
-
-    @functools.wraps(load)
-    def load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = None,
-                        *args: Any, **kwargs: Any) -> Any:
-        door = _door_of(self)
-        if door is not None:
-            _settle_before_load(door)
-            tag = door.committed_tag(load_dir, tag)
-        out = load(self, load_dir, tag, *args, **kwargs)
-        if door is not None:
-            door.after_load()
-        return out
-
-    _ORIGINAL["names"] = names = DeepSpeedEngine._get_all_ckpt_names
-
-    @functools.wraps(names)
-    def _get_all_ckpt_names(self: DeepSpeedEngine, checkpoints_path: str, tag: str) -> Any:
-        # DeepSpeed finds a tag's model files by glob; a moepec tag lists them itself.
-        door = getattr(self, "_moepec_door", None)
-        found = None if door is None else door.model_files(checkpoints_path, tag)
-        return names(self, checkpoints_path, tag) if found is None else found
-
-    _ORIGINAL["init"] = init = DeepSpeedEngine.__init__
-
-    @functools.wraps(init)
-    def __init__(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        _door_of(self)  # at deepspeed.initialize: a section's mistakes, no experts found
-
-    DeepSpeedEngine.__init__ = __init__
-    DeepSpeedEngine.save_checkpoint = save_checkpoint
-    DeepSpeedEngine.load_checkpoint = load_checkpoint
-    DeepSpeedEngine._get_all_ckpt_names = _get_all_ckpt_names
+    for name, wrapper in (("save_checkpoint", _save_checkpoint),
+                          ("load_checkpoint", _load_checkpoint),
+                          ("_get_all_ckpt_names", _ckpt_names), ("__init__", _init)):
+        _ORIGINAL[name] = original = getattr(DeepSpeedEngine, name)
+        setattr(DeepSpeedEngine, name, functools.wraps(original)(wrapper))
 
 
 _install()

@@ -18,10 +18,11 @@ found, counted on the device (:meth:`moepec.flat.FlatFrontEnd.observe_layer`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ def expert_params(engine: Any, emap: ExpertMap | None = None) -> Experts:
     carry where this rank's ZeRO-1/2 fragment of it starts (0 without one)."""
     if native_layers(engine.module):
         return _native(engine)
-    emap = emap if emap is not None else discover(engine.module)
+    emap = emap if emap is not None else discover_experts(engine.module)
     params = dict(engine.module.named_parameters())
     out: Experts = {}
     for layer in emap.layers:
@@ -64,7 +65,62 @@ def expert_params(engine: Any, emap: ExpertMap | None = None) -> Experts:
             p = params[full]
             mapping = getattr(p, "_hp_mapping", None)
             offset = int(mapping.lp_fragment_address.start) if mapping is not None else 0
+            if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition of the parameter
+                offset = _partition_rank(p) * p.partition_numel()
+                out[full] = Rows(name, int(p.ds_shape[0]), int(p.ds_numel), offset)
+                continue
             out[full] = Rows(name, int(p.shape[0]), p.numel(), offset)
+    return out
+
+
+def _partition_rank(p: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group=getattr(p, "ds_process_group", None))
+
+
+def discover_experts(module: nn.Module, spec: ExpertSpec | None = None) -> ExpertMap:
+    """:func:`moepec.state.experts.discover` of an engine's module, ZeRO-3's partitioned
+    parameters seen at their full shape."""
+    with _full_shapes(module):
+        return discover(module, spec)
+
+
+@contextlib.contextmanager
+def _full_shapes(module: nn.Module) -> Iterator[None]:
+    """ZeRO-3 parameters (their data an empty placeholder) as zero-stride views of their
+    full shape, no memory, for discovery; put back after."""
+    saved = []
+    for p in module.parameters():
+        shape = getattr(p, "ds_shape", None)
+        if shape is not None and tuple(p.shape) != tuple(shape):
+            saved.append((p, p.data))
+            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(tuple(shape))
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
+def zero3_fragments(engine: Any) -> list[list[tuple[str, int, int]]] | None:
+    """ZeRO-3: per optimizer sub-group, each parameter's part of this rank's flat fp32
+    partition (and of each moment): (name, start, numel), padding left out. None below
+    ZeRO-3."""
+    opt = getattr(engine, "optimizer", None)
+    groups = getattr(opt, "fp16_groups", None)
+    if engine.zero_optimization_stage() < 3 or groups is None:
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = []
+    for group in groups:
+        at, frags = 0, []
+        for p in group:
+            part = int(p.partition_numel())
+            valid = min(part, max(0, int(p.ds_numel) - _partition_rank(p) * part))
+            frags.append((names.get(id(p), ""), at, valid))
+            at += part
+        out.append(frags)
     return out
 
 
@@ -132,10 +188,10 @@ def check_supported(engine: Any) -> None:
     """Raise ConfigError, in one line, for an engine the door does not take."""
     from moepec.errors import ConfigError
 
-    if engine.zero_optimization_stage() >= 3:
-        raise ConfigError("moepec's DeepSpeed door supports ZeRO stages 0, 1 and 2, not "
-                          "ZeRO-3 yet; set zero_optimization.stage to 2 or drop the moepec "
-                          "section")
+    if engine.zero_optimization_stage() >= 3 and native_layers(engine.module):
+        raise ConfigError("moepec's DeepSpeed door takes DeepSpeed's own MoE layers at ZeRO "
+                          "stages 0, 1 and 2 (DeepSpeed's MoE refuses ZeRO-3); set "
+                          "zero_optimization.stage to 2 or drop the moepec section")
     if type(engine).__name__ == "PipelineEngine":
         raise ConfigError("moepec's DeepSpeed door does not support pipeline engines; "
                           "drop the moepec section")

@@ -180,6 +180,10 @@ def export_model(save_dir: str, out: str, tag: str | None = None) -> tuple[str, 
     for name in _file_names(view, os.path.join(root, folder)):
         if not name.endswith("_model_states.pt"):
             continue  # optimizer partitions: `moepec materialize` writes those
+        if name.startswith("zero_pp_rank_"):
+            raise CheckpointError(f"{os.path.join(save_dir, tag)} is a ZeRO-3 save: its model "
+                                  f"files hold no weights; `moepec materialize` it and run "
+                                  f"DeepSpeed's zero_to_fp32.py on the result")
         sd = join_file(name, front.read(root, folder, file_keys(name, view)))
         part = sd.get("module", sd) if isinstance(sd, dict) else {}
         model |= {k: v.contiguous() for k, v in part.items() if isinstance(v, torch.Tensor)}
@@ -209,9 +213,10 @@ def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, i
     model_file = next((n for n in names if n.startswith("mp_rank_00_")), None)
     if not optim or model_file is None:
         raise CheckpointError(f"{os.path.join(save_dir, tag)} has no ZeRO-1/2 optimizer "
-                              f"partitions to join (a ZeRO-0 save): export it without "
-                              f"--fp32 (its module weights), or `moepec materialize` it "
-                              f"(its optimizer keeps bf16/fp16 runs' fp32 copies)")
+                              f"partitions to join (a ZeRO-0 or ZeRO-3 save): at ZeRO-0 "
+                              f"export it without --fp32 (its module weights); at either, "
+                              f"`moepec materialize` it (at ZeRO-3 then run DeepSpeed's "
+                              f"zero_to_fp32.py on the result)")
     shapes = join_file(model_file, front.read(root, folder, file_keys(model_file, view)))
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     shape_of: dict[str, tuple[int, ...]] = {}

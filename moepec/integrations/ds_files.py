@@ -34,11 +34,10 @@ import dataclasses
 import enum
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from moepec.errors import CorruptCheckpointError
 from moepec.flat import Unit, decode_object, encode_object
@@ -135,8 +134,10 @@ class Split:
 
 class _Splitter:
     def __init__(self, name: str, params: Mapping[str, Unit | Rows],
-                 opt_index: Mapping[int, str], to_cpu: bool = True):
+                 opt_index: Mapping[int, str], to_cpu: bool = True,
+                 zero3: Sequence[Sequence[tuple[str, int, int]]] | None = None):
         self.name, self.params, self.opt_index = name, params, opt_index
+        self.zero3 = zero3
         self.unit = file_unit(name)
         self.out = Split({}, {})
         self.to_cpu = to_cpu
@@ -160,12 +161,16 @@ class _Splitter:
                 return {k: self.walk(v, path + [k], self.params.get(k)) for k, v in x.items()}
             if "param_slice_mappings" in x:
                 return self.flat_optimizer(x, path)
+            if "fp32_flat_groups" in x and self.zero3 is not None:
+                return self.zero3_optimizer(x, path)
             if _is_torch_optimizer(x):
                 return self.torch_optimizer(x, path)
             if _is_grouped(x.get("fp32_groups")):  # fp16/bf16 at ZeRO-0: fp32 copies
                 return {k: self.walk(v, path + [k]) if k != "fp32_groups" else
                         self.by_position(v, path + [k]) for k, v in x.items()}
             return {k: self.walk(v, path + [k], unit) for k, v in x.items()}
+        if isinstance(x, torch.Size):  # ZeRO-3's param_shapes: DeepSpeed's tools call numel()
+            return {_MARK: "size", "v": list(x)}
         if isinstance(x, list) or (isinstance(x, tuple) and not hasattr(x, "_fields")):
             return type(x)(self.walk(v, path + [i], unit) for i, v in enumerate(x))
         return _plain(x)
@@ -201,8 +206,8 @@ class _Splitter:
         maps = x["param_slice_mappings"]
         flats: dict[int, list[tuple[int, int, Unit | None]]] = {}
         for g, mapping in enumerate(maps):
-            frags = sorted(piece for n, a in mapping.items()
-                           for piece in self.fragment(self.params.get(n), a))
+            frags = sorted(piece for n, a in mapping.items() for piece in
+                           self.fragment(self.params.get(n), int(a.start), int(a.numel)))
             if any(u is not None for _, _, u in frags):
                 flats[g] = frags
         out = {}
@@ -220,12 +225,39 @@ class _Splitter:
                 out[k] = self.walk(v, path + [k])
         return out
 
+    def zero3_optimizer(self, x: dict, path: list[Any]) -> Any:
+        """ZeRO-3's optimizer state: per sub-group a flat fp32 partition
+        (``fp32_flat_groups``) and moments of its length (``optimizer_state_dict``),
+        each cut by :attr:`zero3` (the parameters' parts, from the engine)."""
+        flats = {}
+        for g, frags in enumerate(self.zero3 or []):
+            pieces = sorted(p for n, start, numel in frags if numel
+                            for p in self.fragment(self.params.get(n), start, numel))
+            if any(u is not None for _, _, u in pieces):
+                flats[g] = pieces
+        out = {}
+        for k, v in x.items():
+            if k == "fp32_flat_groups":
+                out[k] = [self.cut(t, path + [k, g], flats.get(g)) for g, t in enumerate(v)]
+            elif k == "optimizer_state_dict" and isinstance(v, dict) and "state" in v:
+                out[k] = {**{kk: self.walk(vv, path + [k, kk]) for kk, vv in v.items()
+                             if kk != "state"},
+                          "state": {g: {n: self.cut(t, path + [k, "state", g, n],
+                                                    flats.get(g))
+                                        for n, t in s.items()}
+                                    for g, s in v["state"].items()}}
+            else:
+                out[k] = self.walk(v, path + [k])
+        return out
+
     @staticmethod
-    def fragment(rule: Unit | Rows | None, a: Any) -> list[tuple[int, int, Unit | None]]:
-        """A parameter's fragment ``a`` of a flat partition: one piece, or its rows."""
+    def fragment(rule: Unit | Rows | None, start: int, numel: int
+                 ) -> list[tuple[int, int, Unit | None]]:
+        """A parameter's fragment at ``start`` of a flat partition: one piece, or its
+        rows."""
         if isinstance(rule, Rows):
-            return rule.pieces(int(a.start), int(a.numel), rule.offset)
-        return [(int(a.start), int(a.numel), rule)]
+            return rule.pieces(start, numel, rule.offset)
+        return [(start, numel, rule)]
 
     def cut(self, t: Any, path: list[Any], frags: list[tuple[int, int, Unit | None]] | None
             ) -> Any:
@@ -271,12 +303,13 @@ def _plain(x: Any) -> Any:
 
 
 def split_file(name: str, sd: Any, params: Mapping[str, Unit | Rows],
-               opt_index: Mapping[int, str]) -> Split:
+               opt_index: Mapping[int, str],
+               zero3: Sequence[Sequence[tuple[str, int, int]]] | None = None) -> Split:
     """File ``name``'s state dict ``sd`` as flat keys. ``params``: expert parameter name
     -> its unit or rows (``sd["module"]``'s tensors, a torch optimizer's per-parameter
     state, ZeRO's flat fragments go with them); ``opt_index``: a torch optimizer's parameter index -> parameter name.
     Raises ConfigError naming a value moepec does not store."""
-    s = _Splitter(name, params, opt_index)
+    s = _Splitter(name, params, opt_index, zero3=zero3)
     skeleton = s.walk(sd, [])
     s.out.tensors[f"{name}/{SKELETON}"] = encode_object(
         skeleton, f"DeepSpeed checkpoint file {name}",
@@ -325,6 +358,8 @@ def _rebuild(x: Any, tensors: Mapping[str, torch.Tensor], name: str) -> Any:
             return tensors[x["k"]]
         if kind == "flat":
             return _flat(x, tensors)
+        if kind == "size" and all(type(d) is int and d >= 0 for d in x["v"]):
+            return torch.Size(x["v"])
         if kind in ("enum", "obj") and x["type"] in _ALLOWED:
             return _build(x)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
@@ -385,38 +420,6 @@ def _build(x: dict) -> Any:
     obj.__dict__.update({k: _build(v) if isinstance(v, dict) and _MARK in v else v
                          for k, v in x["state"].items()})
     return obj
-
-
-def owned_keys(units: Mapping[str, Unit | None],
-               tensors: Mapping[str, torch.Tensor]) -> dict[str, Unit | None]:
-    """All ranks (a collective): of this rank's keys, those it writes. A key several
-    ranks hold goes to one of them, so each rank writes an even share (the paper's fully
-    sharded save): an expert's keys by its index over its expert-data-parallel holders;
-    non-expert keys (every data-parallel rank holds the module's), largest first, each to
-    the holder with the fewest bytes so far, after what each rank alone writes every
-    save. Decided from the gathered keys alone: the same answer on every rank."""
-    mine = {k: (-1 if u is None else u[1], tensors[k].numel() * tensors[k].element_size())
-            for k, u in units.items()}
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    holders: dict[str, list[int]] = {}
-    for r, keys in enumerate(every):
-        for k in keys:
-            holders.setdefault(k, []).append(r)
-    load = [sum(n for k, (e, n) in keys.items() if e < 0 and len(holders[k]) == 1)
-            for keys in every]
-    owner = {k: ranks[0] for k, ranks in holders.items() if len(ranks) == 1}
-    shared = [k for k, ranks in holders.items() if len(ranks) > 1]
-    for k in sorted(shared, key=lambda k: (-every[holders[k][0]][k][1], k)):
-        ranks = holders[k]
-        expert, n = every[ranks[0]][k]
-        if expert >= 0:
-            owner[k] = ranks[expert % len(ranks)]
-        else:
-            owner[k] = min(ranks, key=lambda r: (load[r], r))
-            load[owner[k]] += n
-    me = dist.get_rank()
-    return {k: u for k, u in units.items() if owner[k] == me}
 
 
 STUB = (b"moepec: this DeepSpeed file is stored in the moepec checkpoint of this folder "
