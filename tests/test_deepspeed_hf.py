@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "ds_hf_worker.py"
-STITCHED = ["mixtral:0", "mixtral:2", "mixtral:3", "mixtral:0bf16", "qwen2:0", "qwen2:1bf16",
-            "qwen2:2", "qwen2:2bf16", "qwen2:3"]
+STITCHED = ["mixtral:0", "mixtral:2", "mixtral:3", "qwen2:0", "qwen2:1bf16", "qwen2:2",
+            "qwen2:2bf16", "qwen2:3"]
 """model : ZeRO stage (fp32, or bf16). ``mixtral``: module-list experts; ``qwen2``: stacked
 experts and a shared expert, its ZeRO-1/2 partition boundary inside an expert's row."""
-EXACT = ["mixtral:0", "mixtral:2", "mixtral:3", "qwen2:0", "qwen2:2", "qwen2:3"]
+EXACT = ["mixtral:2", "mixtral:3", "qwen2:0", "qwen2:2", "qwen2:3"]
 
 
 def results(out: Path, phase: str) -> list[dict]:
@@ -36,7 +36,7 @@ def results(out: Path, phase: str) -> list[dict]:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed_hf")
     done = torchrun(out, f"stitched={'+'.join(STITCHED)},exact={'+'.join(EXACT)},dense,"
-                    "trainer=0+2,accelerate,load_aware",
+                    "trainer=0+2+3,accelerate,load_aware",
                     WORKER)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out
@@ -112,12 +112,14 @@ def test_a_section_on_a_model_without_experts_says_so_once_at_initialize(runs):
     assert "deepspeed.moe.layer.MoE" in line and '"expert_spec"' in line
 
 
-@pytest.mark.parametrize("stage", ["0", "2"])
+@pytest.mark.parametrize("stage", ["0", "2", "3"])
 def test_the_trainer_saves_k_experts_and_resumes_stitched(runs, stage):
-    """The Trainer (``deepspeed=`` ZeRO-0 or 2 with ``{"moepec": {"k_persist": 1}}``) on
+    """The Trainer (``deepspeed=`` ZeRO-0, 2 or 3 with ``{"moepec": {"k_persist": 1}}``) on
     transformers' own Mixtral (stacked experts): its checkpoint-N folders are one lineage
     (the first full, then one expert per layer), and resume_from_checkpoint stitches
-    checkpoint-6 from the older ones and trains on to step 10."""
+    checkpoint-6 from the older ones and trains on to step 10. At ZeRO-3 (16-bit weights
+    not gathered) the Trainer calls save_checkpoint twice per checkpoint on one tag: the
+    second changes nothing (one expert per layer, not two)."""
     manifests = {p.parent.name: json.loads(p.read_text())
                  for p in (runs / f"trainer_{stage}").glob("checkpoint-*/moepec.json")}
     saved = {n: len(manifests[n]["experts_saved"])

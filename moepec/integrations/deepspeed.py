@@ -55,6 +55,7 @@ from moepec.flat import FLAT_FIELDS, FlatFrontEnd, write_rank
 from moepec.integrations.ds_experts import (
     RouterCounts,
     check_supported,
+    config_section,
     discover_experts,
     expert_params,
     module_replica,
@@ -163,18 +164,9 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
 _DOOR_FIELDS = ("async_persist", "expert_spec")
 
 
-def _section(engine: DeepSpeedEngine) -> dict[str, Any] | None:
-    params = getattr(getattr(engine, "_config", None), "_param_dict", None)
-    section = params.get(SECTION) if isinstance(params, dict) else None
-    if section is not None and not isinstance(section, dict):
-        raise ConfigError(f'the DeepSpeed config\'s "{SECTION}" section must be an object '
-                          f'such as {{"k_persist": 2}}')
-    return section
-
-
 def _door_of(engine: DeepSpeedEngine) -> PecCheckpointEngine | None:
     door = getattr(engine, "_moepec_door", None)
-    if door is None and (section := _section(engine)) is not None:
+    if door is None and (section := config_section(engine, SECTION)) is not None:
         door = attach(engine, **section)
     return door
 
@@ -209,6 +201,8 @@ class PecCheckpointEngine(CheckpointEngine):
         self._experts: dict[str, Any] | None = None
         self.saving = False
         """Inside ``engine.save_checkpoint`` (every rank plans the save, files or not)."""
+        self.last_save: tuple[str, str, int] | None = None
+        """(save directory, tag, global step) of this engine's last save."""
 
     # -- routing ---------------------------------------------------------------------
     def _count(self, module: Any, _inputs: Any, output: Any) -> None:
@@ -392,15 +386,24 @@ _ORIGINAL: dict[str, Any] = {}
 """DeepSpeedEngine's own methods, wrapped by :func:`_install`."""
 
 
-def _save_checkpoint(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
+def _save_checkpoint(self: DeepSpeedEngine, save_dir: str, tag: Any = None,
+                     *args: Any, **kwargs: Any) -> Any:
     door = _door_of(self)
     if door is None:
-        return _ORIGINAL["save_checkpoint"](self, *args, **kwargs)
+        return _ORIGINAL["save_checkpoint"](self, save_dir, tag, *args, **kwargs)
+    # The same tag again at the same step (the Trainer at ZeRO-3 saves twice per
+    # checkpoint when it cannot gather the 16-bit weights): already saved, nothing to add.
+    this = (os.path.abspath(save_dir), str(tag or f"global_step{self.global_steps}"),
+            int(self.global_steps))
+    if door.last_save == this:
+        return True
     door.saving = True
     try:
-        return _ORIGINAL["save_checkpoint"](self, *args, **kwargs)
+        out = _ORIGINAL["save_checkpoint"](self, save_dir, tag, *args, **kwargs)
     finally:
         door.saving = False
+    door.last_save = this
+    return out
 
 
 def _load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = None,

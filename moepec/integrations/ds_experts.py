@@ -202,6 +202,19 @@ def check_supported(engine: Any) -> None:
                               "moepec section")
 
 
+def config_section(engine: Any, name: str) -> dict[str, Any] | None:
+    """The DeepSpeed config's section ``name`` of ``engine``; None without one. Raises
+    ConfigError for one that is not an object."""
+    from moepec.errors import ConfigError
+
+    params = getattr(getattr(engine, "_config", None), "_param_dict", None)
+    section = params.get(name) if isinstance(params, dict) else None
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError(f'the DeepSpeed config\'s "{name}" section must be an object '
+                          f'such as {{"k_persist": 2}}')
+    return section
+
+
 def spec_of(section: Any) -> ExpertSpec | None:
     """The ``expert_spec`` of a door's fields: an ExpertSpec, its fields as a dict (the
     JSON config section), or None. Raises ConfigError (or ExpertDiscoveryError) naming
