@@ -48,7 +48,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--checkpoints", type=int, default=6)
     p.add_argument("--steps", type=int, default=3, help="training steps between saves")
     p.add_argument("--k", type=int, default=1, help="experts per layer a PEC save writes")
-    p.add_argument("--stage", type=int, default=2, choices=(0, 1, 2), help="ZeRO stage")
+    p.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3),
+                   help="ZeRO stage (3: --model mixtral; DeepSpeed's MoE refuses it)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (both methods)")
     p.add_argument("--methods", nargs="+", default=["deepspeed", "moepec", "moepec-sync"],
                    choices=METHODS,
@@ -68,12 +69,12 @@ def _mixtral(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def expert_share(net: torch.nn.Module) -> float:
-    """The experts' share of the model's parameters (moepec's discovery)."""
-    from moepec.state.experts import discover
+    """The experts' share of the model's parameters (moepec's discovery; ZeRO-3's
+    partitioned parameters at their full size)."""
+    from moepec.integrations.ds_experts import discover_experts
 
-    params = dict(net.named_parameters())
-    total = sum(p.numel() for p in params.values())
-    return sum(params[n].numel() for n in discover(net).owner) / total
+    numel = {n: int(getattr(p, "ds_numel", p.numel())) for n, p in net.named_parameters()}
+    return sum(numel[n] for n in discover_experts(net).owner) / sum(numel.values())
 
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:
@@ -207,6 +208,9 @@ def report(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(list(argv or []))
+    if args.stage == 3 and args.model == "native":
+        raise SystemExit("moepec bench deepspeed: DeepSpeed's MoE layers refuse ZeRO-3; "
+                         "use --model mixtral --stage 3")
     _setup(args)
     root = Path(tempfile.mkdtemp(prefix="moepec-bench-deepspeed-"))
     rows = []
