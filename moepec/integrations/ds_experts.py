@@ -10,10 +10,13 @@ Two kinds of model, one answer (:data:`Experts`: parameter name -> what of it is
   Hugging Face model's module-list experts (each parameter one unit) or stacked
   ``[E, ...]`` expert parameters (:class:`~moepec.integrations.ds_files.Rows`: expert
   ``e`` is row ``e``, and a ZeRO-1/2 partition may hold any run of the parameter's
-  elements, cut at expert boundaries). Shared experts and routers are non-expert state.
+  elements, cut at expert boundaries; at ZeRO-3 each rank holds one run of every
+  parameter, and discovery sees the partitioned parameters at their full shape). Shared
+  experts and routers are non-expert state.
 
 Routing counts (:class:`RouterCounts`): a forward hook per MoE layer on what discovery
-found, counted on the device (:meth:`moepec.flat.FlatFrontEnd.observe_layer`).
+found, counted on the device (:meth:`moepec.flat.FlatFrontEnd.observe_layer`). Also the
+door's checks of an engine and its config section.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moepec.errors import MoepecError
+from moepec.errors import ConfigError, MoepecError
 from moepec.flat import Unit
 from moepec.integrations.ds_files import Rows, Split, layer_name, split_module
 from moepec.state.experts import ExpertMap, ExpertSpec, discover, find_router, suggest_spec
@@ -172,7 +176,7 @@ def module_replica(engine: Any, info: Any, files: dict[str, Any], experts: Exper
     Empty where the file is this rank's. Raises MoepecError for anything unexpected (it
     reaches every rank)."""
     try:
-        name = engine._get_ckpt_name(info.save_dir, info.tag).rsplit("/", 1)[-1]
+        name = os.path.basename(engine._get_ckpt_name(info.save_dir, info.tag))
         if name in files:
             return Split({}, {})
         trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
@@ -186,8 +190,6 @@ def module_replica(engine: Any, info: Any, files: dict[str, Any], experts: Exper
 
 def check_supported(engine: Any) -> None:
     """Raise ConfigError, in one line, for an engine the door does not take."""
-    from moepec.errors import ConfigError
-
     if engine.zero_optimization_stage() >= 3 and native_layers(engine.module):
         raise ConfigError("moepec's DeepSpeed door takes DeepSpeed's own MoE layers at ZeRO "
                           "stages 0, 1 and 2 (DeepSpeed's MoE refuses ZeRO-3); set "
@@ -205,8 +207,6 @@ def check_supported(engine: Any) -> None:
 def config_section(engine: Any, name: str) -> dict[str, Any] | None:
     """The DeepSpeed config's section ``name`` of ``engine``; None without one. Raises
     ConfigError for one that is not an object."""
-    from moepec.errors import ConfigError
-
     params = getattr(getattr(engine, "_config", None), "_param_dict", None)
     section = params.get(name) if isinstance(params, dict) else None
     if section is not None and not isinstance(section, dict):
@@ -219,8 +219,6 @@ def spec_of(section: Any) -> ExpertSpec | None:
     """The ``expert_spec`` of a door's fields: an ExpertSpec, its fields as a dict (the
     JSON config section), or None. Raises ConfigError (or ExpertDiscoveryError) naming
     the fix."""
-    from moepec.errors import ConfigError
-
     if section is None or isinstance(section, ExpertSpec):
         return section
     if not isinstance(section, dict):
