@@ -219,14 +219,32 @@ def test_load_step_of_a_view_retention_broke_says_so(tmp_path):
     ckpt = _manager(tmp_path, model, optimizers, keep_latest_k=2, k_persist=2)
     _train(ckpt, model, optimizers, range(1, 8), {})
     ckpt.close()
-    steps = sorted(c.step for c in inspect_path(str(tmp_path / "ckpt"))["checkpoints"])
+    rows = inspect_path(str(tmp_path / "ckpt"))["checkpoints"]
+    steps = sorted(c.step for c in rows)
     assert steps[0] > 1 and steps[-2:] == [6, 7]  # retention deleted the oldest ones
+    # What is left is exactly what the views of the two newest need (each expert's newest
+    # copy at or before them, from what each kept checkpoint says it saved): both whole.
+    assert set(steps) == _needed(rows, 6) | _needed(rows, 7)
     model = _moe_model(7)
     ckpt = _manager(tmp_path, model, _optimizers(model, two=False))
     with pytest.raises(FileNotFoundError, match="no longer whole.*keep_latest_k"):
         ckpt.load(step=steps[0])
     assert ckpt.load(step=6) and ckpt.report.step == 6
     ckpt.close()
+
+
+def _needed(rows: list, step: int) -> set[int]:
+    """The steps holding the newest copy, at or before ``step``, of every expert (and the
+    non-expert state of ``step``), from the kept checkpoints' own lists; fails when an
+    expert has no copy left (the view is not whole)."""
+    kept = sorted((c for c in rows if c.step <= step), key=lambda c: c.step, reverse=True)
+    need = {step}
+    for layer in range(2):
+        for e in range(N_EXPERTS):
+            src = next((c.step for c in kept if c.full or e in c.experts_saved[layer]), None)
+            assert src is not None, (step, layer, e)
+            need.add(src)
+    return need
 
 
 def test_dense_model_gets_full_checkpoints_and_one_warning_line(tmp_path, caplog):
