@@ -139,6 +139,44 @@ def compare(case: str, ref, got) -> None:
         assert same(ref[i], got[i]), f"{case}: {what}: torch_dist {ref[i]}, moepec {got[i]}"
 
 
+def fully_parallel(root: str, ref: str) -> None:
+    """What Megatron-LM's --ckpt-fully-parallel-save/-load and
+    --ckpt-assume-constant-structure reach in megatron-core, around the moepec strategies:
+    Megatron's FullyParallelSaveStrategyWrapper (cached distribution),
+    ``use_cached_ckpt_structure`` on the save strategy, a sync save and an async one
+    through Megatron's request queue; the load equals the torch_dist load of the same
+    state."""
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    inner = get_default_save_sharded_strategy("moepec", 1)
+    inner.use_cached_ckpt_structure = True
+    save = FullyParallelSaveStrategyWrapper(inner, None, True)
+    queue = AsyncCallsQueue()
+    for i in (1, 2):
+        folder = make(os.path.join(root, "parallel", f"iter_{i:07d}"))
+        request = dist_checkpointing.save(base(), folder, save, async_sharded_save=i == 2)
+        if i == 2:
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    # Megatron's FullyParallelLoadStrategyWrapper exchanges the loaded shards through CUDA
+    # tensors (exchange_utils: .cuda()), with any backend: on CPU only its construction
+    # and the base strategy it wraps are checked; the load is the plain one.
+    load = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(folder), None, True)
+    assert type(load.base_strategy).__name__ == "MoepecLoadStrategy"
+    got = dist_checkpointing.load(base(), folder)
+    want = dist_checkpointing.load(base(), ref)
+    assert same(got, want), (got, want)
+
+
 def make(folder: str) -> str:
     if RANK == 0:
         os.makedirs(folder)
@@ -182,6 +220,7 @@ def main() -> None:
                 and f"(2, {width * WORLD})" in ours[3], ours[3]
         if case == "unexpected assume_ok_unexpected":
             assert "UnexpectedTenD" in ours[3] and "UnexpectedObjD" in ours[3], ours[3]
+    fully_parallel(root, ref)
     sys.stdout.write(f"rank {RANK} STRICT OK {len(cases)}\n")
     sys.stdout.flush()
     dist.barrier()
