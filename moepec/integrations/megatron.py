@@ -33,7 +33,11 @@ Megatron's: the common state (``common.pt``, written and read by its ``torch`` c
 strategy with ``torch.load``, weights_only by default in torch >= 2.6), and
 ``metadata.json`` (backend and version), written after moepec's manifest. A load may use
 another sharding than the save's (TP, PP, EP, DP): each shard is cut from the saved shards
-that overlap it (``moepec.flat.regions``), experts and their PLT accounting included.
+that overlap it (``moepec.flat.regions``), experts and their PLT accounting included. It
+refuses, on every rank, what ``torch_dist`` refuses: another global shape, a key the
+folder lacks (:mod:`moepec.integrations.megatron_checks`). A save without experts says so
+once; ``moepec materialize`` turns a folder into a ``torch_dist`` checkpoint
+(:mod:`moepec.integrations.megatron_export`).
 """
 
 from __future__ import annotations
