@@ -27,15 +27,18 @@ from moepec.recovery.flat_view import verify_root  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "megatron_worker.py"
+STRICT = REPO / "tests" / "megatron_strict.py"
+STOCK = REPO / "tests" / "megatron_stock.py"
 
 
-def torchrun(nproc: int, phase: str, root: Path, singleton: bool = False
+def torchrun(nproc: int, phase: str | None, root: Path, singleton: bool = False,
+             worker: Path = WORKER, args: list[str] | None = None
              ) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "MOEPEC_TEST_SINGLETON": "1" if singleton else "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(nproc), str(WORKER), phase, str(root)]
+           str(nproc), str(worker), *([phase] if phase else []), *(args or [str(root)])]
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -154,3 +157,54 @@ def test_ep2_saves_a_killed_save_and_the_resume(tmp_path):
     assert moved.returncode == 0, moved.stdout[-3000:] + moved.stderr[-3000:]
     [line] = [x for x in moved.stdout.splitlines() if x.startswith("RESHARD OK")]
     assert line.endswith(ok_lines(proc)[0].rsplit(" ", 1)[1]), (line, ok_lines(proc))
+    # The way back: `moepec materialize` writes the stitched view as a torch_dist
+    # checkpoint, which stock Megatron (a process that never imports moepec) loads at
+    # EP 1 equal, bit for bit, to the torch_dist save of the same state (which equals a
+    # moepec load of the folder: the resume and reshard phases above). The CLI runs
+    # behind the CPU shims: Megatron's torch_dist save calls CUDA.
+    out = tmp_path / "stock" / "iter_0000030"
+    shimmed = ("import sys; sys.path.insert(0, 'tests'); import megatron_shims; "
+               "megatron_shims.install(); from moepec.cli.main import main; "
+               "sys.exit(main(sys.argv[1:]))")
+    cli = subprocess.run([sys.executable, "-c", shimmed, "materialize",
+                          str(tmp_path / "iter_0000030"), str(out)], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=240)
+    assert cli.returncode == 0 and "iter_0000030" in cli.stdout, cli.stdout + cli.stderr
+    stock = torchrun(1, None, tmp_path, worker=STOCK, args=[str(out),
+                                                            str(tmp_path / "ref" / "iter_0000030")])
+    assert stock.returncode == 0, stock.stdout[-3000:] + stock.stderr[-3000:]
+    assert stock.stdout.count(" STOCK OK ") == 1, stock.stdout
+
+
+@pytest.mark.slow
+def test_loads_torch_dist_refuses_or_reports_the_same_with_moepec(tmp_path):
+    """Each load of tests/megatron_strict.py on a torch_dist folder and a moepec folder of
+    the same state: another global shape (rigid: raised on both, naming the key and both
+    shapes; allow_shape_mismatch: the same values, zeros past the saved tensor), and
+    unexpected, missing and exact keys under every StrictHandling mode (the same
+    exception, or the same values, returned keys and warnings). A save without experts
+    warns once, on rank 0."""
+    proc = torchrun(2, None, tmp_path, worker=STRICT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(x for x in proc.stdout.splitlines() if "STRICT OK" in x) == [
+        "rank 0 STRICT OK 29", "rank 1 STRICT OK 29"]
+
+
+def test_an_untested_megatron_core_version_warns_once(monkeypatch, caplog):
+    import importlib.metadata
+
+    from moepec.integrations import megatron_checks as mc
+
+    assert mc.version_warning("0.16.1") is None
+    line = mc.version_warning("0.17.0")
+    assert "0.17.0" in line and "megatron-core==0.16.1" in line and "\n" not in line
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.16.7")
+    mc.check_version.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="moepec.integrations.megatron_checks"):
+            mc.check_version()
+            mc.check_version()
+    finally:
+        mc.check_version.cache_clear()
+    assert [r.getMessage() for r in caplog.records] == [mc.version_warning("0.16.7")]

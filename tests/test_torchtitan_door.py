@@ -6,7 +6,9 @@ process (no launcher): what torchtitan's checkpoint manager does and users rely 
   the RestoreReport names;
 - ``--checkpoint.load_step``: the newest view at or before that step (that step's own
   when it was saved), FileNotFoundError when there is none, and training goes on from it;
-- a dense model (torchtitan's llama3 debug model) gets full checkpoints, one info line;
+- a dense model (torchtitan's llama3 debug model) gets full checkpoints, one warning;
+- ``initial_load_path`` from a stock DCP folder (model only, and the training state), and
+  ``last_save_model_only``: both as torchtitan's own manager does them;
 - a bare tensor in ``states``, and an optimizers object that is only stateful, are saved
   and restored bit for bit.
 
@@ -217,8 +219,12 @@ def test_load_step_of_a_view_retention_broke_says_so(tmp_path):
     ckpt = _manager(tmp_path, model, optimizers, keep_latest_k=2, k_persist=2)
     _train(ckpt, model, optimizers, range(1, 8), {})
     ckpt.close()
-    steps = sorted(c.step for c in inspect_path(str(tmp_path / "ckpt"))["checkpoints"])
+    rows = inspect_path(str(tmp_path / "ckpt"))["checkpoints"]
+    steps = sorted(c.step for c in rows)
     assert steps[0] > 1 and steps[-2:] == [6, 7]  # retention deleted the oldest ones
+    # What is left is exactly what the views of the two newest need (each expert's newest
+    # copy at or before them, from what each kept checkpoint says it saved): both whole.
+    assert set(steps) == _needed(rows, 6) | _needed(rows, 7)
     model = _moe_model(7)
     ckpt = _manager(tmp_path, model, _optimizers(model, two=False))
     with pytest.raises(FileNotFoundError, match="no longer whole.*keep_latest_k"):
@@ -227,9 +233,24 @@ def test_load_step_of_a_view_retention_broke_says_so(tmp_path):
     ckpt.close()
 
 
-def test_dense_model_gets_full_checkpoints_with_one_info_line(tmp_path, caplog):
+def _needed(rows: list, step: int) -> set[int]:
+    """The steps holding the newest copy, at or before ``step``, of every expert (and the
+    non-expert state of ``step``), from the kept checkpoints' own lists; fails when an
+    expert has no copy left (the view is not whole)."""
+    kept = sorted((c for c in rows if c.step <= step), key=lambda c: c.step, reverse=True)
+    need = {step}
+    for layer in range(2):
+        for e in range(N_EXPERTS):
+            src = next((c.step for c in kept if c.full or e in c.experts_saved[layer]), None)
+            assert src is not None, (step, layer, e)
+            need.add(src)
+    return need
+
+
+def test_dense_model_gets_full_checkpoints_and_one_warning_line(tmp_path, caplog):
     """torchtitan's llama3 debug model (no MoE layer) under the moepec manager: full
-    checkpoints, one info line saying so and no warning from moepec; restored bit for bit."""
+    checkpoints, one warning line saying so (what was looked for, how to name experts);
+    restored bit for bit."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     def build(seed: int) -> nn.Module:
@@ -244,11 +265,12 @@ def test_dense_model_gets_full_checkpoints_with_one_info_line(tmp_path, caplog):
     optimizers = _optimizers(model, two=False)
     with caplog.at_level(logging.DEBUG, "moepec"):
         ckpt = _manager(tmp_path, model, optimizers)
-    said = [r for r in caplog.records if r.name.startswith("moepec")
-            and r.levelno >= logging.INFO]
-    assert [r.getMessage() for r in said if "MoE" in r.getMessage()] == [
-        f"moepec: the model has no MoE layer: full checkpoints in {tmp_path / 'ckpt'}"]
-    assert not [r for r in said if r.levelno >= logging.WARNING], said
+    [said] = [r.getMessage() for r in caplog.records if r.name.startswith("moepec")
+              and r.levelno >= logging.WARNING]
+    assert said.startswith("moepec: no experts found in the model (looked for torchtitan "
+                           "MoE layers") and "\n" not in said
+    assert f"every checkpoint in {tmp_path / 'ckpt'} is a full one" in said
+    assert "--checkpoint.expert_stacked REGEX" in said, said
     history: dict[int, dict[str, torch.Tensor]] = {}
     _train(ckpt, model, optimizers, range(1, 3), history)
     ckpt.close()
@@ -310,3 +332,73 @@ def test_plain_tensors_in_states_and_stateful_optimizers_restore_bit_for_bit(tmp
                        r"hold torch.float32 \(2,\)"):
         ckpt.load()
     ckpt.close()
+
+
+def _stock(folder, model: nn.Module, optimizers: Any, **fields: Any):
+    """torchtitan's own DCP checkpoint manager over the same objects."""
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    config = CheckpointManager.Config(**{"enable": True, "folder": "stock", "interval": 1,
+                                         "keep_latest_k": 0, **fields})
+    return CheckpointManager(config, dataloader=None, model_parts=[model],
+                             optimizers=optimizers, lr_schedulers=_Stateless(), states={},
+                             sd_adapter=None, base_folder=str(folder))
+
+
+def test_initial_load_from_a_stock_dcp_checkpoint(tmp_path):
+    """A folder without a moepec checkpoint starts from ``initial_load_path``, a stock DCP
+    checkpoint of another run: the model alone (``initial_load_model_only``, the default)
+    or the training state, bit for bit as saved; the next save is a full moepec one, and
+    a restart restores it, not the initial checkpoint."""
+    model = _moe_model(0)
+    optimizers = _optimizers(model)
+    history: dict[int, dict[str, torch.Tensor]] = {}
+    stock = _stock(tmp_path, model, optimizers, last_save_model_only=False)
+    _train(stock, model, optimizers, range(1, 3), history)
+    stock.close()
+    saved = history[2]
+    for model_only in (True, False):
+        run = tmp_path / f"model_only_{model_only}"
+        fresh = _moe_model(7)
+        opts = _optimizers(fresh)
+        ckpt = _manager(run, fresh, opts, initial_load_path=str(tmp_path / "stock" / "step-2"),
+                        initial_load_model_only=model_only)
+        assert ckpt.load() and ckpt.report is None
+        got = _state(fresh, opts)
+        want = {k: v for k, v in saved.items() if not model_only or k.startswith("model/")}
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), model_only
+        _train(ckpt, fresh, opts, range(3, 4), history)
+        ckpt.close()
+        [row] = inspect_path(str(run / "ckpt"))["checkpoints"]
+        assert (row.step, row.full, row.committed) == (3, True, True)
+        other = _moe_model(8)
+        again = _manager(run, other, _optimizers(other),
+                         initial_load_path=str(tmp_path / "stock" / "step-2"))
+        assert again.load() and again.report.step == 3
+        again.close()
+
+
+def test_last_save_is_the_model_alone_as_stocks(tmp_path):
+    """``last_save_model_only`` (torchtitan's default): the last save is torchtitan's own
+    model-only DCP folder ``step-<N>``, the same keys and values as stock's for the same
+    state, in ``export_dtype``; moepec's checkpoints hold the earlier saves."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _moe_model(0)
+    optimizers = _optimizers(model, two=False)
+    ckpt = _manager(tmp_path, model, optimizers, interval=2, export_dtype="bfloat16")
+    _train(ckpt, model, optimizers, range(1, 4), {})
+    assert ckpt.save(curr_step=4, last_step=True)
+    ckpt.close()
+    assert [c.step for c in inspect_path(str(tmp_path / "ckpt"))["checkpoints"]] == [2]
+    stock = _stock(tmp_path, model, optimizers, export_dtype="bfloat16")
+    assert stock.save(curr_step=4, last_step=True)
+    stock.close()
+    ours, theirs = (dcp.FileSystemReader(str(tmp_path / d / "step-4")).read_metadata()
+                    for d in ("ckpt", "stock"))
+    assert set(ours.state_dict_metadata) == set(theirs.state_dict_metadata) \
+        == set(model.state_dict())
+    back = {k: torch.empty_like(v, dtype=torch.bfloat16) for k, v in model.state_dict().items()}
+    dcp.load(back, checkpoint_id=str(tmp_path / "ckpt" / "step-4"))
+    assert all(torch.equal(back[k], v.to(torch.bfloat16)) for k, v in model.state_dict().items())

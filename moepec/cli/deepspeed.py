@@ -12,6 +12,9 @@ def _add_materialize(p: argparse.ArgumentParser) -> None:
 
 
 def _run_materialize(args: argparse.Namespace) -> int:
+    from moepec.cli.megatron import is_megatron_save, run_materialize
+    if is_megatron_save(args.path):  # a Megatron save: a torch_dist checkpoint
+        return run_materialize(args)
     from moepec.integrations.ds_export import materialize
 
     done = materialize(args.path, args.out, args.tag)

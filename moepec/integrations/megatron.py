@@ -33,7 +33,11 @@ Megatron's: the common state (``common.pt``, written and read by its ``torch`` c
 strategy with ``torch.load``, weights_only by default in torch >= 2.6), and
 ``metadata.json`` (backend and version), written after moepec's manifest. A load may use
 another sharding than the save's (TP, PP, EP, DP): each shard is cut from the saved shards
-that overlap it (``moepec.flat.regions``), experts and their PLT accounting included.
+that overlap it (``moepec.flat.regions``), experts and their PLT accounting included. It
+refuses, on every rank, what ``torch_dist`` refuses: another global shape, a key the
+folder lacks (:mod:`moepec.integrations.megatron_checks`). A save without experts says so
+once; ``moepec materialize`` turns a folder into a ``torch_dist`` checkpoint
+(:mod:`moepec.integrations.megatron_export`).
 """
 
 from __future__ import annotations
@@ -70,22 +74,25 @@ from moepec.flat import (
     Unit,
     decode_object,
     encode_object,
-    shard_key,
     split_folder,
     write_rank,
 )
+from moepec.integrations.megatron_checks import (
+    OBJECT,
+    check_version,
+    overlap_key,
+    pad,
+    refusals,
+    refuse_on_every_rank,
+)
+from moepec.integrations.megatron_keys import expert_unit, flat_key, object_unit
 
 log = logging.getLogger(__name__)
 
 BACKEND = "moepec"
 VERSION = 1
-_OPTIM_PREFIX = re.compile(r"^optimizer\.state\.[^.]+\.")
-_SEQUENTIAL = re.compile(r"^(.*?)(?:^|\.)experts\.experts\.")
-_SINGLETON = re.compile(r"^(.*?)(?:^|\.)experts\.(\d+)\.")
-_GROUPED = re.compile(r"^(.*?)(?:^|\.)experts\.")
 _BUCKETS = "optimizer.distributed."
 _ITER = re.compile(r"(\d+)$")
-_OBJECT = "object:"
 _door: list[FlatFrontEnd] = []
 
 
@@ -111,65 +118,11 @@ def last_load_report() -> moepec.RestoreReport | None:
     return _front().last_load_report()
 
 
-def flat_key(sh: ShardedTensor) -> str:
-    """One shard's key in the flat checkpoint (``moepec.flat.shard_key``): the sharded
-    key, its global offsets and local shape (prepended axes included) and, for a
-    flattened shard, its range."""
-    shape = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-    rng = sh.flattened_range
-    return shard_key(sh.key, sh.global_offset, shape,
-                     None if rng is None else (rng.start, rng.stop))
-
-
-def expert_unit(sh: ShardedTensor) -> Unit | None:
-    """(layer, expert) of an expert shard, None for any other. ``layer`` is the key
-    prefix before ``experts`` with the offsets of the axes before the expert axis."""
-    key = _OPTIM_PREFIX.sub("", sh.key)
-    offsets = tuple(sh.global_offset)
-    if m := _SINGLETON.match(key):  # singleton_local_shards: the expert is in the key
-        return f"{m[1]}@{offsets[:sh.prepend_axis_num]}", int(m[2])
-    if m := _SEQUENTIAL.match(key):  # SequentialMLP: the expert axis is prepended last
-        axis = sh.prepend_axis_num - 1
-    elif m := _GROUPED.match(key):  # GroupedMLP's factories: the first local axis
-        axis = sh.prepend_axis_num
-        if _standalone_sequential(sh, m[1]):
-            axis = sh.prepend_axis_num - 1
-    else:
-        return None
-    if axis < 0 or (axis >= sh.prepend_axis_num
-                    and sh.local_shape[axis - sh.prepend_axis_num] != 1):
-        raise CheckpointingException(
-            f"moepec: shard {sh.key!r} holds several experts in one shard; save with "
-            f"metadata={{'singleton_local_shards': True}} so each expert is a shard")
-    return f"{m[1]}@{offsets[:axis]}", offsets[axis]
-
-
-def _standalone_sequential(sh: ShardedTensor, prefix: str) -> bool:
-    """A SequentialMLP's shard outside a decoder (keys ``<prefix>experts.<name>``, as
-    when it is built on its own): its one expert per shard sits on the last prepended
-    axis, and its first local axis is the weight's own. (A GroupedMLP shard holds its
-    experts on the first local axis; inside a decoder the prepended axis is the layers'.)"""
-    return (sh.prepend_axis_num >= 1 and sh.local_shape[0] != 1
-            and "layers" not in prefix.split("."))
-
-
-def object_unit(obj: ShardedObject) -> Unit | None:
-    """(layer, expert) of an expert's ShardedObject (its ``_extra_state``), None for any
-    other: the expert is the last offset (or in the key, for singleton shards, whose
-    last offset is a placeholder 0 of 1)."""
-    offsets = tuple(obj.global_offset)
-    if m := _SINGLETON.match(obj.key):
-        return f"{m[1]}@{offsets[:-1]}", int(m[2])
-    if (m := _GROUPED.match(obj.key)) and offsets:
-        return f"{m[1]}@{offsets[:-1]}", offsets[-1]
-    return None
-
-
 Shard = ShardedTensor | ShardedObject
 
 
 def _flat_key_of(x: Shard) -> str:
-    return flat_key(x) if isinstance(x, ShardedTensor) else f"{_OBJECT}{x.unique_key}"
+    return flat_key(x) if isinstance(x, ShardedTensor) else f"{OBJECT}{x.unique_key}"
 
 
 def _unit_of(x: Shard) -> Unit | None:
@@ -235,6 +188,8 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
                  version: int = VERSION) -> None:
         super().__init__(backend, version)
         self.front = front
+        self.told_no_experts = False
+        """Whether rank 0 said that a save found no experts (once per registration)."""
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -242,6 +197,7 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike
                    ) -> AsyncRequest:
+        check_version()
         root, name = split_folder(checkpoint_dir)
         m = _ITER.search(name)
         try:  # a rank's error must reach every rank: they all wait in the plan's gather
@@ -255,12 +211,25 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
             plan = self.front.plan_save(root, name, int(m[1]) if m else -1, units, error)
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
+        if not plan.layers:
+            self._no_experts(root)
         tensors = {k: values[k] if k in values else shards[k].data
                    for k in shards if k in plan.written}
         folder = os.path.join(root, name)
         return AsyncRequest(write_rank, (folder, tensors, dist.get_rank()),
                             [functools.partial(self._finalize, plan)],
                             preload_fn=functools.partial(_stage, tensors))
+
+    def _no_experts(self, root: str) -> None:
+        """Never full in silence: rank 0 says once that no shard is an expert's."""
+        if not self.told_no_experts and dist.get_rank() == 0:
+            log.warning(
+                "moepec: no expert shards in the sharded state dict saved to %s (looked for "
+                "keys with an 'experts.' part: MoELayer's '...experts.experts.*' and "
+                "'...experts.<e>.*' with singleton_local_shards); every save writes "
+                "everything: build the MoE layers with Megatron's MoELayer (its experts "
+                "under '.experts'), or save a dense model with torch_dist", root)
+        self.told_no_experts = True
 
     def _finalize(self, plan: FlatPlan) -> None:
         """All ranks, after every rank's writer finished (Megatron joins each rank's
@@ -295,17 +264,27 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         self.front = front
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | os.PathLike) -> Any:
+        """All ranks. Refuses on every rank (:mod:`~moepec.integrations.megatron_checks`)
+        what ``torch_dist`` refuses: a key the folder lacks, a tensor of another global
+        shape unless it allows the mismatch (then it gets what overlaps, zeros elsewhere)."""
+        check_version()
         root, name = split_folder(checkpoint_dir)
         shards = _shards(sharded_state_dict)
+        saved: dict[str, tuple[tuple[int, ...], str]] = {}
         try:
-            targets, _ = self.front.load(root, name, [k for k, sh in shards.items()
-                                                      if not _empty(sh)], agree=True)
+            saved = self.front.shapes(root, name)
+            objects = [k for k in self.front.keys(root, name) if k.startswith(OBJECT)]
+            reasons = refusals(shards, saved, objects)
+        except moepec.MoepecError as exc:
+            reasons = [str(exc)]
+        refuse_on_every_rank(reasons, f"{root}/{name}")
+        reads = {k: _to_read(k, sh, saved) for k, sh in shards.items()}
+        try:
+            targets, _ = self.front.load(root, name, list(dict.fromkeys(
+                r for r in reads.values() if r is not None)), agree=True)
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
-        targets |= {k: torch.empty(0, dtype=sh.dtype) for k, sh in shards.items()
-                    if _empty(sh)}
-        loaded = {id(sh): _into(sh, targets[k]) if isinstance(sh, ShardedTensor)
-                  else decode_object(targets[k], f"{name}:{k}")
+        loaded = {id(sh): _loaded(sh, k, reads[k], targets, saved, name)
                   for k, sh in shards.items()}
         return dict_list_map_inplace(
             lambda x: loaded[id(x)] if isinstance(x, (ShardedTensor, ShardedObject)) else x,
@@ -334,10 +313,35 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
         for key in keys:
-            if key.startswith(_OBJECT):
-                obj = ShardedObject.empty_from_unique_key(key.removeprefix(_OBJECT))
+            if key.startswith(OBJECT):
+                obj = ShardedObject.empty_from_unique_key(key.removeprefix(OBJECT))
                 out[obj.unique_key] = obj
         return out
+
+
+def _to_read(key: str, sh: Shard, saved: Mapping[str, tuple[tuple[int, ...], str]]
+             ) -> str | None:
+    """The flat key a shard is read from: its own; for an ``allow_shape_mismatch`` tensor
+    saved with another global shape, the part of its box the saved tensor covers; None
+    when nothing is read (an empty shard, or no overlap)."""
+    if _empty(sh):
+        return None
+    if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch \
+            and tuple(sh.global_shape) != saved[sh.key][0]:
+        return overlap_key(sh, saved[sh.key][0])
+    return key
+
+
+def _loaded(sh: Shard, key: str, read: str | None, targets: Mapping[str, torch.Tensor],
+            saved: Mapping[str, tuple[tuple[int, ...], str]], name: str) -> Any:
+    """A shard's loaded value from what was read (:func:`_to_read`)."""
+    if isinstance(sh, ShardedObject):
+        return decode_object(targets[key], f"{name}:{key}")
+    if _empty(sh):
+        return _into(sh, torch.empty(0, dtype=sh.dtype))
+    if read != key:  # allow_shape_mismatch: what overlaps, zeros elsewhere
+        return _into(sh, pad(sh, targets.get(read), getattr(torch, saved[sh.key][1])))
+    return _into(sh, targets[key])
 
 
 def _into(sh: ShardedTensor, value: torch.Tensor) -> torch.Tensor:

@@ -19,12 +19,15 @@ config registry that wraps every upstream config name, so moepec's fields parse 
 
 torchtitan's ``folder``, ``interval``, ``keep_latest_k``, ``async_mode`` and ``load_step``
 map onto moepec's path, interval, ``keep_last``, asynchronous snapshot + persist and
-``restore(step)``. Several optimizers per model part (one per ``optimizer_name``) each
-keep their per-expert state with the expert; a model without MoE layers gets full
-checkpoints; a bare tensor in ``states`` is saved with the non-expert state. The options
-moepec does not implement (``initial_load_path``, HF formats, seed checkpoints, pipeline
-parallelism, torchft's ``ft_manager``) are refused with a ``ConfigError`` that says what
-to do.
+``restore(step)``. What moepec's checkpoints are not for is left to torchtitan's own
+manager over the same objects: the initial load of a folder without a checkpoint
+(``initial_load_path``, ``initial_load_model_only``, ``initial_load_in_hf``) and the
+model-only last save (``last_save_model_only``, a DCP folder ``step-<N>``). Several
+optimizers per model part (one per ``optimizer_name``) each keep their per-expert state
+with the expert; a model without experts gets full checkpoints and one warning saying so;
+a bare tensor in ``states`` is saved with the non-expert state. The options moepec does
+not implement (``last_save_in_hf``, seed checkpoints, pipeline parallelism, torchft's
+``ft_manager``) are refused with a ``ConfigError`` that says what to do.
 
 This is the only moepec module that imports torchtitan; it uses moepec's public API only.
 """
@@ -41,124 +44,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
 from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
 from torchtitan.config.override import derive, override
 from torchtitan.tools import filesystem
 
-from moepec import CheckpointConfig, NoCheckpointError, RestoreReport, StructureMismatchError
+from moepec import CheckpointConfig, ExpertSpec, NoCheckpointError, RestoreReport
 from moepec import CheckpointManager as PecManager
 from moepec.errors import ConfigError, MoepecError
+from moepec.integrations.titan_state import (
+    DataLoaderState,
+    RoutingTap,
+    stateful_states,
+)
 
 log = logging.getLogger(__name__)
 
 KEEP_ALL = 1_000_000
 """``keep_last`` for torchtitan's ``keep_latest_k=0`` (retain every checkpoint)."""
-
-
-class DataLoaderState:
-    """torchtitan's data loader as ``extra_state``, without pickle.
-
-    torchtitan's ``ParallelAwareDataloader.state_dict()`` pickles the loader's state
-    (moepec never unpickles what it loads), and each data-parallel rank holds its own
-    position while moepec stores one copy of small objects. So :meth:`capture`
-    (collective: every rank, training thread, before each save) gathers every rank's
-    plain ``StatefulDataLoader`` state, and :meth:`load_state_dict` hands each rank its
-    own. Restoring at another world size is refused, as torchtitan refuses it.
-    """
-
-    def __init__(self, loader: Any, group: Any | None) -> None:
-        self.loader = loader
-        self.group = group
-        self.rank = dist.get_rank() if group is not None else 0
-        self.world_size = dist.get_world_size() if group is not None else 1
-        self._base = _stateful_base(loader)
-        self._cached: dict[str, Any] = {"world_size": self.world_size, "ranks": {}}
-
-    def position(self) -> dict[str, Any]:
-        """This rank's loader position now (the plain ``StatefulDataLoader`` state)."""
-        return self._base.state_dict(self.loader)
-
-    def capture(self) -> None:
-        """Gather the loader positions of all ranks (collective when distributed)."""
-        mine = self.position()
-        states = [mine]
-        if self.group is not None:
-            states = [None] * self.world_size
-            dist.all_gather_object(states, mine, group=self.group)
-        self._cached = {"world_size": self.world_size,
-                        "ranks": {str(r): s for r, s in enumerate(states)}}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._cached
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        if saved.get("world_size") != self.world_size:
-            raise ConfigError(
-                f"the checkpoint's data loader positions are of {saved.get('world_size')} "
-                f"ranks, this run has {self.world_size}; torchtitan cannot reshard a data "
-                f"loader: resume with the same number of ranks")
-        own = saved.get("ranks", {}).get(str(self.rank))
-        if own:
-            self._base.load_state_dict(self.loader, own)
-        self._cached = saved
-
-
-def _stateful_base(loader: Any) -> type:
-    """The class whose un-pickled state_dict/load_state_dict the loader inherits: the
-    ``StatefulDataLoader`` below torchtitan's pickling wrapper, else the loader's own."""
-    for cls in type(loader).__mro__:
-        if cls.__name__ == "StatefulDataLoader":
-            return cls
-    return type(loader)
-
-
-class RoutingTap:
-    """Tokens per (MoE layer, expert) since the last call, from torchtitan's own counters.
-
-    torchtitan's ``MoE`` adds each forward's routed tokens to its ``tokens_per_expert_E``
-    buffer; its load-balancing hook zeroes the buffer in the optimizer step (when
-    ``load_balance_coeff`` is set), otherwise the buffer only grows. :meth:`take` reads it
-    before the optimizer step and returns what is new either way.
-    """
-
-    def __init__(self, model: nn.Module, n_experts: tuple[int, ...]) -> None:
-        named = [(n, m) for n, m in model.named_modules()
-                 if isinstance(getattr(m, "tokens_per_expert_E", None), torch.Tensor)]
-        self.layers = [m for _, m in named]
-        # torchtitan's own correction (_update_expert_bias): a block recomputed in the
-        # backward (activation checkpointing, NO_REENTRANT) counts its tokens twice.
-        recomputed = [n for n, m in model.named_modules()
-                      if getattr(m, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT]
-        self._halve = [any(n.startswith(f"{r}.") for r in recomputed) for n, _ in named]
-        sizes = tuple(int(m.tokens_per_expert_E.shape[-1]) for m in self.layers)
-        self.enabled = bool(self.layers) and sizes == tuple(n_experts)
-        if self.layers and not self.enabled:
-            log.warning("moepec: torchtitan's token counters (%s) do not match the experts "
-                        "found (%s); PLT and load_aware selection get no counts", sizes,
-                        tuple(n_experts))
-        self._last: list[torch.Tensor | None] = [None] * len(self.layers)
-
-    def take(self) -> list[torch.Tensor] | None:
-        """This step's counts per layer (int64, CPU), or None when not available."""
-        if not self.enabled:
-            return None
-        out = []
-        for i, moe in enumerate(self.layers):
-            buf = moe.tokens_per_expert_E
-            cur = (buf.to_local() if hasattr(buf, "to_local") else buf).detach().cpu()
-            cur = cur.to(torch.int64)
-            if self._halve[i]:
-                cur = cur // 2
-            resets = getattr(moe, "load_balance_coeff", None) is not None
-            last = self._last[i]
-            out.append(cur if resets or last is None else (cur - last).clamp_min(0))
-            self._last[i] = None if resets else cur
-        return out
-
-    def reset(self) -> None:
-        """Start counting afresh (after a restore)."""
-        self._last = [None] * len(self.layers)
 
 
 class PecCheckpointManager(BaseCheckpointManager):
@@ -200,13 +102,27 @@ class PecCheckpointManager(BaseCheckpointManager):
         """Upper bound of every wait (snapshot, persist, collective)."""
         takeover: bool = False
         """Take the folder's lease from the run holding it (one writer per folder)."""
+        expert_stacked: str | None = None
+        """Name the experts when discovery finds none: a regex with groups ``layer`` and
+        ``name`` matching stacked ``[E, ...]`` expert parameters (``ExpertSpec.stacked``)."""
+        expert_modules: str | None = None
+        """A regex with groups ``layer``, ``expert`` and ``name`` matching one expert's own
+        parameters (``ExpertSpec.modules``)."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             try:
                 self.moepec_config("validate")
+                self.expert_spec()
             except MoepecError as e:
                 raise ValueError(f"--checkpoint: {e}") from e
+
+        def expert_spec(self) -> ExpertSpec | None:
+            """The experts as named by ``expert_stacked`` / ``expert_modules``, or None
+            (found from the module structure)."""
+            if self.expert_stacked is None and self.expert_modules is None:
+                return None
+            return ExpertSpec(stacked=self.expert_stacked, modules=self.expert_modules)
 
         def moepec_config(self, path: str, dense: bool = False) -> CheckpointConfig:
             """moepec's CheckpointConfig for a checkpoint root at ``path``; ``dense``: the
@@ -239,19 +155,26 @@ class PecCheckpointManager(BaseCheckpointManager):
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
                        if distributed else None)
         torch_optimizers, whole = _optimizers_of(optimizers)
-        extra: dict[str, Any] = {"lr_scheduler": lr_schedulers, **_stateful(states)}
+        extra: dict[str, Any] = {"lr_scheduler": lr_schedulers, **stateful_states(states)}
         if whole is not None:
             extra["optimizer"] = whole
         self.loader_state = None
         if dataloader is not None:
             self.loader_state = DataLoaderState(dataloader, self._group)
             extra["dataloader"] = self.loader_state
-        dense = not any(_is_moe(m) for m in model_parts[0].modules())
+        spec = config.expert_spec()
+        dense = spec is None and not any(_is_moe(m) for m in model_parts[0].modules())
         self.manager = PecManager(model_parts[0], torch_optimizers,
-                                  config.moepec_config(self.folder, dense), extra_state=extra)
+                                  config.moepec_config(self.folder, dense), extra_state=extra,
+                                  expert_spec=spec)
         self.routing = RoutingTap(model_parts[0], self.manager.n_experts)
+        self._stock_args = dict(dataloader=dataloader, model_parts=model_parts,
+                                optimizers=optimizers, lr_schedulers=lr_schedulers,
+                                states=states, sd_adapter=sd_adapter)
+        """What torchtitan's own manager is built with, for what moepec leaves to it:
+        the initial load and the model-only last save."""
         if not self.manager.n_experts:
-            log.info("moepec: the model has no MoE layer: full checkpoints in %s", self.folder)
+            _say_no_experts(self.folder)
         else:
             log.info("moepec: partial-experts checkpoints (K=%d of %s experts per layer, %d "
                      "optimizer(s)) in %s", self.manager.k_persist, self.manager.n_experts,
@@ -270,10 +193,38 @@ class PecCheckpointManager(BaseCheckpointManager):
         under way; the write runs in the background unless ``async_mode=disabled``)."""
         if not self._should_save(curr_step, last_step):
             return False
+        if last_step and self.config.last_save_model_only:
+            # torchtitan's own last save: the model alone, in export_dtype, a DCP folder
+            # step-<N> beside moepec's checkpoints (training is over; nothing resumes it)
+            self.manager.wait_for_persist()
+            return self._stock(self.folder).save(curr_step, last_step=True)
         if self.loader_state is not None:
             self.loader_state.capture()
         self.manager.save(curr_step)
         return True
+
+    def _stock(self, folder: str) -> CheckpointManager:
+        """torchtitan's own manager over the same objects, saving and loading in
+        ``folder``, synchronous and without retention."""
+        config = derive(self.config, CheckpointManager.Config, async_mode="disabled",
+                        keep_latest_k=0, folder=folder)
+        args = {**self._stock_args, "states": dict(self._stock_args["states"])}
+        return CheckpointManager(config, **args)  # it adds its own entries to states
+
+    def _initial_load(self) -> bool:
+        """A folder without a moepec checkpoint: torchtitan's own initial load
+        (``initial_load_path``: a DCP folder, or Hugging Face safetensors with
+        ``initial_load_in_hf``; ``initial_load_model_only``), by torchtitan's manager
+        reading from a folder that never exists (so it takes the initial path). The next
+        save is a full one. False when there is nothing to load (a fresh start)."""
+        if not (self.config.initial_load_path or self.config.initial_load_in_hf):
+            log.info("moepec: no checkpoint in %s, this is a fresh start", self.folder)
+            return False
+        loaded = self._stock(filesystem.join(self.folder, ".initial-load")).load()
+        log.info("moepec: no checkpoint in %s; started from %s (%s)", self.folder,
+                 self.config.initial_load_path or "the HF assets",
+                 "model only" if self.config.initial_load_model_only else "training state")
+        return loaded
 
     def _maybe_wait_for_staging(self) -> None:
         """Right before ``optimizer.step()``: feed this step's token counts, and wait for
@@ -302,8 +253,7 @@ class PecCheckpointManager(BaseCheckpointManager):
             raise FileNotFoundError(f"--checkpoint.load_step={step} not found: {self.folder} "
                                     f"holds no checkpoint at or before step {step}")
         if self.report is None:
-            log.info("moepec: no checkpoint in %s, this is a fresh start", self.folder)
-            return False
+            return self._initial_load()
         if step not in (-1, self.report.step):
             log.warning("moepec: --checkpoint.load_step=%d: no whole view at that step; "
                         "loaded step %d, the newest before it", step, self.report.step)
@@ -336,9 +286,6 @@ def _refuse_unsupported(config: PecCheckpointManager.Config, model_parts: list[n
                           f"checkpoints one model part per rank; run without "
                           f"--parallelism.pipeline_parallel_degree")
     unsupported = {
-        "initial_load_path": "load it with torchtitan's own CheckpointManager first and "
-                             "save a moepec checkpoint from that run",
-        "initial_load_in_hf": "convert the HF weights with torchtitan first",
         "last_save_in_hf": "run `moepec export FOLDER OUT --format safetensors` after training",
         "create_seed_checkpoint": "create seed checkpoints with torchtitan's own manager",
         "exclude_from_loading": "moepec restores the whole training state",
@@ -367,38 +314,21 @@ def _optimizers_of(optimizers: Any) -> tuple[list[torch.optim.Optimizer], Any | 
                       f"OptimizersContainer nor stateful; pass the Trainer's optimizers")
 
 
+def _say_no_experts(folder: str) -> None:
+    """Never full in silence: rank 0 says, in one line, that no experts were found."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.warning(
+            "moepec: no experts found in the model (looked for torchtitan MoE layers, whose "
+            "tokens_per_expert_E counts their experts, and for stacked [E, ...] expert "
+            "parameters and experts.<e> modules): every checkpoint in %s is a full one; if "
+            "the model has experts, name them with --checkpoint.expert_stacked REGEX "
+            "(groups layer, name) or --checkpoint.expert_modules REGEX (groups layer, "
+            "expert, name)", folder)
+
+
 def _is_moe(module: nn.Module) -> bool:
     """A torchtitan MoE layer (it counts the tokens routed to each of its experts)."""
     return isinstance(getattr(module, "tokens_per_expert_E", None), torch.Tensor)
-
-
-class TensorState:
-    """A bare tensor of torchtitan's ``states`` as ``extra_state``: saved with the
-    non-expert state (its bytes, exactly) and restored into the same tensor, in place."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"tensor": self.tensor.detach()}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        value = saved.get("tensor")
-        if not (isinstance(value, torch.Tensor) and value.shape == self.tensor.shape
-                and value.dtype == self.tensor.dtype):
-            raise StructureMismatchError(
-                f"the checkpoint holds {getattr(value, 'dtype', type(value).__name__)} "
-                f"{tuple(getattr(value, 'shape', ()))} where the states hold "
-                f"{self.tensor.dtype} {tuple(self.tensor.shape)}; restore into the states "
-                f"the checkpoint was saved from")
-        with torch.no_grad():
-            self.tensor.copy_(value)
-
-
-def _stateful(states: dict[str, Any]) -> dict[str, Any]:
-    """torchtitan's ``states`` as ``extra_state``: a bare tensor wrapped in TensorState."""
-    return {k: TensorState(v) if isinstance(v, torch.Tensor) else v
-            for k, v in states.items()}
 
 
 @override(target=CheckpointManager.Config,

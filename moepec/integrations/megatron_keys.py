@@ -1,0 +1,79 @@
+"""Which (MoE layer, expert) a Megatron-Core shard belongs to, and its flat key: read from
+the sharded state dict alone (:mod:`moepec.integrations.megatron`).
+
+SequentialMLP's (and GroupedMLP's factories') ``...experts.experts.*`` shards carry the
+expert on a prepended axis; ``metadata={'singleton_local_shards': True}`` puts it in the
+key (``...experts.<e>.*``); optimizer state keyed by the parameter's key
+(``optimizer.state.<name>.<param key>``) goes with its expert. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+
+from megatron.core.dist_checkpointing.mapping import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+)
+
+from moepec.flat import Unit, shard_key
+
+_OPTIM_PREFIX = re.compile(r"^optimizer\.state\.[^.]+\.")
+_SEQUENTIAL = re.compile(r"^(.*?)(?:^|\.)experts\.experts\.")
+_SINGLETON = re.compile(r"^(.*?)(?:^|\.)experts\.(\d+)\.")
+_GROUPED = re.compile(r"^(.*?)(?:^|\.)experts\.")
+
+
+def flat_key(sh: ShardedTensor) -> str:
+    """One shard's key in the flat checkpoint (``moepec.flat.shard_key``): the sharded
+    key, its global offsets and local shape (prepended axes included) and, for a
+    flattened shard, its range."""
+    shape = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    rng = sh.flattened_range
+    return shard_key(sh.key, sh.global_offset, shape,
+                     None if rng is None else (rng.start, rng.stop))
+
+
+def expert_unit(sh: ShardedTensor) -> Unit | None:
+    """(layer, expert) of an expert shard, None for any other. ``layer`` is the key
+    prefix before ``experts`` with the offsets of the axes before the expert axis."""
+    key = _OPTIM_PREFIX.sub("", sh.key)
+    offsets = tuple(sh.global_offset)
+    if m := _SINGLETON.match(key):  # singleton_local_shards: the expert is in the key
+        return f"{m[1]}@{offsets[:sh.prepend_axis_num]}", int(m[2])
+    if m := _SEQUENTIAL.match(key):  # SequentialMLP: the expert axis is prepended last
+        axis = sh.prepend_axis_num - 1
+    elif m := _GROUPED.match(key):  # GroupedMLP's factories: the first local axis
+        axis = sh.prepend_axis_num
+        if _standalone_sequential(sh, m[1]):
+            axis = sh.prepend_axis_num - 1
+    else:
+        return None
+    if axis < 0 or (axis >= sh.prepend_axis_num
+                    and sh.local_shape[axis - sh.prepend_axis_num] != 1):
+        raise CheckpointingException(
+            f"moepec: shard {sh.key!r} holds several experts in one shard; save with "
+            f"metadata={{'singleton_local_shards': True}} so each expert is a shard")
+    return f"{m[1]}@{offsets[:axis]}", offsets[axis]
+
+
+def _standalone_sequential(sh: ShardedTensor, prefix: str) -> bool:
+    """A SequentialMLP's shard outside a decoder (keys ``<prefix>experts.<name>``, as
+    when it is built on its own): its one expert per shard sits on the last prepended
+    axis, and its first local axis is the weight's own. (A GroupedMLP shard holds its
+    experts on the first local axis; inside a decoder the prepended axis is the layers'.)"""
+    return (sh.prepend_axis_num >= 1 and sh.local_shape[0] != 1
+            and "layers" not in prefix.split("."))
+
+
+def object_unit(obj: ShardedObject) -> Unit | None:
+    """(layer, expert) of an expert's ShardedObject (its ``_extra_state``), None for any
+    other: the expert is the last offset (or in the key, for singleton shards, whose
+    last offset is a placeholder 0 of 1)."""
+    offsets = tuple(obj.global_offset)
+    if m := _SINGLETON.match(obj.key):
+        return f"{m[1]}@{offsets[:-1]}", int(m[2])
+    if (m := _GROUPED.match(obj.key)) and offsets:
+        return f"{m[1]}@{offsets[:-1]}", offsets[-1]
+    return None

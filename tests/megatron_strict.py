@@ -1,0 +1,231 @@
+"""torchrun worker for tests/test_megatron.py: every load that Megatron-Core's ``torch_dist``
+refuses, reports or loads, done on a ``torch_dist`` folder and on a ``("moepec", 1)``
+folder of the same state, with the same outcome on both.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/megatron_strict.py DIR
+
+Cases (after Megatron's own test_tensor_shape_mismatch and TestNonStrictLoad): a load of
+another global shape (smaller and larger), rigid and with ``allow_shape_mismatch``; keys
+the folder lacks ("unexpected") and keys nobody asks for ("missing"), and an exact load,
+each under every ``StrictHandling`` mode. An outcome is: raised (and whether as
+Megatron's CheckpointingException and as DCP's CheckpointException, as torch_dist
+raises), or the loaded values (bit for bit), the returned missing and unexpected keys and
+the keys named in Megatron's warnings. Also: the moepec saves of a state without experts
+warn once, on rank 0, that they found none. Prints ``rank R STRICT OK N``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+if __name__ == "__main__":
+    # Only here: torch_dist's save spawns a helper process that runs this file's top
+    # again (as __mp_main__); without torch and Megatron to import it starts in a moment.
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import megatron_shims
+
+    megatron_shims.install()
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import (
+        CheckpointingException,
+        ShardedObject,
+        ShardedTensor,
+    )
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import moepec.integrations.megatron  # noqa: F401  (registers ("moepec", 1))
+
+RANK = WORLD = 0
+
+
+class Lines(logging.Handler):
+    """The WARNING lines of a logger, kept."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def base() -> dict:
+    """Megatron's TestNonStrictLoad state (replicated, split and object shards) and a
+    tensor per shape case, split over the ranks on axis 1: global (2, 16 * WORLD)."""
+    local = torch.arange(16).unsqueeze(0).expand(2, 16) + RANK * 16
+    return {
+        "TenA": ShardedTensor.from_rank_offsets("TenA", torch.arange(2), replica_id=RANK),
+        "TenB": ShardedTensor.from_rank_offsets("TenB", torch.arange(3), (0, RANK, WORLD),
+                                                replica_id=0),
+        "ObjA": ShardedObject("ObjA", list(range(10)), (1,), (0,), replica_id=RANK),
+        "ObjB": ShardedObject("ObjB", {RANK + 7}, (1, WORLD), (0, RANK), replica_id=0),
+        "rigid": ShardedTensor.from_rank_offsets("keyA", local.clone(), (1, RANK, WORLD)),
+        "flexible": ShardedTensor.from_rank_offsets("keyB", local.clone(), (1, RANK, WORLD),
+                                                    allow_shape_mismatch=True),
+    }
+
+
+def outcome(folder: str, request: dict, strict: StrictHandling, integrity: bool = True):
+    """What a load does: ('raised', is CheckpointingException, is DCP's
+    CheckpointException, message) or ('loaded', values, missing, unexpected, keys named
+    in Megatron's warnings)."""
+    lines = Lines()
+    logging.getLogger("megatron.core.dist_checkpointing").addHandler(lines)
+    try:
+        out = dist_checkpointing.load(request, folder, validate_access_integrity=integrity,
+                                      strict=strict)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - compared below
+        return ("raised", isinstance(exc, CheckpointingException),
+                isinstance(exc, CheckpointException), str(exc))
+    finally:
+        logging.getLogger("megatron.core.dist_checkpointing").removeHandler(lines)
+    missing = unexpected = None
+    if isinstance(out, tuple):
+        out, missing, unexpected = out
+    named = sorted(k for k in ("TenA", "ObjB", "UnexpectedTenD", "UnexpectedObjD")
+                   if any(k in line for line in lines.lines))
+    return ("loaded", out, missing, unexpected, named)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k])
+                                                                     for k in a)
+    return a == b
+
+
+def shape_case(width: int, flexible: bool) -> dict:
+    """A load of a shape-case tensor at another global shape (2, width * WORLD)."""
+    name, key = ("flexible", "keyB") if flexible else ("rigid", "keyA")
+    return {name: ShardedTensor.from_rank_offsets(
+        key, torch.ones(2, width, dtype=torch.int64), (1, RANK, WORLD),
+        allow_shape_mismatch=flexible)}
+
+
+def unexpected() -> dict:
+    sd = base()
+    sd["TenD"] = ShardedTensor.from_rank_offsets("UnexpectedTenD", torch.arange(3),
+                                                 replica_id=RANK)
+    sd["ObjD"] = ShardedObject("UnexpectedObjD", None, (1,), (0,), replica_id=RANK)
+    return sd
+
+
+def missing() -> dict:
+    sd = base()
+    del sd["TenA"], sd["ObjB"]
+    return sd
+
+
+def compare(case: str, ref, got) -> None:
+    assert ref[0] == got[0], f"{case}: torch_dist {ref[0]} ({ref[-1]!s:.300}), moepec " \
+                             f"{got[0]} ({got[-1]!s:.300})"
+    if ref[0] == "raised":
+        # what catches torch_dist's exception (Megatron's class, DCP's) catches moepec's
+        assert got[1] >= ref[1] and got[2] >= ref[2], f"{case}: {ref} vs {got}"
+        return
+    for i, what in ((1, "values"), (2, "missing keys"), (3, "unexpected keys"),
+                    (4, "keys in warnings")):
+        assert same(ref[i], got[i]), f"{case}: {what}: torch_dist {ref[i]}, moepec {got[i]}"
+
+
+def fully_parallel(root: str, ref: str) -> None:
+    """What Megatron-LM's --ckpt-fully-parallel-save/-load and
+    --ckpt-assume-constant-structure reach in megatron-core, around the moepec strategies:
+    Megatron's FullyParallelSaveStrategyWrapper (cached distribution),
+    ``use_cached_ckpt_structure`` on the save strategy, a sync save and an async one
+    through Megatron's request queue; the load equals the torch_dist load of the same
+    state."""
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    inner = get_default_save_sharded_strategy("moepec", 1)
+    inner.use_cached_ckpt_structure = True
+    save = FullyParallelSaveStrategyWrapper(inner, None, True)
+    queue = AsyncCallsQueue()
+    for i in (1, 2):
+        folder = make(os.path.join(root, "parallel", f"iter_{i:07d}"))
+        request = dist_checkpointing.save(base(), folder, save, async_sharded_save=i == 2)
+        if i == 2:
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    # Megatron's FullyParallelLoadStrategyWrapper exchanges the loaded shards through CUDA
+    # tensors (exchange_utils: .cuda()), with any backend: on CPU only its construction
+    # and the base strategy it wraps are checked; the load is the plain one.
+    load = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(folder), None, True)
+    assert type(load.base_strategy).__name__ == "MoepecLoadStrategy"
+    got = dist_checkpointing.load(base(), folder)
+    want = dist_checkpointing.load(base(), ref)
+    assert same(got, want), (got, want)
+
+
+def make(folder: str) -> str:
+    if RANK == 0:
+        os.makedirs(folder)
+    dist.barrier()
+    return folder
+
+
+def main() -> None:
+    global RANK, WORLD
+    root = sys.argv[1]
+    dist.init_process_group("gloo")
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+    said = Lines()
+    logging.getLogger("moepec").addHandler(said)
+    ref = make(os.path.join(root, "torch_dist", "iter_0000001"))
+    dist_checkpointing.save(base(), ref, sharded_strategy=("torch_dist", 1))
+    for i in (1, 2):
+        pec = make(os.path.join(root, "moepec", f"iter_{i:07d}"))
+        dist_checkpointing.save(base(), pec, sharded_strategy=("moepec", 1))
+    told = [line for line in said.lines if "no expert shards" in line]
+    assert len(told) == (1 if RANK == 0 else 0), said.lines
+    cases: dict[str, tuple[Callable[[], dict], StrictHandling, bool]] = {}
+    for width in (14, 18):  # global (2, 28) and (2, 36) where (2, 32) was saved
+        for flexible in (False, True):
+            cases[f"{'flexible' if flexible else 'rigid'} {width}"] = (
+                functools.partial(shape_case, width, flexible),
+                StrictHandling.ASSUME_OK_UNEXPECTED, True)
+    for mode in StrictHandling:
+        for what, build in (("unexpected", unexpected), ("missing", missing),
+                            ("exact", base)):
+            cases[f"{what} {mode.value}"] = (build, mode, True)
+    cases["unexpected assume_ok no integrity"] = (unexpected,
+                                                  StrictHandling.ASSUME_OK_UNEXPECTED, False)
+    for case, (build, mode, integrity) in cases.items():
+        stock = outcome(ref, build(), mode, integrity)
+        ours = outcome(pec, build(), mode, integrity)
+        compare(case, stock, ours)
+        if case.startswith("rigid"):  # names the key and both global shapes
+            width = int(case.split()[1])
+            assert "'keyA'" in ours[3] and f"(2, {16 * WORLD})" in ours[3] \
+                and f"(2, {width * WORLD})" in ours[3], ours[3]
+        if case == "unexpected assume_ok_unexpected":
+            assert "UnexpectedTenD" in ours[3] and "UnexpectedObjD" in ours[3], ours[3]
+    fully_parallel(root, ref)
+    sys.stdout.write(f"rank {RANK} STRICT OK {len(cases)}\n")
+    sys.stdout.flush()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
