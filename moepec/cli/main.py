@@ -303,7 +303,21 @@ def _train_and_report(cfg: Any) -> int:
     result = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(result))
-    return 0
+    return stop_exit_code(result.stopped["signal"]) if result.stopped else 0
+
+
+def stop_exit_code(signal_name: str) -> int:
+    """The exit code of a run that a planned stop ended (its complete checkpoint written):
+    0 under torchrun, whose agent restarts (``--max-restarts``) every worker that exits
+    otherwise, so a worker that stopped for a preemption is never restarted into a job
+    being shut down, and one that alone got the signal ends the job; elsewhere 128 + the
+    signal's number (143 for SIGTERM, 130 for Ctrl-C), as a shell reports a process the
+    signal ended, so a scheduler's script can tell a stop from a finished run."""
+    import signal
+
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return 0
+    return 128 + int(signal.Signals[signal_name])
 
 
 # ---------------------------------------------------------------------- model-info

@@ -105,6 +105,15 @@ def log_plt_outlook(cfg: TrainConfig, n_experts: int) -> None:
     if not o.over_budget:
         log.info("%s, within the PLT budget %.2f%%", what, 100 * ck.plt_budget)
         return
-    dyn = "dynamic K is on: K doubles after a recovery over budget; " if ck.dynamic_k else ""
-    log.warning("%s exceeds the PLT budget %.2f%%; %s%s", what, 100 * ck.plt_budget, dyn,
-                o.advice())
+    if not ck.dynamic_k:
+        log.warning("%s exceeds the PLT budget %.2f%%; %s", what, 100 * ck.plt_budget,
+                    o.advice())
+        return
+    # Dynamic K is the mechanism that answers this: information, not a warning.
+    fixes = [f"--k {o.k_fit}" if o.k_fit not in (None, k) else "",
+             f"--ckpt-interval {o.interval_fit}"
+             if o.interval_fit not in (None, ck.interval) else ""]
+    start = " or ".join(f for f in fixes if f)
+    log.info("%s exceeds the PLT budget %.2f%%; dynamic K is on: K doubles after a "
+             "recovery that leaves PLT over the budget%s", what, 100 * ck.plt_budget,
+             f" (to be within it from the start: {start})" if start else "")
