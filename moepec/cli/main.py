@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -227,11 +228,32 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
     for other ranks as long as the trainer does (``--dist-timeout``), and
     ``--ckpt-sync`` turns both background tiers off.
     """
-    from moepec import CheckpointConfig
-
     if not args.dist_timeout > 0:  # named by its flag, before it becomes timeout_s
         raise ConfigError(f"--dist-timeout must be > 0 seconds (got {args.dist_timeout})")
-    ckpt = CheckpointConfig(
+    try:
+        ckpt = _checkpoint_config(args)
+    except ConfigError as exc:  # the user typed flags: the message names them
+        raise ConfigError(_FIELD_NAMES.sub(lambda m: _FLAG_OF[m.group(0)], str(exc))) \
+            from None
+    # Built, and so validated, even without --ckpt-dir: a mistyped checkpoint flag fails
+    # now, as it always has, rather than in the run that turns checkpointing on.
+    return None if args.ckpt_dir is None else ckpt
+
+
+_FLAG_OF = {"interval": "--ckpt-interval", "k_persist": "--k", "k_snapshot": "--k-snapshot",
+            "selection": "--selection", "pec_scope": "--pec-scope",
+            "full_every": "--full-every", "keep_last": "--keep-last",
+            "serialization": "--ckpt-serialization", "busy_policy": "--busy-policy",
+            "write_mode": "--write-mode", "plt_budget": "--plt-budget",
+            "timeout_s": "--dist-timeout", "ram_dir": "--ram-dir"}
+"""The checkpoint fields the ``train`` flags set, and the flag of each."""
+_FIELD_NAMES = re.compile(r"(?<![\w-])(" + "|".join(_FLAG_OF) + r")(?![\w(])")
+
+
+def _checkpoint_config(args: argparse.Namespace) -> Any:
+    from moepec import CheckpointConfig
+
+    return CheckpointConfig(
         path=_NO_CKPT_DIR if args.ckpt_dir is None else args.ckpt_dir,
         interval=args.ckpt_interval, k_persist=args.k_persist, k_snapshot=args.k_snapshot,
         selection=args.selection, pec_scope=args.pec_scope, full_every=args.full_every,
@@ -242,9 +264,6 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
         dynamic_k_down=args.dynamic_k_down, plt_budget=args.plt_budget,
         timeout_s=args.dist_timeout,
         ram_dir=_ram_dir_arg(args.ram_dir))
-    # Built, and so validated, even without --ckpt-dir: a mistyped checkpoint flag fails
-    # now, as it always has, rather than in the run that turns checkpointing on.
-    return None if args.ckpt_dir is None else ckpt
 
 
 def train_config_from_args(args: argparse.Namespace) -> Any:
@@ -449,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per registered command."""
     parser = argparse.ArgumentParser(
         prog="moepec", description="Partial Experts Checkpointing for MoE training")
-    parser.add_argument("--log-level", default="INFO",
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="DEBUG, INFO, WARNING or ERROR (%(default)s)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS.values():
