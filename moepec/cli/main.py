@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -332,8 +333,6 @@ def stop_exit_code(signal_name: str) -> int:
     being shut down, and one that alone got the signal ends the job; elsewhere 128 + the
     signal's number (143 for SIGTERM, 130 for Ctrl-C), as a shell reports a process the
     signal ended, so a scheduler's script can tell a stop from a finished run."""
-    import signal
-
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         return 0
     return 128 + int(signal.Signals[signal_name])
@@ -505,6 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"moepec: error: {exc.__class__.__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
+        # Leaving now: a further Ctrl-C (while the interpreter joins threads and exits)
+        # must not end in a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if not str(exc):  # the trainer's own says where it stopped (TrainingInterrupted)
             print("moepec: interrupted", file=sys.stderr)
         return 130

@@ -243,6 +243,8 @@ def _interrupted(cfg: TrainConfig, run: Run | None, result: TrainResult,
             except Exception as exc:  # noqa: BLE001 - said in one line: the user stopped it
                 log.warning("the checkpoint manager did not close cleanly after Ctrl-C: %s",
                             exc)
+            except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, still one line
+                log.warning("second Ctrl-C: not waiting for the checkpoint in flight")
         name = manager.last_committed if manager is not None else None
         parsed = parse_checkpoint_name(name) if name else None
         if cfg.checkpoint is None:
