@@ -290,6 +290,28 @@ def train_config_from_args(args: argparse.Namespace) -> Any:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    try:
+        return _train_from_args(args)
+    except ConfigError as exc:  # the user typed flags: the message names them
+        raise ConfigError(_flag_names(str(exc))) from None
+
+
+def _flag_names(message: str) -> str:
+    """``message`` with the ``train`` flags' config field names (those with an underscore:
+    never a plain word) replaced by the flags (``k_persist`` -> ``--k``)."""
+    parser = argparse.ArgumentParser()
+    _add_train(parser)
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    flags |= {f: flag for f, flag in _FLAG_OF.items() if "_" in f}
+    flags |= {f"{name}_s": flag for name, flag in flags.items()
+              if f"{name}_s" not in flags}  # dist_timeout_s: --dist-timeout
+    names = re.compile(r"(?<![\w-])(" + "|".join(
+        sorted((re.escape(f) for f in flags if "_" in f), key=len, reverse=True))
+        + r")(?![\w(])")
+    return names.sub(lambda m: flags[m.group(0)], message)
+
+
+def _train_from_args(args: argparse.Namespace) -> int:
     cfg = train_config_from_args(args)  # a flag's mistake ends here, before any fork
     if cfg.ft is not None:
         from moepec.train.spare import run_with_spares, spares_apply
