@@ -111,5 +111,5 @@ def test_failing_storage_training_continues_error_visible(tmp_path, uninterrupte
     # committed; after healing, checkpoints commit again, and the run's end gets a
     # complete checkpoint of its last step after the periodic one
     assert steps == [7, 31, 39, 39]
-    assert st.read_manifest(st.committed()[-1]).full
+    assert st.read_manifest(st.committed()[-1]).meta.full
     assert verify_path(str(tmp_path / "ckpt")).ok
