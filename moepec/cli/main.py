@@ -192,6 +192,11 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    help="with --dynamic-k, also halve K when PLT is far under budget")
     g.add_argument("--plt-budget", type=float, default=d("plt_budget"),
                    help="budget of the proportion of lost tokens (%(default)s)")
+    g.add_argument("--final-checkpoint", action=argparse.BooleanOptionalAction,
+                   default=d("final_checkpoint"),
+                   help="a complete checkpoint (every expert) at the last step, so a rerun "
+                        "or a longer run loses nothing (default: on; preemption signals "
+                        "always write one)")
     g.add_argument("--on-persist-error", default=t("on_persist_error"),
                    help="continue (log, keep training, retry; a failed last persist is a "
                         "warning, exit 0) or stop (exit 2) (%(default)s)")
@@ -246,7 +251,8 @@ _FLAG_OF = {"interval": "--ckpt-interval", "k_persist": "--k", "k_snapshot": "--
             "full_every": "--full-every", "keep_last": "--keep-last",
             "serialization": "--ckpt-serialization", "busy_policy": "--busy-policy",
             "write_mode": "--write-mode", "plt_budget": "--plt-budget",
-            "timeout_s": "--dist-timeout", "ram_dir": "--ram-dir"}
+            "timeout_s": "--dist-timeout", "ram_dir": "--ram-dir",
+            "final_checkpoint": "--final-checkpoint"}
 """The checkpoint fields the ``train`` flags set, and the flag of each."""
 _FIELD_NAMES = re.compile(r"(?<![\w-])(" + "|".join(_FLAG_OF) + r")(?![\w(])")
 
@@ -263,7 +269,7 @@ def _checkpoint_config(args: argparse.Namespace) -> Any:
         async_persist=not args.ckpt_sync, serialization=args.ckpt_serialization,
         busy_policy=args.busy_policy, write_mode=args.write_mode, dynamic_k=args.dynamic_k,
         dynamic_k_down=args.dynamic_k_down, plt_budget=args.plt_budget,
-        timeout_s=args.dist_timeout,
+        timeout_s=args.dist_timeout, final_checkpoint=args.final_checkpoint,
         ram_dir=_ram_dir_arg(args.ram_dir))
 
 
