@@ -167,3 +167,20 @@ def test_a_fenced_run_ends_in_error(tmp_path):
         train(cfg)
     thief.join(10)
 
+
+
+def test_extending_a_finished_run_resumes_in_silence(tmp_path, caplog):
+    from moepec.train.trainer import TrainConfig, train
+
+    def run(steps: int):
+        return train(TrainConfig(config="tiny", steps=steps, batch_size=4, eval_batches=0,
+                                 progress=False, threads=1, checkpoint=CheckpointConfig(
+                                     path=str(tmp_path / "ckpt"), interval=4)))
+
+    run(6)  # ends with a complete checkpoint of step 5 (the periodic one is step 3)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="moepec"):
+        longer = run(10)
+    assert longer.resumed_from == 5 and longer.steps == 4
+    assert [(r["lost"], r["plt"]) for r in longer.recoveries] == [(0, 0.0)]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
