@@ -73,7 +73,7 @@ def foreign_root(path: str) -> str | None:
     (the Megatron-Core and DeepSpeed doors), one moepec checkpoint given for its root, a
     DeepSpeed (``latest``) or Hugging Face Trainer (``trainer_state.json``) folder."""
     from moepec.keys import MANIFEST_NAME, parse_checkpoint_name
-    from moepec.store.flat import is_flat_root
+    from moepec.recovery.offline_paths import RootKind, root_kind
 
     local = path.removeprefix("file://") if path.startswith("file://") or "://" not in path \
         else None
@@ -83,7 +83,7 @@ def foreign_root(path: str) -> str | None:
     parent = os.path.dirname(os.path.abspath(local))
     kind = ("a plain DCP checkpoint (.metadata)" if ".metadata" in names
             else "a root of moepec's flat front end (Megatron-Core, DeepSpeed doors)"
-            if is_flat_root(local)
+            if root_kind(local) == RootKind.FLAT
             else f"one checkpoint of the moepec root {parent}"
             if MANIFEST_NAME in names and parse_checkpoint_name(os.path.basename(
                 os.path.abspath(local))) is not None
