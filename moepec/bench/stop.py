@@ -65,8 +65,8 @@ def measure(name: str, ranks: int, interval: int, after: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="moepec-bench-stop-") as tmp:
         out = Path(tmp)
         cmd = _command(name, out, ranks, interval)
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        log = (out / "stderr.txt").open("w+")
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 900
         while not any(r.get("step", -1) >= after and "loss" in r for r in _records(out)):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -78,7 +78,12 @@ def measure(name: str, ranks: int, interval: int, after: int) -> dict[str, Any]:
         exit_s = time.monotonic() - t0
         first = _records(out)
         (out / "metrics.jsonl").rename(out / "first.jsonl")
-        [stop] = [r for r in first if r.get("event") == "stop"]
+        stops = [r for r in first if r.get("event") == "stop"]
+        if len(stops) != 1:
+            log.seek(0)
+            raise RuntimeError(f"{name}: no stop record after the signal (torchrun's exit "
+                               f"{proc.returncode}): {log.read()[-3000:]}")
+        stop = stops[0]
         commits = [r for r in first if r.get("event") == "commit"]
         periodic = [c["bytes"] for c in commits if not c["full"]]
         resume = subprocess.run(cmd[:cmd.index("--steps") + 1] + [str(stop["step"] + 2)]
