@@ -9,7 +9,7 @@ from moepec.errors import (
     PersistError,
     StructureMismatchError,
 )
-from moepec.events import CheckpointEvent, CommitRecord, SnapshotRecord
+from moepec.events import CheckpointEvent, CommitRecord, SnapshotRecord, StopRecord
 from moepec.hooks import FaultHooks
 from moepec.manager.config import CheckpointConfig
 from moepec.policy.plt import PLTLedger
@@ -43,6 +43,7 @@ __all__ = [
     "SelectionContext",
     "SelectionPolicy",
     "SnapshotRecord",
+    "StopRecord",
     "StructureMismatchError",
     "__version__",
     "register_selection",

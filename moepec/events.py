@@ -71,3 +71,25 @@ class CommitRecord:
     """Seconds from the start of the persist to the commit."""
     k_persist: int
     full: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRecord:
+    """What a planned stop did: the complete checkpoint written by
+    ``CheckpointManager.should_stop`` or a clean ``close()`` (``CheckpointManager.stopped``;
+    the same on every rank except the seconds)."""
+
+    step: int
+    """The step every rank stopped after (the complete checkpoint's step)."""
+    signal: str
+    """The signal the ranks agreed on (SIGTERM), or ``"close"`` for a clean end."""
+    checkpoint: str | None
+    """The complete checkpoint's name, or None when it was not committed (see above)."""
+    committed: bool
+    bytes: int
+    """Bytes of tensor data of the complete checkpoint, all ranks (0 if not committed)."""
+    save_seconds: float
+    """From the start of the complete checkpoint to its commit (or the end of the wait)."""
+    signal_to_commit_s: float | None
+    """From the signal's arrival on this rank to the commit; None for a clean end or a
+    rank that learnt of the stop from another rank."""

@@ -45,13 +45,14 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], match: 
     (TINY[:2] + ["bogus"], "unknown model config 'bogus'"),
     (TINY + ["-O", "vocab_size=128"], "vocab mismatch"),
     (TINY + ["-O", "top_k=5"], "top_k"),
-    (TINY + ["--ckpt-dir", "unused", "--k", "9"], "k_persist"),
-    (TINY + ["--batch-size", "0"], "batch_size"),
+    # a mistake in a flag names the flag typed, not the config field behind it
+    (TINY + ["--ckpt-dir", "unused", "--k", "9"], "need 1 <= --k (9) <= --k-snapshot (9)"),
+    (TINY + ["--batch-size", "0"], "--batch-size must be >= 1"),
     (TINY + ["--ckpt-dir", "unused", "--selection", "bogus"],
-     "unknown selection 'bogus'; choose one of sequential, load_aware"),
-    (TINY + ["--selection", "bogus"], "unknown selection 'bogus'"),  # checked without a dir too
+     "unknown --selection 'bogus'; choose one of sequential, load_aware"),
+    (TINY + ["--selection", "bogus"], "unknown --selection 'bogus'"),  # checked without a dir
     (TINY + ["--device", "tpu"], "unknown device 'tpu'; choose one of auto, cpu, cuda"),
-    (TINY + ["--on-persist-error", "ignore"], "unknown on_persist_error 'ignore'"),
+    (TINY + ["--on-persist-error", "ignore"], "unknown --on-persist-error 'ignore'"),
 ])
 def test_config_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                     match: str) -> None:
@@ -146,12 +147,12 @@ def test_train_ckpt_serialization_flag(capsys: pytest.CaptureFixture[str], tmp_p
     assert cli.main(argv) == 0
     capsys.readouterr()
     names = Storage(str(ckpt)).committed()
-    assert len(names) == 2
+    assert len(names) == 3  # steps 1 and 3, and the complete checkpoint of the last step
     md = FileSystemReader(str(ckpt / names[-1])).read_metadata()
     raw = [RAW_DESCRIPTOR in (i.transform_descriptors or ()) for i in md.storage_data.values()]
     assert raw and all(r != stock_readable for r in raw)
     _one_line_error(capsys, TINY + ["--ckpt-dir", str(ckpt), "--ckpt-serialization", "zip"],
-                    "unknown serialization")
+                    "unknown --ckpt-serialization")
 
 
 @pytest.mark.parametrize("policy, fault_step, code, newest", [

@@ -18,6 +18,9 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed: "
                                            "pip install 'moepec[hf]'")
 
+from moepec.store.committed import committed_manifests  # noqa: E402
+from moepec.store.storage import Storage  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 STEPS, INTERVAL = 12, 4
@@ -43,6 +46,10 @@ def test_trainer_killed_mid_run_resumes_at_the_same_step_and_data(tmp_path):
     a = json.loads((tmp_path / "a.json").read_text())
     assert a["global_step"] == STEPS and len(a["batches"]) == STEPS
     assert a["resumed_global_step"] is None
+    # the Trainer's final step gets a complete checkpoint (every expert), committed
+    found = committed_manifests(Storage(str(tmp_path / "a")))
+    newest = found.manifests[found.newest].meta
+    assert (newest.step, newest.full) == (STEPS - 1, True)
 
     # The same command, killed (SIGKILL) once a checkpoint at step 3 or later is committed.
     cmd = _cmd(tmp_path / "b", tmp_path / "b.json", 0.3)

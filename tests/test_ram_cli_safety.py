@@ -10,9 +10,11 @@ deleted run back without a word. Every ``ram_dir`` here is under ``tmp_path``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,17 @@ def test_a_restore_from_slots_while_storage_has_no_checkpoint_warns(tmp_path, ca
     fresh, _ = manager(tmp_path / "again", seed=5)
     assert fresh.restore() is None
     fresh.close()
+
+
+def test_ls_does_not_call_a_crashed_run_finished(tmp_path, capsys):
+    # a clean close removes its slots: a folder whose writer is gone was left by a crash
+    job = crashed_run(tmp_path, 4)
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process that ended: the crashed writer
+    for header in job.glob("rank0/slot*.json"):
+        data = json.loads(header.read_text())
+        header.write_text(json.dumps({**data, "pid": gone.pid}))
+    code, out = ram(capsys, "ls", "--ram-dir", str(tmp_path / "shm"))
+    assert code == 0 and job.name in out, out
+    assert "finished" not in out and "(no process: left by a run that crashed or was " \
+        "killed)" in out, out

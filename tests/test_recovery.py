@@ -108,6 +108,8 @@ def test_failing_storage_training_continues_error_visible(tmp_path, uninterrupte
     st = Storage(str(tmp_path / "ckpt"))
     steps = [st.read_manifest(n).step for n in st.committed()]
     # the checkpoint before the failure is intact; those while storage failed never
-    # committed; after healing, checkpoints commit again
-    assert steps == [7, 31, 39]
+    # committed; after healing, checkpoints commit again, and the run's end gets a
+    # complete checkpoint of its last step after the periodic one
+    assert steps == [7, 31, 39, 39]
+    assert st.read_manifest(st.committed()[-1]).meta.full
     assert verify_path(str(tmp_path / "ckpt")).ok

@@ -73,13 +73,27 @@ def test_trainer_warns_at_start_when_over_budget(caplog: pytest.LogCaptureFixtur
     from moepec.train.config import TrainConfig
     from moepec.train.manager_setup import log_plt_outlook
 
-    cfg = TrainConfig(config="small", steps=200,
-                      checkpoint=CheckpointConfig(path=str(tmp_path), interval=32))
-    with caplog.at_level(logging.INFO):
-        log_plt_outlook(cfg, 8)
-    text = caplog.text
+    def outlook(dynamic_k: bool) -> list[logging.LogRecord]:
+        cfg = TrainConfig(config="small", steps=200, checkpoint=CheckpointConfig(
+            path=str(tmp_path), interval=32, dynamic_k=dynamic_k))
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            log_plt_outlook(cfg, 8)
+        return caplog.records
+
+    # dynamic K off: a warning naming every fix, dynamic K among them
+    [off] = outlook(False)
+    assert off.levelno == logging.WARNING
+    text = off.getMessage()
     assert "exceeds the PLT budget 3.75%" in text and "--k 6" in text
     assert "--ckpt-interval 2" in text and "--dynamic-k" in text
+    # dynamic K on (the default): it answers the outlook, so information, and no advice
+    # to turn on what is on
+    [on] = outlook(True)
+    assert on.levelno == logging.INFO
+    text = on.getMessage()
+    assert "exceeds the PLT budget 3.75%" in text and "dynamic K is on" in text
+    assert "--k 6" in text and "--ckpt-interval 2" in text and "--dynamic-k" not in text
 
 
 # ------------------------------------------------------------------------- simulator

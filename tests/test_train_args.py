@@ -73,6 +73,7 @@ class _Manager:
     def __init__(self, last_committed: str | None) -> None:
         self.last_committed = last_committed
         self.last_persist_failed = False
+        self.fenced = None
 
     def close(self) -> None:
         pass
@@ -181,6 +182,9 @@ def test_demo_warns_when_ranks_exceed_the_cores(tmp_path, no_runs, monkeypatch, 
 # -- D: Ctrl-C --------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_ctrl_c_ends_train_in_one_line_with_exit_130(tmp_path):
+    """Ctrl-C (pressed twice at once: the same stop) is a planned stop: a complete
+    checkpoint of the step it stopped after, one line, status 130, no traceback."""
+    from moepec.store.committed import committed_manifests
     from moepec.store.storage import Storage
 
     ckpt = tmp_path / "ck"
@@ -203,6 +207,7 @@ def test_ctrl_c_ends_train_in_one_line_with_exit_130(tmp_path):
             if "committed ckpt-" in "".join(before) and " step 5: loss" in line:
                 break
         proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -210,11 +215,13 @@ def test_ctrl_c_ends_train_in_one_line_with_exit_130(tmp_path):
             proc.wait()
     assert proc.returncode == 130, rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
-    said = [line for line in rest.splitlines() if "interrupted at step" in line]
-    assert len(said) == 1, rest
-    newest = Storage(str(ckpt)).committed()[-1]
-    assert "the newest committed checkpoint is step " in said[0] and newest in said[0]
-    assert said[0].endswith("rerun the same command to resume")
-    # nothing but that line (and the command line's closing word) after the last step
-    tail = rest.splitlines()[rest.splitlines().index(said[0]):]
-    assert len(tail) <= 2, rest
+    said = [line for line in rest.splitlines() if "stopped after step" in line]
+    assert len(said) == 1 and "on SIGINT" in said[0], rest
+    found = committed_manifests(Storage(str(ckpt)))
+    newest = found.manifests[found.newest]
+    assert newest.meta.full and f"complete checkpoint {newest.name}" in said[0]
+    assert said[0].endswith("rerunning the same command resumes with nothing lost")
+    # after it, nothing but the run's summary
+    tail = rest.splitlines()[rest.splitlines().index(said[0]) + 1:]
+    assert tail and all(" WARNING " not in x and " ERROR " not in x for x in tail), rest
+    assert "stopped" in tail[-1] and "SIGINT" in tail[-1], rest

@@ -28,6 +28,8 @@ BENCHES = {
     "torchtitan": "moepec against torchtitan's own checkpointer in its Trainer (source "
                   "checkout)",
     "deepspeed": "the DeepSpeed door against DeepSpeed's own checkpoint engines",
+    "stop": "a planned stop (SIGTERM to torchrun) and its resume: seconds, bytes, nothing "
+            "lost",
 }
 """``moepec bench NAME``: module ``moepec.bench.<NAME with - as _>`` and what it measures."""
 

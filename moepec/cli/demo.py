@@ -304,8 +304,16 @@ def format_summary(result: TrainResult) -> str:
         ("val loss", f"{result.val_loss:.4f}" if result.val_loss is not None else "-"),
         ("dropped assignments", f"{result.dropped:,}"),
     ]
-    if result.recoveries:
-        rows.append(("recoveries", f"{len(result.recoveries)}"))
+    # A restore that lost nothing (a complete checkpoint) is a resume, not a recovery.
+    lossy = [r for r in result.recoveries if r.get("lost", 1)]
+    if lossy:
+        rows.append(("recoveries", f"{len(lossy)}"))
         rows.append(("PLT", f"{100 * result.recoveries[-1]['plt']:.3f}%"))
+    if result.resumed_from is not None and not lossy:
+        rows.append(("resumed", f"after step {result.resumed_from}, nothing lost"))
+    if result.stopped:
+        rows.append(("stopped", f"after step {result.stopped['step']} on "
+                                f"{result.stopped['signal']}, complete checkpoint "
+                                f"{result.stopped['checkpoint'] or 'not committed'}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

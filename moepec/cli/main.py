@@ -12,6 +12,8 @@ import dataclasses
 import json
 import logging
 import os
+import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -190,6 +192,11 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    help="with --dynamic-k, also halve K when PLT is far under budget")
     g.add_argument("--plt-budget", type=float, default=d("plt_budget"),
                    help="budget of the proportion of lost tokens (%(default)s)")
+    g.add_argument("--final-checkpoint", action=argparse.BooleanOptionalAction,
+                   default=d("final_checkpoint"),
+                   help="a complete checkpoint (every expert) at the last step, so a rerun "
+                        "or a longer run loses nothing (default: on; preemption signals "
+                        "always write one)")
     g.add_argument("--on-persist-error", default=t("on_persist_error"),
                    help="continue (log, keep training, retry; a failed last persist is a "
                         "warning, exit 0) or stop (exit 2) (%(default)s)")
@@ -227,11 +234,33 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
     for other ranks as long as the trainer does (``--dist-timeout``), and
     ``--ckpt-sync`` turns both background tiers off.
     """
-    from moepec import CheckpointConfig
-
     if not args.dist_timeout > 0:  # named by its flag, before it becomes timeout_s
         raise ConfigError(f"--dist-timeout must be > 0 seconds (got {args.dist_timeout})")
-    ckpt = CheckpointConfig(
+    try:
+        ckpt = _checkpoint_config(args)
+    except ConfigError as exc:  # the user typed flags: the message names them
+        raise ConfigError(_FIELD_NAMES.sub(lambda m: _FLAG_OF[m.group(0)], str(exc))) \
+            from None
+    # Built, and so validated, even without --ckpt-dir: a mistyped checkpoint flag fails
+    # now, as it always has, rather than in the run that turns checkpointing on.
+    return None if args.ckpt_dir is None else ckpt
+
+
+_FLAG_OF = {"interval": "--ckpt-interval", "k_persist": "--k", "k_snapshot": "--k-snapshot",
+            "selection": "--selection", "pec_scope": "--pec-scope",
+            "full_every": "--full-every", "keep_last": "--keep-last",
+            "serialization": "--ckpt-serialization", "busy_policy": "--busy-policy",
+            "write_mode": "--write-mode", "plt_budget": "--plt-budget",
+            "timeout_s": "--dist-timeout", "ram_dir": "--ram-dir",
+            "final_checkpoint": "--final-checkpoint"}
+"""The checkpoint fields the ``train`` flags set, and the flag of each."""
+_FIELD_NAMES = re.compile(r"(?<![\w-])(" + "|".join(_FLAG_OF) + r")(?![\w(])")
+
+
+def _checkpoint_config(args: argparse.Namespace) -> Any:
+    from moepec import CheckpointConfig
+
+    return CheckpointConfig(
         path=_NO_CKPT_DIR if args.ckpt_dir is None else args.ckpt_dir,
         interval=args.ckpt_interval, k_persist=args.k_persist, k_snapshot=args.k_snapshot,
         selection=args.selection, pec_scope=args.pec_scope, full_every=args.full_every,
@@ -240,11 +269,8 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> Any:
         async_persist=not args.ckpt_sync, serialization=args.ckpt_serialization,
         busy_policy=args.busy_policy, write_mode=args.write_mode, dynamic_k=args.dynamic_k,
         dynamic_k_down=args.dynamic_k_down, plt_budget=args.plt_budget,
-        timeout_s=args.dist_timeout,
+        timeout_s=args.dist_timeout, final_checkpoint=args.final_checkpoint,
         ram_dir=_ram_dir_arg(args.ram_dir))
-    # Built, and so validated, even without --ckpt-dir: a mistyped checkpoint flag fails
-    # now, as it always has, rather than in the run that turns checkpointing on.
-    return None if args.ckpt_dir is None else ckpt
 
 
 def train_config_from_args(args: argparse.Namespace) -> Any:
@@ -270,6 +296,28 @@ def train_config_from_args(args: argparse.Namespace) -> Any:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    try:
+        return _train_from_args(args)
+    except ConfigError as exc:  # the user typed flags: the message names them
+        raise ConfigError(_flag_names(str(exc))) from None
+
+
+def _flag_names(message: str) -> str:
+    """``message`` with the ``train`` flags' config field names (those with an underscore:
+    never a plain word) replaced by the flags (``k_persist`` -> ``--k``)."""
+    parser = argparse.ArgumentParser()
+    _add_train(parser)
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    flags |= {f: flag for f, flag in _FLAG_OF.items() if "_" in f}
+    flags |= {f"{name}_s": flag for name, flag in flags.items()
+              if f"{name}_s" not in flags}  # dist_timeout_s: --dist-timeout
+    names = re.compile(r"(?<![\w-])(" + "|".join(
+        sorted((re.escape(f) for f in flags if "_" in f), key=len, reverse=True))
+        + r")(?![\w(])")
+    return names.sub(lambda m: flags[m.group(0)], message)
+
+
+def _train_from_args(args: argparse.Namespace) -> int:
     cfg = train_config_from_args(args)  # a flag's mistake ends here, before any fork
     if cfg.ft is not None:
         from moepec.train.spare import run_with_spares, spares_apply
@@ -303,7 +351,19 @@ def _train_and_report(cfg: Any) -> int:
     result = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(result))
-    return 0
+    return stop_exit_code(result.stopped["signal"]) if result.stopped else 0
+
+
+def stop_exit_code(signal_name: str) -> int:
+    """The exit code of a run that a planned stop ended (its complete checkpoint written):
+    0 under torchrun, whose agent restarts (``--max-restarts``) every worker that exits
+    otherwise, so a worker that stopped for a preemption is never restarted into a job
+    being shut down, and one that alone got the signal ends the job; elsewhere 128 + the
+    signal's number (143 for SIGTERM, 130 for Ctrl-C), as a shell reports a process the
+    signal ended, so a scheduler's script can tell a stop from a finished run."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return 0
+    return 128 + int(signal.Signals[signal_name])
 
 
 # ---------------------------------------------------------------------- model-info
@@ -435,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per registered command."""
     parser = argparse.ArgumentParser(
         prog="moepec", description="Partial Experts Checkpointing for MoE training")
-    parser.add_argument("--log-level", default="INFO",
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="DEBUG, INFO, WARNING or ERROR (%(default)s)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS.values():
@@ -471,6 +532,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"moepec: error: {exc.__class__.__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
+        # Leaving now: a further Ctrl-C (while the interpreter joins threads and exits)
+        # must not end in a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if not str(exc):  # the trainer's own says where it stopped (TrainingInterrupted)
             print("moepec: interrupted", file=sys.stderr)
         return 130

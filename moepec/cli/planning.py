@@ -131,8 +131,11 @@ def inputs_of(args: argparse.Namespace):
     if it is None and "iteration_s" in cal:
         it = float(cal["iteration_s"])
     if it is None:
-        if not (args.mfu > 0 and args.peak_tflops > 0 and args.tokens_per_step > 0):
-            raise ConfigError("--mfu, --peak-tflops and --tokens-per-step must be > 0")
+        if not (args.peak_tflops > 0 and args.tokens_per_step > 0):
+            raise ConfigError("--peak-tflops and --tokens-per-step must be > 0")
+        if not 0 < args.mfu <= 1:
+            raise ConfigError(f"--mfu is a fraction of the peak FLOPs in (0, 1], e.g. 0.35 "
+                              f"(got {args.mfu})")
         it = 6 * shape.active_params * args.tokens_per_step / (
             args.gpus * args.peak_tflops * 1e12 * args.mfu)
     block = cal.get("blocked_s", {}).get("moepec-pec")
@@ -173,6 +176,12 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
 def _run_simulate(args: argparse.Namespace) -> int:
     from moepec.plan.report import print_table, run_simulations, write_outputs
 
+    if args.interval is not None and args.interval < 1:
+        raise ConfigError(f"--interval is the steps between checkpoints, >= 1 (got "
+                          f"{args.interval}); leave it out for the Young/Daly interval")
+    if args.k < 1 or (args.k_snapshot is not None and args.k_snapshot < args.k):
+        raise ConfigError(f"need --k >= 1 and --k-snapshot >= --k (got {args.k}, "
+                          f"{args.k_snapshot})")
     shape, cluster, timing, failures = inputs_of(args)
     result = run_simulations(shape, cluster, timing, failures, args)
     if args.out:

@@ -56,8 +56,11 @@ def _run_ram(args: argparse.Namespace) -> int:
                                                   else ""))
         return 0
     for r in rows:
+        # A clean close removes its slots: what stays was left by a run that crashed, was
+        # killed or is between a worker's death and its restart.
         state = ("removed" if r.get("removed") else "kept: its writer still runs (--force)"
-                 if "removed" in r else "live" if r["live"] else "left by a finished run")
+                 if "removed" in r else "live" if r["live"]
+                 else "no process: left by a run that crashed or was killed")
         print(f"{r['job']}  {r['bytes'] / 2**20:8.1f} MiB  {r['age_h']:6.1f} h  "
               f"step {r['newest_step']}  runs {','.join(r['runs']) or '-'}  "
               f"root {r['root'] or '?'}  ({state})")

@@ -12,8 +12,11 @@ Two parts:
 - :class:`MoepecCallback` (a ``TrainerCallback``) builds the :class:`CheckpointManager` at
   ``on_train_begin`` (model, optimizer, LR scheduler and the Trainer's step as extra
   state), restores the newest view there, waits for the snapshot in
-  ``on_pre_optimizer_step`` (before weights change), feeds routing counts and checkpoints
-  in ``on_step_end`` and closes the manager in ``on_train_end``.
+  ``on_pre_optimizer_step`` (before weights change), feeds routing counts, checkpoints
+  and asks :meth:`CheckpointManager.should_stop` in ``on_step_end`` (a preemption signal
+  ends training after a step all ranks agree on, with a complete checkpoint there), and
+  closes the manager in ``on_train_end``: the Trainer's final step (``max_steps``) gets a
+  complete checkpoint, every expert, so rerunning or extending the run loses nothing.
 - :class:`MoepecTrainer` adds what the callback API cannot express: the Trainer decides
   which batches to skip on a resume *before* any callback runs, and only from its own
   checkpoint folder (``resume_from_checkpoint``), so a callback cannot move the data
@@ -116,9 +119,15 @@ class MoepecCallback(TrainerCallback):
             self._counts = None
         # moepec labels a checkpoint with the 0-based index of the optimizer step it follows
         self.manager.step(state.global_step - 1)
+        # A preemption signal (CheckpointConfig.stop_signals) on any rank: all ranks stop
+        # after the same step, its complete checkpoint committed; the Trainer ends there.
+        if self.manager.should_stop(state.global_step - 1):
+            control.should_training_stop = True
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        # The Trainer's last step (max_steps, or a planned stop): close() writes the
+        # complete checkpoint there (every expert), so the next run loses nothing.
         if self.manager is not None:
             self.manager.close()
         return control

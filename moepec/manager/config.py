@@ -130,6 +130,24 @@ class CheckpointConfig:
     striped``): :meth:`~CheckpointManager.restore` restores the newest checkpoint whole
     over all the roots, and retention keeps this root's part of it. Read, never written.
     Same ``storage_options``."""
+    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1")
+    """Signals that mean a planned stop (a preemption, a launcher shutting down, Ctrl-C),
+    caught from the loop's first :meth:`~CheckpointManager.should_stop` call: the ranks
+    agree on a step, write a complete checkpoint there (every expert) and
+    ``should_stop`` returns True. Handlers only set a flag; a handler of the user's that
+    was there before is called too. A second one more than 2 s later stops at once (as
+    before). ``()``: no handlers."""
+    stop_grace_s: float = 20.0
+    """Seconds from a stop signal within which the complete checkpoint should be
+    committed: ``should_stop`` waits for its commit at most this long after the signal
+    (then says so and returns). Fits torchrun's 30 s ``--shutdown-timeout`` (after which it
+    SIGKILLs its workers); set it below your scheduler's grace period."""
+    final_checkpoint: bool | None = None
+    """Whether ``close()`` after a clean end (no exception in flight) writes a complete
+    checkpoint at the last step passed to ``step()``, unless the newest checkpoint is one,
+    so that a rerun or an extension with more steps restores with PLT 0. None (default):
+    when the loop asks :meth:`~CheckpointManager.should_stop` (it follows the planned-stop
+    contract); True: always; False: never."""
 
     @property
     def experts_required(self) -> bool:
@@ -180,11 +198,26 @@ class CheckpointConfig:
         if self.ram_replicas and self.ram_dir is None:
             raise ConfigError("ram_replicas needs the shared-memory RAM tier: set ram_dir "
                               "(e.g. /dev/shm/moepec, or 'auto')")
-        for name in ("timeout_s", "lease_timeout_s"):
+        self._check_stop()
+        for name in ("timeout_s", "lease_timeout_s", "stop_grace_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0 "
                                   f"(got {value})")
+
+    def _check_stop(self) -> None:
+        from moepec.manager.stop import signal_number  # the one parser of signal names
+
+        if isinstance(self.stop_signals, str) or not all(
+                isinstance(n, str) for n in self.stop_signals):
+            raise ConfigError(f"stop_signals must be a tuple of signal names such as "
+                              f"('SIGTERM', 'SIGUSR1'), or () (got {self.stop_signals!r})")
+        self.stop_signals = tuple(self.stop_signals)
+        for name in self.stop_signals:
+            signal_number(name)
+        if self.final_checkpoint is not None and not isinstance(self.final_checkpoint, bool):
+            raise ConfigError(f"final_checkpoint must be True, False or None (got "
+                              f"{self.final_checkpoint!r})")
 
     def _check_peers(self) -> None:
         self.peer_paths = tuple(self.peer_paths)
@@ -221,7 +254,7 @@ class CheckpointConfig:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"{name} must be a whole number (got {value!r} of type "
                                   f"{type(value).__name__})")
-        for name in ("plt_budget", "timeout_s", "lease_timeout_s"):
+        for name in ("plt_budget", "timeout_s", "lease_timeout_s", "stop_grace_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ConfigError(f"{name} must be a number (got {value!r})")
@@ -243,5 +276,6 @@ class CheckpointConfig:
         d = asdict(self)
         d.pop("storage_options")
         d["peer_paths"] = list(self.peer_paths)
+        d["stop_signals"] = list(self.stop_signals)
         return {k: v.value if isinstance(v, StrEnum) else v for k, v in d.items()}
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from moepec.errors import CheckpointError
+from moepec.errors import CheckpointError, PersistError
 from moepec.events import CheckpointEvent, CommitRecord, SnapshotRecord
 from moepec.hooks import FaultHooks
 from moepec.keys import next_seq
@@ -44,6 +44,8 @@ from moepec.manager.restore import Restoring
 from moepec.manager.routing import RoutingCounter
 from moepec.manager.schedule import ExpertSchedule
 from moepec.manager.snapshots import SnapshotBuilder
+from moepec.manager.stop import StopSignals
+from moepec.manager.stopping import Stopping
 from moepec.policy.plt import PLTLedger
 from moepec.ram.jobs import job_dir
 from moepec.state.catalog import StateCatalog
@@ -57,7 +59,7 @@ from moepec.store.storage import Storage
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager(Restoring, LivePeers):
+class CheckpointManager(Restoring, LivePeers, Stopping):
     """Partial-experts, two-level, sharded checkpointing for one training job.
 
     Construct on every rank (after ``torch.distributed`` is initialised when
@@ -97,6 +99,13 @@ class CheckpointManager(Restoring, LivePeers):
         self._routing = RoutingCounter(self._n_experts, self._distributed)
         self._seq = next_seq(n for n, _ in self._storage.list_checkpoints())
         self._last_step = -1
+        self._last_stepped: int | None = None
+        """The last step passed to step() since construction or the last restore."""
+        self._complete_step: int | None = None
+        """The step of the newest checkpoint that holds every expert and went to storage."""
+        self._asked_stop = False
+        self._stopped = None
+        self._deferred_error: PersistError | None = None
         self._part: Part | None = None
         self._closed = False
 
@@ -130,6 +139,8 @@ class CheckpointManager(Restoring, LivePeers):
         # except on a dedicated group).
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
                        if self._distributed else None)
+        self._stop = StopSignals(config.stop_signals, distributed=self._distributed,
+                                 timeout_s=config.timeout_s)
         ram = RamSetup(config, self._storage, self._catalog, self._rank, self._world_size,
                        self._distributed).build(self._hooks)
         self._ram_dir = ram.ram_dir
@@ -181,6 +192,7 @@ class CheckpointManager(Restoring, LivePeers):
         Raises PersistError for an earlier background failure: after taking this
         checkpoint's RAM snapshot, so a failing storage never stops the RAM tier.
         """
+        self._last_stepped = step
         if not self.due(step):
             self._check_persist()
             return False
@@ -192,10 +204,14 @@ class CheckpointManager(Restoring, LivePeers):
         ``config.interval`` steps). Any rank, any thread; no side effect."""
         return (step + 1) % self._config.interval == 0
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, *, final: bool = False) -> None:
         """Start a checkpoint of the current state, labelled ``step``, now.
 
-        Training thread, every rank (the routing counts are summed over ranks here).
+        ``final=True``: a complete checkpoint (every expert) that goes to storage whatever
+        ``busy_policy`` says (and even after an earlier persist failed), as
+        :meth:`should_stop` and a clean :meth:`close` write; a door whose framework marks
+        its last save calls it. ``close()`` (or :meth:`wait_for_persist`) waits for its
+        commit. Training thread, every rank (the routing counts are summed over ranks here).
         """
         if self._closed:
             raise CheckpointError("CheckpointManager is closed")
@@ -206,12 +222,12 @@ class CheckpointManager(Restoring, LivePeers):
         counts = self._routing.take()
         self._schedule.observe(counts)
         persist, pending_error = may_persist(self._persister, self._root_claim,
-                                             self._config.busy_policy, step)
+                                             self._config.busy_policy, step, final=final)
         # The persister is idle here whenever this checkpoint is to be persisted, so the
         # committed view is current.
         part, self._part = self._part, None
-        full = self._builder.is_full(persist, self._persister.head, self._persister.head_view,
-                                     part)
+        full = final or self._builder.is_full(persist, self._persister.head,
+                                              self._persister.head_view, part)
         snap, sources = self._builder.take(step, self._seq, full, persist, run_id=self._run_id,
                                            runs=self._runs, part=part)
         self._ram_tier.start(snap, sources)
@@ -220,6 +236,8 @@ class CheckpointManager(Restoring, LivePeers):
         self._seq += 1
         self._schedule.index += 1
         self._last_step = step
+        if full and persist:
+            self._complete_step = step
         copied = None
         if not self._config.async_snapshot:
             copied = self._finish_snapshot(notify=False)
@@ -235,17 +253,31 @@ class CheckpointManager(Restoring, LivePeers):
 
     def close(self) -> None:
         """Wait for the snapshot and persist in flight; re-raise any background error.
-        Idempotent. Stops what the manager started, in this order: the snapshot copy,
-        the replica thread, the RAM tier (its slots go with a clean close), the persist
-        thread, the lease's heartbeat thread, then the manager's own process groups
-        (nothing is left for interpreter exit to tear down)."""
+        Idempotent. A clean close (no exception being handled) first writes the complete
+        checkpoint of the last step when ``config.final_checkpoint`` asks for it (every
+        rank, collective). Stops what the manager started, in this order: the stop
+        signals' handlers, the snapshot copy, the replica thread, the RAM tier (its slots
+        go with a clean close), the persist thread, the lease's heartbeat thread, then the
+        manager's own process groups (nothing is left for interpreter exit to tear down)."""
         if self._closed:
             return
-        self._closed = True
         # Shared-memory slots go with a clean close; closed while an exception is being
         # handled (the run failed), they stay for the restarted worker.
         clean = sys.exc_info()[0] is None
         try:
+            if clean:
+                self._final_on_close()
+        finally:
+            self._closed = True
+            self._close_all(clean)
+        if self._deferred_error is not None:  # an earlier persist's, met by a final save
+            error, self._deferred_error = self._deferred_error, None
+            raise error
+
+    def _close_all(self, clean: bool) -> None:
+        """Stop what the manager started, in close()'s order."""
+        try:
+            self._stop.close()
             self._reporter.copied(self._ram_tier.finish())
         finally:
             try:
@@ -255,7 +287,8 @@ class CheckpointManager(Restoring, LivePeers):
                 self._persister.close()
             finally:
                 self._root_claim.release()
-                groups = [self._group] + ([self._replicator.group] if self._replicator else [])
+                groups = [self._group, self._stop.group] + (
+                    [self._replicator.group] if self._replicator else [])
                 self._group = None
                 destroy_groups(groups)
 

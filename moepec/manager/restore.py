@@ -115,7 +115,11 @@ class Restoring:
         self._schedule.resume(meta, outcome.ledger)
         # This run continues the base's lineage of runs (restore stitches only within it).
         self._runs = meta.runs_continued_by(self._run_id)
-        self._schedule.adjust_k(meta.step, self._rank)
+        # A restore that lost nothing (a complete checkpoint: a planned stop, a clean end)
+        # is a resume, not a recovery: K stays as it was.
+        if any(map(any, outcome.lost)):
+            self._schedule.adjust_k(meta.step, self._rank)
+        self._last_stepped = None
         newest = self._ram_tier.newest
         if outcome.base.tier == Tier.STORAGE and newest is not None and newest.seq > meta.seq:
             self._ram_tier.drop()  # a snapshot of the abandoned future

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 LEASE_NAME = "moepec.lease"
 
+RELEASED = "its run released it"
+"""Why a lease is free when its holder closed cleanly (a rerun takes it over quietly)."""
+
 PID_LIMIT = 2**31
 """Process ids are below this (a C ``pid_t``; Linux's ``pid_max`` is at most 2**22)."""
 
@@ -125,8 +128,10 @@ class Lease:
                 f"stop that run, or take over with --ckpt-takeover (CheckpointConfig("
                 f"takeover=True)), or wait until its lease expires ({self.timeout_s:.0f}s "
                 f"without a heartbeat)")
-        log.warning("taking over the checkpoint root %s from %s (%s)", self.storage.url,
-                    self._describe(holder) if holder else "an unreadable lease", reason)
+        # A lease its holder released is the normal resume of a stopped or finished run.
+        (log.info if reason == RELEASED else log.warning)(
+            "taking over the checkpoint root %s from %s (%s)", self.storage.url,
+            self._describe(holder) if holder else "an unreadable lease", reason)
         self._write()
         if holder is not None:  # its heartbeat file means nothing now
             self._remove_quietly(self._beat_path(holder.run_id))
@@ -139,7 +144,7 @@ class Lease:
             return "takeover requested"
         beat = self._read_beat(holder)
         if beat == "released":
-            return "its run released it"
+            return RELEASED
         if time.time() - max(holder.heartbeat, beat or 0.0) > self.timeout_s:
             return "its heartbeat expired"
         if holder.host == self.me.host and not pid_alive(holder.pid):

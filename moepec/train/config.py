@@ -295,6 +295,9 @@ class TrainResult:
     """Replica groups: committed steps that trained with fewer groups than the run has."""
     retried_steps: int = 0
     """Replica groups: steps that did not commit (a peer failed) and were trained again."""
+    stopped: dict[str, Any] | None = None
+    """A planned stop (a preemption signal, Ctrl-C) that ended the run early: the ``stop``
+    metrics record (step, signal, the complete checkpoint, its bytes and seconds)."""
 
     def summary(self) -> dict[str, Any]:
         """JSON-able summary without the model state."""

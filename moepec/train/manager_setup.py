@@ -11,7 +11,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from moepec.errors import CheckpointError
+from moepec.errors import CheckpointError, ConfigError
 from moepec.hooks import FaultHooks
 from moepec.train import dist
 from moepec.train.config import TrainConfig
@@ -42,10 +42,13 @@ def check_root_writable(cfg: TrainConfig, info: DistInfo) -> None:
     if info.rank == 0:
         from moepec.store.storage import Storage
 
+        foreign = foreign_root(cfg.checkpoint.path)
         try:
             Storage(cfg.checkpoint.path, cfg.checkpoint.storage_options).check_writable()
         except (CheckpointError, OSError) as exc:
             outcome = [str(exc)]
+        if foreign is not None:
+            outcome = [f"!{foreign}"]
     if dist.is_initialized():
         import torch.distributed
 
@@ -53,12 +56,44 @@ def check_root_writable(cfg: TrainConfig, info: DistInfo) -> None:
     problem = outcome[0]
     if problem is None:
         return
+    if problem.startswith("!"):
+        raise ConfigError(problem[1:])
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
         if info.rank == 0:
             log.warning("%s; this worker was restarted mid-run, so training goes on and "
                         "checkpoints to storage are paused", problem.rstrip("."))
         return
     raise CheckpointError(f"{problem.rstrip('.')}; nothing was trained")
+
+
+def foreign_root(path: str) -> str | None:
+    """Why the local folder ``path`` is another tool's checkpoint (a run would start
+    fresh beside it, since moepec restores only what it wrote), or None: a plain DCP
+    checkpoint (``.metadata``: torch, torchtitan), a root of moepec's flat front end
+    (the Megatron-Core and DeepSpeed doors), one moepec checkpoint given for its root, a
+    DeepSpeed (``latest``) or Hugging Face Trainer (``trainer_state.json``) folder."""
+    from moepec.keys import MANIFEST_NAME, parse_checkpoint_name
+    from moepec.recovery.offline_paths import RootKind, root_kind
+
+    local = path.removeprefix("file://") if path.startswith("file://") or "://" not in path \
+        else None
+    if local is None or not os.path.isdir(local):
+        return None
+    names = set(os.listdir(local))
+    parent = os.path.dirname(os.path.abspath(local))
+    kind = ("a plain DCP checkpoint (.metadata)" if ".metadata" in names
+            else "a root of moepec's flat front end (Megatron-Core, DeepSpeed doors)"
+            if root_kind(local) == RootKind.FLAT
+            else f"one checkpoint of the moepec root {parent}"
+            if MANIFEST_NAME in names and parse_checkpoint_name(os.path.basename(
+                os.path.abspath(local))) is not None
+            else "a DeepSpeed checkpoint folder (latest)" if "latest" in names
+            else "a Hugging Face Trainer checkpoint (trainer_state.json)"
+            if "trainer_state.json" in names else None)
+    if kind is None:
+        return None
+    return (f"--ckpt-dir {path} is {kind}: a run there would start at step 0 beside it; "
+            f"give the run a folder of its own (or moepec's root, for one checkpoint of it)")
 
 
 def build_manager(cfg: TrainConfig, model, optimizer, scheduler, loader, ep, *,
@@ -105,6 +140,15 @@ def log_plt_outlook(cfg: TrainConfig, n_experts: int) -> None:
     if not o.over_budget:
         log.info("%s, within the PLT budget %.2f%%", what, 100 * ck.plt_budget)
         return
-    dyn = "dynamic K is on: K doubles after a recovery over budget; " if ck.dynamic_k else ""
-    log.warning("%s exceeds the PLT budget %.2f%%; %s%s", what, 100 * ck.plt_budget, dyn,
-                o.advice())
+    if not ck.dynamic_k:
+        log.warning("%s exceeds the PLT budget %.2f%%; %s", what, 100 * ck.plt_budget,
+                    o.advice())
+        return
+    # Dynamic K is the mechanism that answers this: information, not a warning.
+    fixes = [f"--k {o.k_fit}" if o.k_fit not in (None, k) else "",
+             f"--ckpt-interval {o.interval_fit}"
+             if o.interval_fit not in (None, ck.interval) else ""]
+    start = " or ".join(f for f in fixes if f)
+    log.info("%s exceeds the PLT budget %.2f%%; dynamic K is on: K doubles after a "
+             "recovery that leaves PLT over the budget%s", what, 100 * ck.plt_budget,
+             f" (to be within it from the start: {start})" if start else "")

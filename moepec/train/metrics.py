@@ -84,3 +84,10 @@ def recovery_record(report, manager) -> dict[str, Any]:
             "lost": report.lost_total, "seconds": report.seconds,
             "k_persist": manager.k_persist, "warnings": report.warnings,
             "units_from": report.units_from, "persisted": report.persisted_on_failure}
+
+
+def stop_record(stop) -> dict[str, Any]:
+    """The ``stop`` metrics record of a planned stop (the manager's StopRecord)."""
+    return {"event": "stop", "time": time.time(), "step": stop.step, "signal": stop.signal,
+            "checkpoint": stop.checkpoint, "committed": stop.committed, "bytes": stop.bytes,
+            "save_seconds": stop.save_seconds, "signal_to_commit_s": stop.signal_to_commit_s}

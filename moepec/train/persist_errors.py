@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from moepec.errors import PersistError
+from moepec.errors import FencedError, PersistError
 from moepec.keys import parse_checkpoint_name
 from moepec.train.config import OnPersistError
 from moepec.train.metrics import MetricsWriter
@@ -51,7 +51,9 @@ class PersistGuard:
         its PersistError (the run fails); with "continue" the run ends normally, with one
         warning naming the newest committed checkpoint (what a restart resumes from) when
         the run's last checkpoint did not reach storage: its persist failed, or no
-        checkpoint was committed since the last failure (a paused root)."""
+        checkpoint was committed since the last failure (a paused root). A run fenced by
+        another run's takeover raises FencedError whatever the policy (the root is no
+        longer this run's: a success would hide it)."""
         error: PersistError | None = None
         try:
             manager.close()
@@ -60,6 +62,11 @@ class PersistGuard:
             error = exc
         name = manager.last_committed
         parsed = parse_checkpoint_name(name) if name else None
+        if manager.fenced is not None:  # another run owns the root: not a passing failure
+            raise FencedError(
+                f"{manager.fenced.split(';')[0]}; this run's checkpoints since then went "
+                f"to RAM only, and the run ends in error (its newest committed checkpoint "
+                f"is {name or 'none'}); that other run now owns the checkpoint root")
         # A commit of a checkpoint taken at or after the step where the failure surfaced
         # came later than the failure: storage works again.
         stale = self.failed_at is not None and (

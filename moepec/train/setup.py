@@ -7,9 +7,11 @@ Kept apart from :mod:`moepec.train.trainer` so the loop reads on its own.
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -105,7 +107,8 @@ def _build_model(cfg: TrainConfig, model_cfg: GPTMoEConfig, ep: ExpertParallel,
                  device: torch.device, info: dist.DistInfo) -> GPTMoE:
     """The model, initialised alike on every rank (checked: collective).
 
-    Leaves torch's RNG seeded per rank, for dropout.
+    Leaves torch's RNG seeded per rank, for dropout, and Python's ``random`` and numpy's too (the
+    checkpoints hold it: a resumed run ends with the uninterrupted run's RNG states).
     """
     # Same seed on every rank -> same init; built on CPU so CUDA runs start identically.
     # Under EP each rank keeps its experts' part of the same full init.
@@ -120,6 +123,8 @@ def _build_model(cfg: TrainConfig, model_cfg: GPTMoEConfig, ep: ExpertParallel,
         dist.check_same_across_ranks(checksum, what, group=group, device=device)
     # Different dropout masks per rank (the data already differs; this keeps it so).
     torch.manual_seed(cfg.seed + info.rank)
+    random.seed(cfg.seed + info.rank)
+    np.random.seed(cfg.seed + info.rank)
     return model
 
 
