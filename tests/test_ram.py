@@ -22,9 +22,10 @@ from moepec import CheckpointConfig, CheckpointManager, ConfigError, FaultHooks
 from moepec.cli.main import main
 from moepec.ram.jobs import job_name
 from moepec.ram.shm import admissible
+from moepec.store import persist
 from moepec.store.meta import CheckpointMeta
 from moepec.store.storage import Storage
-from tests.toy import Counter, full_state, make, run_loop
+from tests.toy import Counter, full_state, make, run_loop, train_step
 
 
 def manager(tmp_path, seed=0, hooks=None, **kw):
@@ -251,3 +252,48 @@ def test_slot_files_are_touched_only_off_the_training_thread_and_slots_are_reuse
     assert len(maps) <= n_slots + 1 and max(maps) <= 4, maps  # mapped once, then reused
     assert sorted(json.loads(p.read_text())["step"] for p in slot_headers(tmp_path))[-1] == 19
     mgr.close()
+
+
+def test_the_loop_waits_for_the_copy_only_and_the_seal_hashes_once(tmp_path, monkeypatch):
+    """Issue 50: a slot's checksums and header (its seal) follow the copy, off the loop's
+    path: wait_for_snapshot() returns while a seal is held. The persist writes the seal's
+    checksums (it hashes nothing again), and a restarted worker's restore from the slot
+    verifies them and equals the saved state bit for bit."""
+    went_on, late, hashed = threading.Event(), [], []
+
+    def hold_seal(point, step):
+        if point == "seal" and not went_on.wait(10):  # old code: the loop waited for it
+            late.append(step)
+
+    real = persist.tensor_checksum
+    monkeypatch.setattr(persist, "tensor_checksum", lambda t: hashed.append(t) or real(t))
+    mgr, (model, opt, sched, counter) = manager(tmp_path, hooks=FaultHooks(
+        on_snapshot=hold_seal))
+    saved, gen = {}, torch.Generator().manual_seed(1)
+    for step in range(4):  # checkpoints at steps 1 and 3
+        _, counts = train_step(model, opt, sched, gen)
+        mgr.wait_for_snapshot()
+        went_on.set()  # the loop goes on: the seal held until now may finish
+        opt.step()
+        sched.step()
+        counter.position += 1
+        mgr.observe_routing(counts)
+        if mgr.step(step):
+            saved[step] = full_state(model, opt)
+            went_on.clear()
+    mgr.wait_for_snapshot()
+    went_on.set()
+    mgr.wait_for_persist()
+    assert late == [] and hashed == []
+    storage = Storage(str(tmp_path / "ckpt"))
+    items = storage.read_manifest(storage.committed()[-1]).keys
+    entries = json.loads(slot_headers(tmp_path)[-1].read_text())["entries"]
+    assert items and {k: i.checksum for k, i in items.items()} == {
+        k: entries[k]["checksum"] for k in items}
+    crash(mgr)
+    fresh, (model, opt, _, _) = manager(tmp_path, seed=5)
+    report = fresh.restore()
+    assert report.tier == "ram" and report.step == 3
+    assert_state(model, opt, saved[3], [(layer, e) for layer, es in enumerate(
+        fresh._ram_tier.newest.snapshot_experts) for e in es])
+    fresh.close()
