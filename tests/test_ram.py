@@ -20,6 +20,7 @@ import torch
 
 from moepec import CheckpointConfig, CheckpointManager, ConfigError, FaultHooks
 from moepec.cli.main import main
+from moepec.ram import shm
 from moepec.ram.jobs import job_name
 from moepec.ram.shm import admissible
 from moepec.store import persist
@@ -164,11 +165,14 @@ def test_torn_slots_are_never_used(tmp_path):
     again.close()
 
 
+META = dict(step=1, seq=1, index=0, time=0.0, structure={}, config={}, k_persist=1,
+            k_snapshot=1, full=True, pec_scope="all", selection="sequential",
+            experts_saved=[], experts_snapshot=[], counts=[], ledger={}, plt=0.0,
+            selectors={}, k_history=[], world_size=1, write_mode="adaptive")
+
+
 def test_slot_of_another_root_or_an_unrelated_run_is_never_read(tmp_path, capsys):
-    meta = dict(step=1, seq=1, index=0, time=0.0, structure={}, config={}, k_persist=1,
-                k_snapshot=1, full=True, pec_scope="all", selection="sequential",
-                experts_saved=[], experts_snapshot=[], counts=[], ledger={}, plt=0.0,
-                selectors={}, k_history=[], world_size=1, write_mode="adaptive")
+    meta = META
     head = CheckpointMeta(**meta, run_id="b", runs=["a", "b"])
     assert admissible(CheckpointMeta(**meta, run_id="c", runs=["a", "b", "c"]), head)
     assert admissible(CheckpointMeta(**meta, run_id="a", runs=["a"]), head)
@@ -297,3 +301,34 @@ def test_the_loop_waits_for_the_copy_only_and_the_seal_hashes_once(tmp_path, mon
     assert_state(model, opt, saved[3], [(layer, e) for layer, es in enumerate(
         fresh._ram_tier.newest.snapshot_experts) for e in es])
     fresh.close()
+
+
+def test_slots_are_registered_with_cuda_while_mapped(tmp_path, monkeypatch):
+    """Issue 50, item 4: with ``pin`` (default: CUDA available) every mapping of a slot is
+    page-locked for CUDA while it is the slot's, unregistered when a grown slot is mapped
+    anew and at close. CUDA is absent here: the registration is stubbed out."""
+    calls = []
+    monkeypatch.setattr(shm, "_host_register", lambda a, n: calls.append(("reg", a, n)))
+    monkeypatch.setattr(shm, "_host_unregister", lambda a: calls.append(("unreg", a)))
+    assert not shm.SlotStore(str(tmp_path / "off"), root="r", rank=0, world_size=1).pin
+    store = shm.SlotStore(str(tmp_path / "shm"), root="r", rank=0, world_size=1, pin=True)
+    slot = store.reserve()
+    store.prepare(slot, {"a": ((1000,), torch.float32)})["a"].fill_(1.5)
+    first = (slot.base.data_ptr(), slot.size)
+    assert calls == [("reg", *first)] and first[1] >= 4000
+    store.release(slot)
+    assert store.reserve() is slot  # the only slot, reused
+    views = store.prepare(slot, {"a": ((1000,), torch.float32), "b": ((5000,), torch.int64)})
+    assert calls == [("reg", *first), ("unreg", first[0]), ("reg", slot.base.data_ptr(),
+                                                             slot.size)]
+    views["b"].copy_(torch.arange(5000))
+    store.commit(slot, shm.SlotHeader(root="r", rank=0, world_size=1, meta=CheckpointMeta(
+        **{**META, "structure": {"experts": [], "params": [], "fingerprint": ""}},
+        run_id="a", runs=["a"]), entries={}, all_keys=["a", "b"], persist_keys=[],
+        snapshot_experts=[], persist_experts=None))
+    store.release(slot)
+    [(_, _, loaded)] = store.load()  # read back and verified against its checksums
+    assert torch.equal(loaded["b"], torch.arange(5000))
+    pinned = slot.pinned
+    store.close(unlink=True)
+    assert pinned == calls[-1][1] and calls[-1] == ("unreg", pinned) and len(calls) == 4

@@ -88,6 +88,8 @@ class Slot:
     mm: mmap.mmap | None = None
     base: torch.Tensor | None = None
     """The whole mapping as uint8 (tensors are views of it)."""
+    pinned: int | None = None
+    """The address of the mapping while it is registered with CUDA (``SlotStore.pin``)."""
     in_use: bool = False
     seq: int = -1
     """The seq its valid header records (-1: none)."""
@@ -110,7 +112,12 @@ class SlotStore:
     """
 
     def __init__(self, ram_dir: str, *, root: str, rank: int, world_size: int,
-                 replica: bool = False) -> None:
+                 replica: bool = False, pin: bool | None = None) -> None:
+        self.pin = torch.cuda.is_available() and not replica if pin is None else pin
+        """Whether the slots' mappings are registered with CUDA (page-locked), so that a
+        snapshot's device-to-host copies run at the pinned rate straight into memory
+        that outlives the process. Default: when CUDA is available (not for replicas:
+        they are filled from the network)."""
         self.job_dir = Path(ram_dir) / job_name(root)
         self.dir = self.job_dir / (f"replica-of-rank{rank}" if replica else f"rank{rank}")
         self.root, self.rank, self.world_size = root, rank, world_size
@@ -261,8 +268,14 @@ class SlotStore:
         finally:
             os.close(fd)
         # The previous mapping (if any) is dropped, not closed: views may still hold it.
+        # It is unregistered first: no copy into it is in flight (copies run on this
+        # thread, synchronized before it returns to prepare the next snapshot).
+        _unpin(slot)
         slot.mm, slot.size = mm, size
         slot.base = torch.frombuffer(mm, dtype=torch.uint8)
+        if self.pin:
+            _host_register(slot.base.data_ptr(), size)
+            slot.pinned = slot.base.data_ptr()
 
     def _view(self, slot: Slot, e: Mapping[str, Any]) -> torch.Tensor:
         return _at(slot.base, e["offset"], e["shape"], _dtype(e["dtype"]))
@@ -344,6 +357,7 @@ class SlotStore:
         """Drop the mappings; with ``unlink`` remove this rank's files and folder (a clean
         close), and the job folder once no rank's folder is left."""
         for s in self.slots:
+            _unpin(s)
             s.base, s.mm, s.views, s.plan = None, None, None, None
         if unlink:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -354,6 +368,27 @@ class SlotStore:
         if self._owner is not None:
             os.close(self._owner)  # lets go of the folder (after its files went)
             self._owner = None
+
+
+def _host_register(address: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` at ``address`` for CUDA (cudaHostRegister, portable): what
+    DCP's own shared-memory staging uses. Raises RuntimeError when CUDA refuses."""
+    from torch.cuda import _pin_memory_utils
+
+    _pin_memory_utils.pin_memory(address, nbytes)
+
+
+def _host_unregister(address: int) -> None:
+    """Undo :func:`_host_register` (cudaHostUnregister)."""
+    from torch.cuda import _pin_memory_utils
+
+    _pin_memory_utils.unpin_memory(address)
+
+
+def _unpin(slot: Slot) -> None:
+    if slot.pinned is not None:
+        address, slot.pinned = slot.pinned, None
+        _host_unregister(address)
 
 
 class SlotsInUse(OSError):
