@@ -332,3 +332,11 @@ def test_slots_are_registered_with_cuda_while_mapped(tmp_path, monkeypatch):
     pinned = slot.pinned
     store.close(unlink=True)
     assert pinned == calls[-1][1] and calls[-1] == ("unreg", pinned) and len(calls) == 4
+    # CUDA refusing (a memlock limit): the slots stay unpinned, the snapshot goes on
+    monkeypatch.setattr(shm, "_host_register", lambda a, n: (_ for _ in ()).throw(
+        RuntimeError("cudaErrorMemoryAllocation")))
+    store = shm.SlotStore(str(tmp_path / "shm"), root="r", rank=0, world_size=1, pin=True)
+    slot = store.reserve()
+    store.prepare(slot, {"a": ((10,), torch.float32)})["a"].fill_(2.0)
+    assert not store.pin and slot.pinned is None
+    store.close(unlink=True)

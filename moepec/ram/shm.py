@@ -268,14 +268,18 @@ class SlotStore:
         finally:
             os.close(fd)
         # The previous mapping (if any) is dropped, not closed: views may still hold it.
-        # It is unregistered first: no copy into it is in flight (copies run on this
-        # thread, synchronized before it returns to prepare the next snapshot).
+        # Unregistered first: no copy into it is in flight (copies run on this thread).
         _unpin(slot)
         slot.mm, slot.size = mm, size
         slot.base = torch.frombuffer(mm, dtype=torch.uint8)
         if self.pin:
-            _host_register(slot.base.data_ptr(), size)
-            slot.pinned = slot.base.data_ptr()
+            try:
+                _host_register(slot.base.data_ptr(), size)
+                slot.pinned = slot.base.data_ptr()
+            except RuntimeError as exc:  # e.g. the memlock limit: slower copies, no failure
+                log.warning("RAM slots stay unpinned (device copies at the pageable "
+                            "rate): %s", exc)
+                self.pin = False
 
     def _view(self, slot: Slot, e: Mapping[str, Any]) -> torch.Tensor:
         return _at(slot.base, e["offset"], e["shape"], _dtype(e["dtype"]))
