@@ -340,3 +340,26 @@ def test_slots_are_registered_with_cuda_while_mapped(tmp_path, monkeypatch):
     store.prepare(slot, {"a": ((10,), torch.float32)})["a"].fill_(2.0)
     assert not store.pin and slot.pinned is None
     store.close(unlink=True)
+
+
+def test_in_process_snapshots_are_hashed_once_by_their_seal(tmp_path, monkeypatch):
+    """Issue 50: in-process buffers too: the seal (copy thread, after the copy) hashes the
+    keys to persist; the persist writes those checksums without hashing again, and the
+    restore verifies them against what was written."""
+    hashed = []
+    real = persist.tensor_checksum
+    monkeypatch.setattr(persist, "tensor_checksum", lambda t: hashed.append(t) or real(t))
+    model, opt, sched = make(0, "stacked", 4)
+    mgr = CheckpointManager(model, opt, CheckpointConfig(
+        path=str(tmp_path / "ckpt"), ram_dir=None, interval=2, k_persist=1))
+    saved = {}
+    run_loop(mgr, model, opt, sched, Counter(), torch.Generator().manual_seed(1), 0, 4,
+             lambda s: saved.__setitem__(s, full_state(model, opt)))
+    mgr.close()
+    assert hashed == [] and sorted(saved) == [1, 3]
+    model, opt, _ = make(5, "stacked", 4)
+    fresh = CheckpointManager(model, opt, CheckpointConfig(path=str(tmp_path / "ckpt"),
+                                                           ram_dir=None, k_persist=1))
+    assert fresh.restore().step == 3  # every item verified against its checksum
+    assert_state(model, opt, saved[3], [])
+    fresh.close()
