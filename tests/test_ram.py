@@ -20,7 +20,7 @@ import torch
 
 from moepec import CheckpointConfig, CheckpointManager, ConfigError, FaultHooks
 from moepec.cli.main import main
-from moepec.ram import shm
+from moepec.ram import pinning, shm
 from moepec.ram.jobs import job_name
 from moepec.ram.shm import admissible
 from moepec.store import persist
@@ -308,8 +308,8 @@ def test_slots_are_registered_with_cuda_while_mapped(tmp_path, monkeypatch):
     page-locked for CUDA while it is the slot's, unregistered when a grown slot is mapped
     anew and at close. CUDA is absent here: the registration is stubbed out."""
     calls = []
-    monkeypatch.setattr(shm, "_host_register", lambda a, n: calls.append(("reg", a, n)))
-    monkeypatch.setattr(shm, "_host_unregister", lambda a: calls.append(("unreg", a)))
+    monkeypatch.setattr(pinning, "register", lambda a, n: calls.append(("reg", a, n)))
+    monkeypatch.setattr(pinning, "unregister", lambda a: calls.append(("unreg", a)))
     assert not shm.SlotStore(str(tmp_path / "off"), root="r", rank=0, world_size=1).pin
     store = shm.SlotStore(str(tmp_path / "shm"), root="r", rank=0, world_size=1, pin=True)
     slot = store.reserve()
@@ -333,7 +333,7 @@ def test_slots_are_registered_with_cuda_while_mapped(tmp_path, monkeypatch):
     store.close(unlink=True)
     assert pinned == calls[-1][1] and calls[-1] == ("unreg", pinned) and len(calls) == 4
     # CUDA refusing (a memlock limit): the slots stay unpinned, the snapshot goes on
-    monkeypatch.setattr(shm, "_host_register", lambda a, n: (_ for _ in ()).throw(
+    monkeypatch.setattr(pinning, "register", lambda a, n: (_ for _ in ()).throw(
         RuntimeError("cudaErrorMemoryAllocation")))
     store = shm.SlotStore(str(tmp_path / "shm"), root="r", rank=0, world_size=1, pin=True)
     slot = store.reserve()

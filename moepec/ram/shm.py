@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from moepec.errors import ConfigError, CorruptCheckpointError, ManifestError
+from moepec.ram import pinning
 from moepec.ram.header import SlotHeader
 from moepec.ram.jobs import job_name, own_folder, read_header
 from moepec.store.checksum import checksum_matches, stored_checksum
@@ -274,7 +275,7 @@ class SlotStore:
         slot.base = torch.frombuffer(mm, dtype=torch.uint8)
         if self.pin:
             try:
-                _host_register(slot.base.data_ptr(), size)
+                pinning.register(slot.base.data_ptr(), size)
                 slot.pinned = slot.base.data_ptr()
             except RuntimeError as exc:  # e.g. the memlock limit: slower copies, no failure
                 log.warning("RAM slots stay unpinned (device copies at the pageable "
@@ -374,25 +375,13 @@ class SlotStore:
             self._owner = None
 
 
-def _host_register(address: int, nbytes: int) -> None:
-    """Page-lock ``nbytes`` at ``address`` for CUDA (cudaHostRegister, portable): what
-    DCP's own shared-memory staging uses. Raises RuntimeError when CUDA refuses."""
-    from torch.cuda import _pin_memory_utils
-
-    _pin_memory_utils.pin_memory(address, nbytes)
-
-
-def _host_unregister(address: int) -> None:
-    """Undo :func:`_host_register` (cudaHostUnregister)."""
-    from torch.cuda import _pin_memory_utils
-
-    _pin_memory_utils.unpin_memory(address)
-
-
 def _unpin(slot: Slot) -> None:
     if slot.pinned is not None:
         address, slot.pinned = slot.pinned, None
-        _host_unregister(address)
+        try:
+            pinning.unregister(address)
+        except (RuntimeError, AssertionError) as exc:  # torch's helper asserts
+            log.warning("could not unregister RAM slot %s from CUDA: %s", slot.data_path, exc)
 
 
 class SlotsInUse(OSError):
