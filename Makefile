@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 DEMO_STAMP := $(VENV)/.moepec-demo-installed
 STAMP := $(VENV)/.moepec-installed
 
-.PHONY: demo test test-busy lint bench report clean
+.PHONY: demo test test-busy lint bench bench-check report clean
 
 # torch is pinned: 2.13.0 is the CPU build the set-up path is tested with.
 # Byte-compiled at install (pip's default), on purpose: with PYTHONDONTWRITEBYTECODE
@@ -54,6 +54,18 @@ test-busy: lint
 bench: $(STAMP)
 	$(PY) -m moepec bench size
 	$(PY) -m moepec bench overhead
+
+# The benchmarks' speed checks (timing: not in `make test`), on an idle machine, before
+# every submission that touches moepec/ram/, store/ or recovery/: the snapshot into shared
+# memory and into in-process buffers at >= 80% of a memcpy of the same bytes, the persist
+# at >= 80% of a plain fsync'd write of the same bytes, the stitched restore at <= 1.0x a
+# full dcp.load at 64 and 128 experts; each within BENCH_TOLERANCE (docs/testing.md).
+BENCH_TOLERANCE ?= 0.05
+bench-check: $(STAMP)
+	$(PY) -m moepec --log-level WARNING bench overhead --methods none moepec-pec \
+	  moepec-pec-shm --check $(BENCH_TOLERANCE) --out runs/bench/check-overhead.json
+	$(PY) -m moepec --log-level WARNING bench restore --experts 64 128 --repeats 5 \
+	  --check $(BENCH_TOLERANCE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,11 +20,13 @@ import torch
 
 from moepec import CheckpointConfig, CheckpointManager, ConfigError, FaultHooks
 from moepec.cli.main import main
+from moepec.ram import pinning, shm
 from moepec.ram.jobs import job_name
 from moepec.ram.shm import admissible
+from moepec.store import persist
 from moepec.store.meta import CheckpointMeta
 from moepec.store.storage import Storage
-from tests.toy import Counter, full_state, make, run_loop
+from tests.toy import Counter, full_state, make, run_loop, train_step
 
 
 def manager(tmp_path, seed=0, hooks=None, **kw):
@@ -163,11 +165,14 @@ def test_torn_slots_are_never_used(tmp_path):
     again.close()
 
 
+META = dict(step=1, seq=1, index=0, time=0.0, structure={}, config={}, k_persist=1,
+            k_snapshot=1, full=True, pec_scope="all", selection="sequential",
+            experts_saved=[], experts_snapshot=[], counts=[], ledger={}, plt=0.0,
+            selectors={}, k_history=[], world_size=1, write_mode="adaptive")
+
+
 def test_slot_of_another_root_or_an_unrelated_run_is_never_read(tmp_path, capsys):
-    meta = dict(step=1, seq=1, index=0, time=0.0, structure={}, config={}, k_persist=1,
-                k_snapshot=1, full=True, pec_scope="all", selection="sequential",
-                experts_saved=[], experts_snapshot=[], counts=[], ledger={}, plt=0.0,
-                selectors={}, k_history=[], world_size=1, write_mode="adaptive")
+    meta = META
     head = CheckpointMeta(**meta, run_id="b", runs=["a", "b"])
     assert admissible(CheckpointMeta(**meta, run_id="c", runs=["a", "b", "c"]), head)
     assert admissible(CheckpointMeta(**meta, run_id="a", runs=["a"]), head)
@@ -251,3 +256,110 @@ def test_slot_files_are_touched_only_off_the_training_thread_and_slots_are_reuse
     assert len(maps) <= n_slots + 1 and max(maps) <= 4, maps  # mapped once, then reused
     assert sorted(json.loads(p.read_text())["step"] for p in slot_headers(tmp_path))[-1] == 19
     mgr.close()
+
+
+def test_the_loop_waits_for_the_copy_only_and_the_seal_hashes_once(tmp_path, monkeypatch):
+    """Issue 50: a slot's checksums and header (its seal) follow the copy, off the loop's
+    path: wait_for_snapshot() returns while a seal is held. The persist writes the seal's
+    checksums (it hashes nothing again), and a restarted worker's restore from the slot
+    verifies them and equals the saved state bit for bit."""
+    went_on, late, hashed = threading.Event(), [], []
+
+    def hold_seal(point, step):
+        if point == "seal" and not went_on.wait(10):  # old code: the loop waited for it
+            late.append(step)
+
+    real = persist.tensor_checksum
+    monkeypatch.setattr(persist, "tensor_checksum", lambda t: hashed.append(t) or real(t))
+    mgr, (model, opt, sched, counter) = manager(tmp_path, hooks=FaultHooks(
+        on_snapshot=hold_seal))
+    saved, gen = {}, torch.Generator().manual_seed(1)
+    for step in range(4):  # checkpoints at steps 1 and 3
+        _, counts = train_step(model, opt, sched, gen)
+        mgr.wait_for_snapshot()
+        went_on.set()  # the loop goes on: the seal held until now may finish
+        opt.step()
+        sched.step()
+        counter.position += 1
+        mgr.observe_routing(counts)
+        if mgr.step(step):
+            saved[step] = full_state(model, opt)
+            went_on.clear()
+    mgr.wait_for_snapshot()
+    went_on.set()
+    mgr.wait_for_persist()
+    assert late == [] and hashed == []
+    storage = Storage(str(tmp_path / "ckpt"))
+    items = storage.read_manifest(storage.committed()[-1]).keys
+    entries = json.loads(slot_headers(tmp_path)[-1].read_text())["entries"]
+    assert items and {k: i.checksum for k, i in items.items()} == {
+        k: entries[k]["checksum"] for k in items}
+    crash(mgr)
+    fresh, (model, opt, _, _) = manager(tmp_path, seed=5)
+    report = fresh.restore()
+    assert report.tier == "ram" and report.step == 3
+    assert_state(model, opt, saved[3], [(layer, e) for layer, es in enumerate(
+        fresh._ram_tier.newest.snapshot_experts) for e in es])
+    fresh.close()
+
+
+def test_slots_are_registered_with_cuda_while_mapped(tmp_path, monkeypatch):
+    """Issue 50, item 4: with ``pin`` (default: CUDA available) every mapping of a slot is
+    page-locked for CUDA while it is the slot's, unregistered when a grown slot is mapped
+    anew and at close. CUDA is absent here: the registration is stubbed out."""
+    calls = []
+    monkeypatch.setattr(pinning, "register", lambda a, n: calls.append(("reg", a, n)))
+    monkeypatch.setattr(pinning, "unregister", lambda a: calls.append(("unreg", a)))
+    assert not shm.SlotStore(str(tmp_path / "off"), root="r", rank=0, world_size=1).pin
+    store = shm.SlotStore(str(tmp_path / "shm"), root="r", rank=0, world_size=1, pin=True)
+    slot = store.reserve()
+    store.prepare(slot, {"a": ((1000,), torch.float32)})["a"].fill_(1.5)
+    first = (slot.base.data_ptr(), slot.size)
+    assert calls == [("reg", *first)] and first[1] >= 4000
+    store.release(slot)
+    assert store.reserve() is slot  # the only slot, reused
+    views = store.prepare(slot, {"a": ((1000,), torch.float32), "b": ((5000,), torch.int64)})
+    assert calls == [("reg", *first), ("unreg", first[0]), ("reg", slot.base.data_ptr(),
+                                                             slot.size)]
+    views["b"].copy_(torch.arange(5000))
+    store.commit(slot, shm.SlotHeader(root="r", rank=0, world_size=1, meta=CheckpointMeta(
+        **{**META, "structure": {"experts": [], "params": [], "fingerprint": ""}},
+        run_id="a", runs=["a"]), entries={}, all_keys=["a", "b"], persist_keys=[],
+        snapshot_experts=[], persist_experts=None))
+    store.release(slot)
+    [(_, _, loaded)] = store.load()  # read back and verified against its checksums
+    assert torch.equal(loaded["b"], torch.arange(5000))
+    pinned = slot.pinned
+    store.close(unlink=True)
+    assert pinned == calls[-1][1] and calls[-1] == ("unreg", pinned) and len(calls) == 4
+    # CUDA refusing (a memlock limit): the slots stay unpinned, the snapshot goes on
+    monkeypatch.setattr(pinning, "register", lambda a, n: (_ for _ in ()).throw(
+        RuntimeError("cudaErrorMemoryAllocation")))
+    store = shm.SlotStore(str(tmp_path / "shm"), root="r", rank=0, world_size=1, pin=True)
+    slot = store.reserve()
+    store.prepare(slot, {"a": ((10,), torch.float32)})["a"].fill_(2.0)
+    assert not store.pin and slot.pinned is None
+    store.close(unlink=True)
+
+
+def test_in_process_snapshots_are_hashed_once_by_their_seal(tmp_path, monkeypatch):
+    """Issue 50: in-process buffers too: the seal (copy thread, after the copy) hashes the
+    keys to persist; the persist writes those checksums without hashing again, and the
+    restore verifies them against what was written."""
+    hashed = []
+    real = persist.tensor_checksum
+    monkeypatch.setattr(persist, "tensor_checksum", lambda t: hashed.append(t) or real(t))
+    model, opt, sched = make(0, "stacked", 4)
+    mgr = CheckpointManager(model, opt, CheckpointConfig(
+        path=str(tmp_path / "ckpt"), ram_dir=None, interval=2, k_persist=1))
+    saved = {}
+    run_loop(mgr, model, opt, sched, Counter(), torch.Generator().manual_seed(1), 0, 4,
+             lambda s: saved.__setitem__(s, full_state(model, opt)))
+    mgr.close()
+    assert hashed == [] and sorted(saved) == [1, 3]
+    model, opt, _ = make(5, "stacked", 4)
+    fresh = CheckpointManager(model, opt, CheckpointConfig(path=str(tmp_path / "ckpt"),
+                                                           ram_dir=None, k_persist=1))
+    assert fresh.restore().step == 3  # every item verified against its checksum
+    assert_state(model, opt, saved[3], [])
+    fresh.close()

@@ -99,8 +99,12 @@ class Replicator:
                 self._queue.task_done()
 
     def _exchange(self, snap: Snapshot) -> None:
-        """Send ``snap``'s slot to the successor, receive the predecessor's."""
+        """Send ``snap``'s slot to the successor once sealed, receive the predecessor's."""
         assert snap.slot is not None
+        if not snap.done.wait(self.timeout.total_seconds()):
+            raise TimeoutError(f"the slot of step {snap.step} was not sealed in time")
+        if snap.error is not None:
+            raise RuntimeError(f"the slot of step {snap.step} was not sealed: {snap.error}")
         header, data = self.own.raw(snap.slot)
         sizes = torch.tensor([len(header), data.numel()], dtype=torch.int64)
         peer = torch.empty(2, dtype=torch.int64)

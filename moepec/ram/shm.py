@@ -35,21 +35,22 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moepec.errors import ConfigError, CorruptCheckpointError, ManifestError
+from moepec.ram import pinning
+from moepec.ram.header import SlotHeader
 from moepec.ram.jobs import job_name, own_folder, read_header
 from moepec.store.checksum import checksum_matches, stored_checksum
 from moepec.store.items import Item
-from moepec.store.meta import CheckpointMeta, meta_from_json
+from moepec.store.meta import CheckpointMeta
 
 log = logging.getLogger(__name__)
 
-HEADER_FORMAT = "moepec-ram-1"
 ALIGN = 64
 """Byte alignment of every tensor in a slot (any dtype may be viewed at it)."""
 
@@ -62,65 +63,19 @@ def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def _at(base: torch.Tensor, offset: int, shape: Iterable[int], dtype: torch.dtype
+        ) -> torch.Tensor:
+    """The tensor of ``dtype`` and ``shape`` at ``offset`` of ``base`` (uint8)."""
+    n = _nbytes(shape, dtype)
+    return (base[offset:offset + n].view(dtype).view(list(shape)) if n
+            else torch.empty(list(shape), dtype=dtype))
+
+
 def _dtype(name: Any) -> torch.dtype:
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise ManifestError(f"unknown dtype {name!r}")
     return dtype
-
-
-@dataclass(slots=True)
-class SlotHeader:
-    """The committed record of one slot (``slot<i>.json``)."""
-
-    root: str
-    rank: int
-    world_size: int
-    meta: CheckpointMeta
-    entries: dict[str, dict[str, Any]]
-    """key -> {"offset", "shape", "dtype", "nbytes", "checksum"}."""
-    all_keys: list[str]
-    persist_keys: list[str]
-    snapshot_experts: list[list[int]]
-    persist_experts: list[list[int]] | None
-    written_at: float = 0.0
-    pid: int = 0
-
-    @property
-    def seq(self) -> int:
-        return self.meta.seq
-
-    @property
-    def step(self) -> int:
-        return self.meta.step
-
-    def to_json(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in self.__slots__ if name != "meta"}
-        # Shallow (the meta's fields are JSON values): asdict's deep copy took ~2 ms.
-        meta = {f.name: getattr(self.meta, f.name) for f in fields(self.meta)}
-        # seq and step also at the top, where `moepec ram ls` and a replica's receiver
-        # read them without parsing the meta.
-        return {"format": HEADER_FORMAT, **d, "seq": self.seq, "step": self.step,
-                "meta": meta}
-
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> SlotHeader:
-        """Parse a header; raises ManifestError when anything is missing or mistyped."""
-        if not isinstance(data, dict) or data.get("format") != HEADER_FORMAT:
-            raise ManifestError(f"{where}: not a moepec RAM slot header")
-        kinds = {"root": str, "rank": int, "world_size": int, "seq": int, "step": int,
-                 "entries": dict, "all_keys": list, "persist_keys": list,
-                 "snapshot_experts": list, "written_at": (int, float), "pid": int}
-        for name, kind in kinds.items():
-            if not isinstance(data.get(name), kind):
-                raise ManifestError(f"{where}: header field {name!r} is missing or mistyped")
-        if not (data.get("persist_experts") is None or isinstance(data["persist_experts"], list)):
-            raise ManifestError(f"{where}: header field 'persist_experts' is mistyped")
-        meta = meta_from_json(data.get("meta"), where)
-        if (data["seq"], data["step"]) != (meta.seq, meta.step):
-            raise ManifestError(f"{where}: header seq/step disagree with its checkpoint meta")
-        fields_ = {n: data[n] for n in cls.__slots__ if n != "meta"}
-        return cls(meta=meta, **fields_)
 
 
 @dataclass(slots=True)
@@ -134,12 +89,18 @@ class Slot:
     mm: mmap.mmap | None = None
     base: torch.Tensor | None = None
     """The whole mapping as uint8 (tensors are views of it)."""
+    pinned: int | None = None
+    """The address of the mapping while it is registered with CUDA (``SlotStore.pin``)."""
     in_use: bool = False
     seq: int = -1
     """The seq its valid header records (-1: none)."""
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    keys: list[str] = field(default_factory=list)
+    """The keys of the layout ``prepare`` laid out last, in its order."""
+    plan: tuple[tuple, list[int], int] | None = None
+    """That layout's (shapes and dtypes, offsets, size), reused while the shapes repeat."""
     views: tuple[tuple, mmap.mmap, list[torch.Tensor]] | None = None
-    """The last layout's (shapes and dtypes, mapping, views), reused by ``prepare``."""
+    """The plan's views of the mapping, reused by ``prepare`` (its plan, mapping, views)."""
 
 
 class SlotStore:
@@ -152,7 +113,12 @@ class SlotStore:
     """
 
     def __init__(self, ram_dir: str, *, root: str, rank: int, world_size: int,
-                 replica: bool = False) -> None:
+                 replica: bool = False, pin: bool | None = None) -> None:
+        self.pin = torch.cuda.is_available() and not replica if pin is None else pin
+        """Whether the slots' mappings are registered with CUDA (page-locked), so that a
+        snapshot's device-to-host copies run at the pinned rate straight into memory
+        that outlives the process. Default: when CUDA is available (not for replicas:
+        they are filled from the network)."""
         self.job_dir = Path(ram_dir) / job_name(root)
         self.dir = self.job_dir / (f"replica-of-rank{rank}" if replica else f"rank{rank}")
         self.root, self.rank, self.world_size = root, rank, world_size
@@ -202,35 +168,44 @@ class SlotStore:
                 ) -> dict[str, torch.Tensor]:
         """Views of ``slot`` (from :meth:`reserve`) laid out for ``layout``: its header is
         removed first (the slot is torn from here until ``commit``), then its file is
-        created or grown and mapped with its pages faulted in. The copy thread calls it,
-        so that file creation and first-touch page faults never block training."""
-        entries, offset = {}, 0
-        for key, (shape, dtype) in layout.items():
-            n = _nbytes(shape, dtype)
-            entries[key] = {"offset": offset, "shape": list(shape),
-                            "dtype": str(dtype).removeprefix("torch."), "nbytes": n}
-            offset = _align(offset + n)
-        self._open(slot, max(offset, 1))
-        slot.entries = entries
-        # Checkpoints of one K lay a slot out alike (other experts' keys, same shapes):
-        # the views of the last layout are reused (making ~200 views cost ~2 ms of GIL).
+        created or grown and mapped. The copy thread calls it, so that file creation and
+        first-touch page faults never block training."""
         shapes = tuple(layout.values())
-        if slot.views is None or slot.views[0] != shapes or slot.views[1] is not slot.mm:
-            slot.views = (shapes, slot.mm, [self._view(slot, e) for e in entries.values()])
-        return dict(zip(entries, slot.views[2], strict=True))
+        # Checkpoints of one K lay a slot out alike (other experts' keys, same shapes):
+        # the offsets and views of the last layout are reused (building ~500 entries
+        # and views cost ~1.5 ms of the copy at every checkpoint); the header's entries
+        # are built by ``commit``, after the copy.
+        if slot.plan is None or slot.plan[0] != shapes:
+            offsets, offset = [], 0
+            for shape, dtype in shapes:
+                offsets.append(offset)
+                offset = _align(offset + _nbytes(shape, dtype))
+            slot.plan = (shapes, offsets, max(offset, 1))
+        self._open(slot, slot.plan[2])
+        slot.keys = list(layout)
+        if slot.views is None or slot.views[0] is not slot.plan or slot.views[1] is not slot.mm:
+            slot.views = (slot.plan, slot.mm, [_at(slot.base, o, shape, dtype) for o, (
+                shape, dtype) in zip(slot.plan[1], shapes, strict=True)])
+        return dict(zip(slot.keys, slot.views[2], strict=True))
 
-    def commit(self, slot: Slot, header: SlotHeader) -> None:
-        """Checksum the slot's data and write its header last (temporary name, rename)."""
-        data = memoryview(slot.mm)
+    def commit(self, slot: Slot, header: SlotHeader) -> dict[str, str]:
+        """Checksum the slot's data (laid out by ``prepare``) and write its header last
+        (temporary name, rename); returns the checksums by key."""
+        assert slot.plan is not None and slot.mm is not None
+        entries, data = {}, memoryview(slot.mm)
         try:
-            for e in slot.entries.values():
-                e["checksum"] = stored_checksum(data[e["offset"]:e["offset"] + e["nbytes"]],
-                                                _dtype(e["dtype"]), tuple(e["shape"]))
+            for key, (shape, dtype), offset in zip(slot.keys, *slot.plan[:2], strict=True):
+                n = _nbytes(shape, dtype)
+                entries[key] = {"offset": offset, "shape": list(shape),
+                                "dtype": str(dtype).removeprefix("torch."), "nbytes": n,
+                                "checksum": stored_checksum(data[offset:offset + n], dtype,
+                                                            tuple(shape))}
         finally:
             data.release()
-        header.entries = slot.entries
+        slot.entries = header.entries = entries
         self._write_header(slot, json.dumps(header.to_json()).encode())
         slot.seq = header.seq
+        return {key: e["checksum"] for key, e in entries.items()}
 
     def write_raw(self, header: bytes, data: torch.Tensor) -> None:
         """Store a slot another rank committed (a replica): its data bytes as they are,
@@ -294,14 +269,21 @@ class SlotStore:
         finally:
             os.close(fd)
         # The previous mapping (if any) is dropped, not closed: views may still hold it.
+        # Unregistered first: no copy into it is in flight (copies run on this thread).
+        _unpin(slot)
         slot.mm, slot.size = mm, size
         slot.base = torch.frombuffer(mm, dtype=torch.uint8)
+        if self.pin:
+            try:
+                pinning.register(slot.base.data_ptr(), size)
+                slot.pinned = slot.base.data_ptr()
+            except RuntimeError as exc:  # e.g. the memlock limit: slower copies, no failure
+                log.warning("RAM slots stay unpinned (device copies at the pageable "
+                            "rate): %s", exc)
+                self.pin = False
 
     def _view(self, slot: Slot, e: Mapping[str, Any]) -> torch.Tensor:
-        dtype = _dtype(e["dtype"])
-        raw = slot.base[e["offset"]:e["offset"] + e["nbytes"]]
-        return raw.view(dtype).view(e["shape"]) if e["nbytes"] else torch.empty(
-            e["shape"], dtype=dtype)
+        return _at(slot.base, e["offset"], e["shape"], _dtype(e["dtype"]))
 
     # -- reading ----------------------------------------------------------------
     def _peek_seq(self, slot: Slot) -> int:
@@ -380,7 +362,8 @@ class SlotStore:
         """Drop the mappings; with ``unlink`` remove this rank's files and folder (a clean
         close), and the job folder once no rank's folder is left."""
         for s in self.slots:
-            s.base, s.mm, s.views = None, None, None
+            _unpin(s)
+            s.base, s.mm, s.views, s.plan = None, None, None, None
         if unlink:
             shutil.rmtree(self.dir, ignore_errors=True)
             try:
@@ -390,6 +373,15 @@ class SlotStore:
         if self._owner is not None:
             os.close(self._owner)  # lets go of the folder (after its files went)
             self._owner = None
+
+
+def _unpin(slot: Slot) -> None:
+    if slot.pinned is not None:
+        address, slot.pinned = slot.pinned, None
+        try:
+            pinning.unregister(address)
+        except (RuntimeError, AssertionError) as exc:  # torch's helper asserts
+            log.warning("could not unregister RAM slot %s from CUDA: %s", slot.data_path, exc)
 
 
 class SlotsInUse(OSError):

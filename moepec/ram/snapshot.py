@@ -15,6 +15,14 @@ On CUDA the buffers are pinned and the copies run non-blocking on a side
 stream; on CPU they are plain reused tensors copied by one worker thread while
 the training thread runs the next forward and backward (torch releases the GIL
 inside ``copy_``).
+
+A snapshot is *copied* once the live tensors are in RAM: the training loop waits for
+that and nothing more (before ``optimizer.step()`` mutates the weights). Its *seal*
+follows on the copy thread, off the loop's path: the checksums of its copy (every key
+of a shared-memory slot, the keys to persist otherwise), hashed once and used by both
+the slot's header and the persist, then the slot's header, written last. The snapshot
+is *done* once sealed; the persist, the replica exchange and a restore from RAM read
+only done snapshots.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch
 from moepec.errors import CheckpointError
 from moepec.hooks import FaultHooks
 from moepec.ram.shm import Slot, SlotHeader, SlotStore
+from moepec.store.checksum import tensor_checksum
 from moepec.store.meta import CheckpointMeta
 
 log = logging.getLogger(__name__)
@@ -69,16 +78,25 @@ class Snapshot:
     tensors: dict[str, torch.Tensor]
     """key -> host buffer (tensor keys, filled by the copy) and object keys (filled at once).
     With a shared-memory slot the copy thread replaces it by views of the slot (objects
-    and buffers copied in); read it only once ``done`` is set."""
+    and buffers copied in); read it only once ``copied`` is set."""
     persist_keys: frozenset[str]
     meta: CheckpointMeta
     """The manager's bookkeeping, captured on the training thread (step, seq, experts,
     counts, ledger, selectors, K...) when the snapshot is taken."""
     persist: bool
     """Whether this snapshot is to be persisted (else it stays in RAM only)."""
+    copied: threading.Event = field(default_factory=threading.Event)
+    """Set once the live tensors are copied (or the copy failed): the loop may go on."""
     done: threading.Event = field(default_factory=threading.Event)
+    """Set once the snapshot is sealed (checksums, a slot's header) or has failed."""
     error: BaseException | None = None
     copy_seconds: float = 0.0
+    """Seconds of the copy the loop waits for (the seal after it not included)."""
+    seal_seconds: float = 0.0
+    """Seconds of the seal (checksums and a slot's header), off the loop's path."""
+    checksums: dict[str, str] = field(default_factory=dict)
+    """key -> checksum of its copy (``moepec.store.checksum``), set by the seal: every key
+    of a slot, the keys to persist otherwise. Read it only once ``done`` is set."""
     refs: int = 1
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
     all_keys: list[str] = field(default_factory=list)
@@ -163,11 +181,12 @@ class Snapshotter:
         self._queue.put((snap, dict(sources)))
 
     def wait(self) -> Snapshot | None:
-        """Block until the pending snapshot is complete; returns it (or None)."""
+        """Block until the pending snapshot is copied (its seal may still run); returns it
+        (or None). Raises CheckpointError when its copy failed or timed out."""
         snap = self._pending
         if snap is None:
             return None
-        if not snap.done.wait(self.timeout_s):
+        if not snap.copied.wait(self.timeout_s):
             raise CheckpointError(
                 f"snapshot of step {snap.step} did not finish within {self.timeout_s}s; "
                 f"raise CheckpointConfig.timeout_s or check host memory pressure")
@@ -184,7 +203,8 @@ class Snapshotter:
 
     @property
     def busy(self) -> bool:
-        return self._pending is not None and not self._pending.done.is_set()
+        """Whether the pending snapshot's copy is still running."""
+        return self._pending is not None and not self._pending.copied.is_set()
 
     def close(self) -> None:
         if self._thread is not None:
@@ -200,6 +220,7 @@ class Snapshotter:
             self._copy(*item)
 
     def _copy(self, snap: Snapshot, sources: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``sources`` into ``snap`` (``copied``), then seal it (``done``)."""
         t0 = time.perf_counter()
         try:
             self.hooks.snapshot_point("copy", snap.step)
@@ -217,19 +238,26 @@ class Snapshotter:
                 with torch.no_grad():
                     for key, src in sources.items():
                         snap.tensors[key].copy_(src.detach())
-            if snap.slot is not None:
-                self.hooks.snapshot_point("seal", snap.step)
-                self._seal(snap)
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
             snap.error = exc
-        snap.copy_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        snap.copy_seconds = t1 - t0
+        snap.copied.set()
+        if snap.error is None:
+            try:
+                self._seal(snap)
+            except BaseException as exc:  # noqa: BLE001 - surfaced by the persist
+                log.warning("snapshot of step %d could not be sealed (not usable): %s",
+                            snap.step, exc)
+                snap.error = exc
+        snap.seal_seconds = time.perf_counter() - t1
         snap.done.set()
 
     def _into_slot(self, snap: Snapshot, sources: Mapping[str, torch.Tensor]) -> None:
         """Lay ``snap``'s slot out for the whole snapshot (the tensors still to copy and the
         objects and buffers captured already, which are copied in now: they are small)
         and point ``snap.tensors`` at it. Copy thread; the training thread reads
-        ``snap.tensors`` only once ``done`` is set."""
+        ``snap.tensors`` only once ``copied`` is set."""
         assert self.slots is not None and snap.slot is not None
         extras = snap.tensors
         layout = {k: (tuple(t.shape), t.dtype) for k, t in {**sources, **extras}.items()}
@@ -239,10 +267,16 @@ class Snapshotter:
         snap.tensors = views
 
     def _seal(self, snap: Snapshot) -> None:
-        """Commit ``snap``'s slot: checksums and the header, written last."""
+        """Checksum ``snap``'s copy and commit its slot (header last). Copy thread, after
+        ``copied``: off the loop's path."""
         slots = self.slots
-        assert slots is not None and snap.slot is not None
-        slots.commit(snap.slot, SlotHeader(
+        if snap.slot is None or slots is None:
+            if snap.persist:
+                snap.checksums = {k: tensor_checksum(snap.tensors[k])
+                                  for k in snap.persist_keys if k in snap.tensors}
+            return
+        self.hooks.snapshot_point("seal", snap.step)
+        snap.checksums = slots.commit(snap.slot, SlotHeader(
             root=slots.root, rank=slots.rank, world_size=slots.world_size,
             meta=snap.meta, entries={}, all_keys=list(snap.all_keys),
             persist_keys=sorted(snap.persist_keys),
@@ -298,9 +332,12 @@ class RamTier:
         return snap
 
     def usable(self) -> Snapshot | None:
-        """The newest snapshot if it is complete and intact (what a restore may use)."""
+        """The newest snapshot once sealed, if intact (what a restore may use); waits for a
+        seal in flight (the snapshot timeout)."""
         snap = self.newest
-        return snap if snap is not None and snap.done.is_set() and snap.error is None else None
+        if snap is None or not snap.done.wait(self.snapshotter.timeout_s):
+            return None
+        return snap if snap.error is None else None
 
     def drop(self) -> None:
         """Forget the newest snapshot (its step was abandoned, or the RAM was lost)."""
@@ -348,7 +385,9 @@ class RamTier:
                 (self.slots if origin == "shm" else self.replicas).hold(slot)
                 snap = Snapshot(tensors=tensors, persist_keys=frozenset(header.persist_keys),
                                 meta=header.meta, persist=header.persist_experts is not None,
-                                all_keys=list(header.all_keys), slot=slot, origin=origin)
+                                all_keys=list(header.all_keys), slot=slot, origin=origin,
+                                checksums={k: e["checksum"] for k, e in header.entries.items()})
+                snap.copied.set()
                 snap.done.set()
                 self._loaded.append(snap)
         return list(self._loaded)

@@ -48,6 +48,9 @@ class Snapshot(Protocol):
     meta: CheckpointMeta
     done: threading.Event
     error: BaseException | None
+    checksums: dict[str, str]
+    """key -> checksum of the snapshot's copy, where its seal computed one (read once
+    ``done`` is set); a key without one is hashed by the persist."""
 
     @property
     def seq(self) -> int: ...
@@ -255,9 +258,10 @@ class Persister:
         returns their manifest entries. All ranks."""
         keys = sorted(k for k in snap.persist_keys if k in snap.tensors)
         tensors = {k: snap.tensors[k] for k in keys}
-        # Checksums before the write, on this thread: on 2 cores a checksum thread beside
-        # the write slowed the write 2-3x (measured), more than the hashing costs.
-        checksums = {k: tensor_checksum(t) for k, t in tensors.items()}
+        # The snapshot's seal hashed its copy already (off the loop's path; the same
+        # bytes as written here). A key it did not hash is hashed before the write, on
+        # this thread: on 2 cores a checksum thread beside the write slowed the write 2-3x.
+        checksums = {k: snap.checksums.get(k) or tensor_checksum(t) for k, t in tensors.items()}
         self.hooks.persist_point("write", name)
         where = self.storage.write(name, tensors, self.group)
         self.hooks.persist_point("written", name)
