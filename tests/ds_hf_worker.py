@@ -272,17 +272,26 @@ def trainer(out: str, stages: list[str]) -> dict:
     """The Hugging Face Trainer (``deepspeed=`` a config dict with the ZeRO stage and the
     section) on transformers' own Mixtral (stacked experts), per stage: saves every 2
     steps to 6, then a new Trainer resumes from the last checkpoint and trains to 10."""
-    return {stage: _trainer(os.path.join(out, f"trainer_{stage}"), int(stage))
-            for stage in stages}
+    return {stage: _trainer(os.path.join(out, f"trainer_{stage}"), stage) for stage in stages}
 
 
-def _trainer(out: str, stage: int) -> dict:
+def _trainer(out: str, stage: str) -> dict:
+    """``stage``: the ZeRO stage; ``3leaf``: ZeRO-3 with the MoE blocks as leaf modules
+    (``set_z3_leaf_modules``, as LLaMA-Factory and axolotl do) and the 16-bit weights
+    gathered at each save (``stage3_gather_16bit_weights_on_model_save``)."""
     from transformers import Trainer, TrainingArguments
 
     def run(steps: int) -> Trainer:
         net = mixtral(0)
+        zero = {"stage": int(stage[0])}
+        if stage == "3leaf":
+            from deepspeed.utils import set_z3_leaf_modules
+            from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+            set_z3_leaf_modules(net, [MixtralSparseMoeBlock])
+            zero["stage3_gather_16bit_weights_on_model_save"] = True
         ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": stage},
+              "gradient_accumulation_steps": "auto", "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
               "moepec": {"k_persist": 1}}
         args = TrainingArguments(output_dir=out, max_steps=steps,

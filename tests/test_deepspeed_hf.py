@@ -36,7 +36,7 @@ def results(out: Path, phase: str) -> list[dict]:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed_hf")
     done = torchrun(out, f"stitched={'+'.join(STITCHED)},exact={'+'.join(EXACT)},dense,"
-                    "trainer=0+2+3,accelerate,load_aware",
+                    "trainer=0+2+3+3leaf,accelerate,load_aware",
                     WORKER)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out
@@ -112,19 +112,23 @@ def test_a_section_on_a_model_without_experts_says_so_once_at_initialize(runs):
     assert "deepspeed.moe.layer.MoE" in line and '"expert_spec"' in line
 
 
-@pytest.mark.parametrize("stage", ["0", "2", "3"])
+@pytest.mark.parametrize("stage", ["0", "2", "3", "3leaf"])
 def test_the_trainer_saves_k_experts_and_resumes_stitched(runs, stage):
     """The Trainer (``deepspeed=`` ZeRO-0, 2 or 3 with ``{"moepec": {"k_persist": 1}}``) on
     transformers' own Mixtral (stacked experts): its checkpoint-N folders are one lineage
     (the first full, then one expert per layer), and resume_from_checkpoint stitches
     checkpoint-6 from the older ones and trains on to step 10. At ZeRO-3 (16-bit weights
     not gathered) the Trainer calls save_checkpoint twice per checkpoint on one tag: the
-    second changes nothing (one expert per layer, not two)."""
+    second changes nothing (one expert per layer, not two). ``3leaf``: ZeRO-3 with the MoE
+    blocks as ``set_z3_leaf_modules`` leaves and the 16-bit weights gathered at each save
+    (DeepSpeed's own ``model.safetensors`` beside the PEC tag)."""
     manifests = {p.parent.name: json.loads(p.read_text())
                  for p in (runs / f"trainer_{stage}").glob("checkpoint-*/moepec.json")}
     saved = {n: len(manifests[n]["experts_saved"])
              for n in ("checkpoint-2", "checkpoint-4", "checkpoint-6")}
     assert saved == {"checkpoint-2": 8, "checkpoint-4": 2, "checkpoint-6": 2}
+    if stage == "3leaf":
+        assert (runs / "trainer_3leaf" / "checkpoint-4" / "model.safetensors").is_file()
     for res in results(runs, "trainer"):
         res = res[stage]
         assert res["step"] == 6 and res["global_step"] == 10
