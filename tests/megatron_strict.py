@@ -17,6 +17,7 @@ warn once, on rank 0, that they found none. Prints ``rank R STRICT OK N``.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import sys
@@ -177,6 +178,101 @@ def fully_parallel(root: str, ref: str) -> None:
     assert same(got, want), (got, want)
 
 
+N_EXPERTS = 4
+EXPERT_KEY = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+
+
+def moe(step: int) -> dict:
+    """:func:`base` and one MoE layer of N_EXPERTS experts, SequentialMLP's layout (layer
+    axis, expert axis prepended), split over the ranks (EP = world size); expert e holds
+    100 * step + e, and a replicated non-expert tensor holds step."""
+    sd = {**base(), "dense": ShardedTensor.from_rank_offsets(
+        "dense", torch.full((4,), float(step)), replica_id=RANK)}
+    per = N_EXPERTS // WORLD
+    for e in range(RANK * per, (RANK + 1) * per):
+        sd[f"expert{e}"] = ShardedTensor.from_rank_offsets(
+            EXPERT_KEY, torch.full((3, 5), float(100 * step + e)), (0, 0, 1),
+            (1, e, N_EXPERTS), prepend_axis_num=2)
+    return sd
+
+
+def backend_of(folder: str) -> str:
+    with open(os.path.join(folder, "metadata.json")) as f:
+        return json.load(f)["sharded_backend"]
+
+
+def experts_saved(folder: str) -> list:
+    with open(os.path.join(folder, "moepec.json")) as f:
+        return json.load(f)["experts_saved"]
+
+
+def switch(root: str, ref: str) -> None:
+    """moepec.integrations.megatron.use_for_torch_dist, as Megatron-LM's save_checkpoint
+    meets it with --ckpt-format torch_dist: ``get_default_save_sharded_strategy('torch_dist')``
+    with --ckpt-assume-constant-structure's attribute, inside --ckpt-fully-parallel-save's
+    wrapper (cached distribution), a sync and an async save (the request queue), and
+    ``dist_checkpointing.save`` / ``load`` without a strategy: K = 1 of 4 experts after
+    the first save, loaded stitched bit for bit; a stock torch_dist folder still loads
+    (a resume from stock); switched off, the default save is torch_dist again."""
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.base import default_strategies
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistSaveShardedStrategy,
+    )
+
+    import moepec.integrations.megatron as mg
+
+    mg.use_for_torch_dist(k_persist=1)
+    mg.use_for_torch_dist(k_persist=1)  # idempotent: one switch, the same front end
+    front = mg._front()
+    mg.use_for_torch_dist(k_persist=1)
+    assert mg._front() is front  # not re-registered: the schedule's state is kept
+    assert type(default_strategies["save_sharded"]).__name__ == "AnsweringTable"
+    folders = [make(os.path.join(root, "switch", f"iter_{i:07d}")) for i in (1, 2, 3)]
+    dist_checkpointing.save(moe(1), folders[0])  # no strategy: the default lookup
+    save = get_default_save_sharded_strategy("torch_dist")  # as save_checkpoint asks
+    assert isinstance(save, mg.MoepecSaveStrategy), save
+    save.use_cached_ckpt_structure = True  # --ckpt-assume-constant-structure
+    save = FullyParallelSaveStrategyWrapper(save, None, True)  # its cached distribution
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(dist_checkpointing.save(moe(2), folders[1], save,
+                                                         async_sharded_save=True))
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    assert [backend_of(f) for f in folders[:2]] == ["moepec", "moepec"]
+    assert [len(experts_saved(f)) for f in folders[:2]] == [N_EXPERTS, 1]
+    load = get_default_load_sharded_strategy(folders[1])  # as load_checkpoint asks
+    assert isinstance(FullyParallelLoadStrategyWrapper(load, None, True).base_strategy,
+                      mg.MoepecLoadStrategy)
+    got = dist_checkpointing.load(moe(0), folders[1])  # no strategy: metadata.json's
+    sources = mg.last_load_report().sources
+    want = moe(2)
+    for e in range(N_EXPERTS):  # the expert not saved at 2 is its copy of save 1
+        step = 2 if sources[f"0/{e}"]["checkpoint"] == "iter_0000002" else 1
+        if f"expert{e}" in want:
+            want[f"expert{e}"].data.fill_(100 * step + e)
+    assert same(got, {k: v.data for k, v in want.items()}), (got, want)
+    assert sorted(s["checkpoint"] for s in sources.values()).count("iter_0000001") == 3
+    stock = dist_checkpointing.load(base(), ref)  # a stock folder, the switch on
+    assert same(stock, dist_checkpointing.load(base(), ref, ("torch_dist", 1)))
+    mg.stop_using_for_torch_dist()
+    mg.stop_using_for_torch_dist()  # undone once is undone
+    assert type(default_strategies["save_sharded"]) is dict
+    assert isinstance(get_default_save_sharded_strategy(), TorchDistSaveShardedStrategy)
+    dist_checkpointing.save(moe(3), folders[2])
+    assert backend_of(folders[2]) == "torch_dist"
+    assert same(dist_checkpointing.load(moe(0), folders[2]),
+                {k: v.data for k, v in moe(3).items()})
+
+
 def make(folder: str) -> str:
     if RANK == 0:
         os.makedirs(folder)
@@ -221,6 +317,7 @@ def main() -> None:
         if case == "unexpected assume_ok_unexpected":
             assert "UnexpectedTenD" in ours[3] and "UnexpectedObjD" in ours[3], ours[3]
     fully_parallel(root, ref)
+    switch(root, ref)
     sys.stdout.write(f"rank {RANK} STRICT OK {len(cases)}\n")
     sys.stdout.flush()
     dist.barrier()

@@ -26,7 +26,8 @@ What it changes, all outside Megatron-LM's files:
     ``torch.cuda.memory_*``, a ``cuda`` parameter) are skipped as ``cuda-only``, and so
     is ``persistent=True`` (PersistentAsyncCaller's spawned worker, which the shims do not
     reach, calls ``torch.cuda.set_device(rank % torch.cuda.device_count())``).
-  * MCORE_BACKEND=moepec: ``import moepec.integrations.megatron``, and every request for
+  * MCORE_BACKEND=moepec: ``import moepec.integrations.megatron`` and its switch
+    ``use_for_torch_dist()``: every request for
     the ``("torch_dist", 1)`` SAVE_SHARDED strategy through ``get_default_strategy``
     (the tests' default save, ``get_default_save_sharded_strategy()``, and their explicit
     ``get_default_strategy(SAVE_SHARDED, 'torch_dist', 1)``) gets ``("moepec", 1)``.
@@ -102,9 +103,6 @@ def _no_download(*args, **kwargs):
 _dl.download_and_extract_asset = _no_download
 sys.modules[_dl.__name__] = _dl
 
-from megatron.core.dist_checkpointing import serialization  # noqa: E402
-from megatron.core.dist_checkpointing.strategies import base as strategies_base  # noqa: E402
-from megatron.core.dist_checkpointing.strategies.base import StrategyAction  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.torch import (  # noqa: E402
     TorchDistSaveShardedStrategy,
 )
@@ -128,17 +126,9 @@ if BACKEND == "moepec":
     import moepec.integrations.megatron as moepec_megatron  # noqa: E402  (registers it)
 
     _count(moepec_megatron.MoepecSaveStrategy, "moepec")
-    _orig_get_default_strategy = strategies_base.get_default_strategy
-
-    def _redirect(action, backend, version):
-        if action == StrategyAction.SAVE_SHARDED and (backend, version) == ("torch_dist", 1):
-            backend = moepec_megatron.BACKEND
-            version = moepec_megatron.VERSION
-        return _orig_get_default_strategy(action, backend, version)
-
-    # Patched before any test module or Megatron conftest binds the name.
-    strategies_base.get_default_strategy = _redirect
-    serialization.get_default_strategy = _redirect
+    # The public switch a Megatron-LM user turns on (docs/megatron.md): every default
+    # ("torch_dist", 1) SAVE_SHARDED lookup answers ("moepec", 1).
+    moepec_megatron.use_for_torch_dist()
 elif BACKEND != "torch_dist":
     raise SystemExit(f"MCORE_BACKEND must be torch_dist or moepec, not {BACKEND!r}")
 

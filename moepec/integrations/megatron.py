@@ -37,7 +37,8 @@ that overlap it (``moepec.flat.regions``), experts and their PLT accounting incl
 refuses, on every rank, what ``torch_dist`` refuses: another global shape, a key the
 folder lacks (:mod:`moepec.integrations.megatron_checks`). A save without experts says so
 once; ``moepec materialize`` turns a folder into a ``torch_dist`` checkpoint
-(:mod:`moepec.integrations.megatron_export`).
+(:mod:`moepec.integrations.megatron_export`). :func:`use_for_torch_dist`: moepec for
+Megatron-LM's ``--ckpt-format torch_dist`` (:mod:`moepec.integrations.megatron_switch`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ from moepec.integrations.megatron_checks import (
     refuse_on_every_rank,
 )
 from moepec.integrations.megatron_keys import expert_unit, flat_key, object_unit
+from moepec.integrations.megatron_switch import answer, answering, restore
 
 log = logging.getLogger(__name__)
 
@@ -368,6 +370,25 @@ def register(**fields: Any) -> None:
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION,
                               MoepecLoadStrategy(front))
     _door[:] = [front]
+
+
+def use_for_torch_dist(**fields: Any) -> None:
+    """Turn moepec on for ``--ckpt-format torch_dist`` (all ranks, before the first save):
+    every default ``torch_dist`` save strategy lookup of this process (Megatron-LM's
+    ``save_checkpoint``, ``dist_checkpointing.save`` with no strategy) answers the moepec
+    one, which Megatron-LM wraps for its flags as its own. ``fields`` as :func:`register`
+    (none: the registration in place); idempotent for the same fields. Loads need no
+    switch: they follow the folder's ``metadata.json`` (``torch_dist`` ones stay stock)."""
+    switch = answering(StrategyAction.SAVE_SHARDED)
+    if switch is None or switch.how != fields:
+        if fields:
+            register(**fields)
+        answer(StrategyAction.SAVE_SHARDED, ("torch_dist", 1), (BACKEND, VERSION), fields)
+
+
+def stop_using_for_torch_dist() -> None:
+    """Undo :func:`use_for_torch_dist` (no-op where off): ``torch_dist`` again."""
+    restore(StrategyAction.SAVE_SHARDED)
 
 
 def moe_layer_names(model: torch.nn.Module) -> list[str]:
