@@ -116,9 +116,10 @@ class Restoring:
         # This run continues the base's lineage of runs (restore stitches only within it).
         self._runs = meta.runs_continued_by(self._run_id)
         # A restore that lost nothing (a complete checkpoint: a planned stop, a clean end)
-        # is a resume, not a recovery: K stays as it was.
-        if any(map(any, outcome.lost)):
-            self._schedule.adjust_k(meta.step, self._rank)
+        # is a resume, not a recovery: K is never raised by it (the run's PLT may be over
+        # the budget from earlier faults, and this restore added nothing to it); with
+        # dynamic_k_down, the headroom it shows may still lower K.
+        self._schedule.adjust_k(meta.step, self._rank, lossless=not any(map(any, outcome.lost)))
         self._last_stepped = None
         newest = self._ram_tier.newest
         if outcome.base.tier == Tier.STORAGE and newest is not None and newest.seq > meta.seq:

@@ -140,12 +140,16 @@ class ExpertSchedule:
             self.k_history.append([step, k_persist])
         self.k_persist, self.k_snapshot = k_persist, k_snapshot
 
-    def adjust_k(self, step: int, rank: int) -> None:
+    def adjust_k(self, step: int, rank: int, lossless: bool = False) -> None:
         """Dynamic K after a recovery (policy.plt.dynamic_k), when configured; without it,
-        a warning (rank 0) when the recovery left PLT over the budget."""
+        a warning (rank 0) when the recovery left PLT over the budget. A ``lossless``
+        restore (nothing lost: a resume) never raises K nor warns; it may only lower K
+        (``dynamic_k_down``)."""
         if not self.n_experts:
             return
         config = self.config
+        if lossless and not (config.dynamic_k and config.dynamic_k_down):
+            return
         if not config.dynamic_k:
             if self.ledger.plt() > config.plt_budget and rank == 0:
                 log.warning("PLT is %.2f%% after this recovery, over the budget %.2f%%, and "
@@ -157,6 +161,8 @@ class ExpertSchedule:
         plt = self.ledger.plt()
         new = dynamic_k(self.k_persist, plt, config.plt_budget, min(self.n_experts),
                         config.dynamic_k_down)
+        if lossless:
+            new = min(new, self.k_persist)
         if new != self.k_persist:
             log.info("dynamic K: PLT %.3f%% vs budget %.3f%%: K_persist %d -> %d", 100 * plt,
                      100 * config.plt_budget, self.k_persist, new)
