@@ -12,8 +12,11 @@ whose config has the section saves K of N experts per MoE layer::
     moepec.integrations.deepspeed.last_load_report()   # a moepec.RestoreReport
 
 or, without the section, :func:`attach` ``(engine, k_persist=2)``. The section takes the
-``CheckpointConfig`` fields that apply (``moepec.flat.FLAT_FIELDS``), ``async_persist``
-and ``expert_spec`` (an ``ExpertSpec``'s fields). The door is attached when the engine is
+``CheckpointConfig`` fields that apply (``moepec.flat.FLAT_FIELDS``), ``async_persist``,
+``expert_spec`` (an ``ExpertSpec``'s fields), and the RAM level's ``snapshot_every`` and
+``ram_dir``: with them, :func:`snapshot` ``(engine, save_dir)`` after ``engine.step()``
+copies every rank's state into shared memory (:mod:`moepec.flat.ram`), and a load of
+``latest`` after a worker restart takes it when it is newer than storage's. The door is attached when the engine is
 built (a section's mistakes, and a model with no experts found, are said then).
 
 The experts: DeepSpeed's own ``deepspeed.moe.layer.MoE`` layers, else the one expert
@@ -36,6 +39,7 @@ fp32 and bf16. Refused in one line: native MoE at ZeRO-3, AutoEP, pipeline engin
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import fnmatch
 import functools
 import logging
@@ -52,6 +56,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 import moepec
 from moepec.errors import CheckpointError, ConfigError, MoepecError
 from moepec.flat import FLAT_FIELDS, FlatFrontEnd, write_rank
+from moepec.flat.lineage import manifest_or_none
+from moepec.flat.ram import FlatRam
 from moepec.integrations.ds_experts import (
     RouterCounts,
     check_supported,
@@ -91,6 +97,35 @@ def last_load_report() -> moepec.RestoreReport | None:
     ``sources["L/E"]["step"]`` (the global step of the save each expert came from; L the
     MoE layer in ``named_modules()`` order, E the global expert), ``lost``, ``plt``."""
     return _last[-1] if _last else None
+
+
+def snapshot(engine: DeepSpeedEngine, save_dir: str) -> bool:
+    """All ranks, after ``engine.step()``: the frequent level of the two-level checkpoint.
+    When due (every ``snapshot_every`` global steps, a field of the ``"moepec"`` section
+    that turns the RAM tier on), copy this rank's whole training state (the files a save of
+    ``save_dir`` would write, every expert) into a RAM slot in node-local shared memory
+    (``ram_dir``, default ``"auto"``); blocks until the slot is committed. A restarted
+    worker's ``engine.load_checkpoint(save_dir)`` (tag None) takes it when it is newer
+    than the storage save ``latest`` names. Returns whether a snapshot was taken.
+    Raises ConfigError for an engine without the door; CheckpointError when it failed."""
+    door = _door_of(engine)
+    if door is None:
+        raise ConfigError('snapshot(engine, save_dir) needs the door: a "moepec" section '
+                          'in the DeepSpeed config or moepec.integrations.deepspeed.attach')
+    every = door.fields.get("snapshot_every", 0)
+    if not every:
+        raise ConfigError('snapshot(engine, save_dir) needs "snapshot_every" (steps >= 1) in '
+                          'the DeepSpeed config\'s "moepec" section')
+    step = int(engine.global_steps)
+    if step % every:
+        return False
+    door.snapshotting = os.path.abspath(save_dir)
+    try:
+        _ORIGINAL["save_checkpoint"](engine, save_dir, f"moepec_ram_step{step}",
+                                     save_latest=False)
+    finally:
+        door.snapshotting = None
+    return True
 
 
 def wait() -> None:
@@ -145,6 +180,14 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
                           f'"{SECTION}" section; the ones that apply: '
                           f'{", ".join(FLAT_FIELDS + _DOOR_FIELDS)}')
     check_supported(engine)
+    every = fields.get("snapshot_every", 0)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ConfigError(f"snapshot_every must be a whole number of steps >= 0 (got "
+                          f"{every!r}); 0 (the default) turns the RAM tier off")
+    ram_dir = fields.get("ram_dir", "auto")
+    if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
+        raise ConfigError(f'ram_dir must be "auto", a folder path (e.g. /dev/shm/moepec) '
+                          f"or null for in-process snapshots (got {ram_dir!r})")
     async_persist = fields.get("async_persist", True)
     if not isinstance(async_persist, bool):
         raise ConfigError(f"async_persist must be true or false (got {async_persist!r})")
@@ -161,7 +204,7 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
     return door
 
 
-_DOOR_FIELDS = ("async_persist", "expert_spec")
+_DOOR_FIELDS = ("async_persist", "expert_spec", "snapshot_every", "ram_dir")
 
 
 def _door_of(engine: DeepSpeedEngine) -> PecCheckpointEngine | None:
@@ -203,6 +246,19 @@ class PecCheckpointEngine(CheckpointEngine):
         """Inside ``engine.save_checkpoint`` (every rank plans the save, files or not)."""
         self.last_save: tuple[str, str, int] | None = None
         """(save directory, tag, global step) of this engine's last save."""
+        self.snapshotting: str | None = None
+        """Inside :func:`snapshot`: its save directory (files go to RAM, not storage)."""
+        self._rams: dict[str, FlatRam] = {}
+        self._said_first = False
+        self._from_ram: tuple[str, str, int, dict[str, torch.Tensor]] | None = None
+        """The load in progress from RAM: (root, tag of the storage head, step, tensors)."""
+
+    def ram(self, save_dir: str) -> FlatRam:
+        """The RAM tier of save directory ``save_dir`` (opened at its first use)."""
+        root = os.path.abspath(save_dir)
+        if root not in self._rams:
+            self._rams[root] = FlatRam(root, ram_dir=self.fields.get("ram_dir", "auto"))
+        return self._rams[root]
 
     # -- routing ---------------------------------------------------------------------
     def _count(self, module: Any, _inputs: Any, output: Any) -> None:
@@ -222,6 +278,8 @@ class PecCheckpointEngine(CheckpointEngine):
         self._info, self._files = info, {}
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        if self.snapshotting is not None and self._in_tag(os.path.join(path, "x")):
+            return  # a RAM snapshot's tag folder is never made
         self._inner.makedirs(path, exist_ok=exist_ok)
 
     def _in_tag(self, path: str) -> bool:
@@ -245,6 +303,9 @@ class PecCheckpointEngine(CheckpointEngine):
         a stub at each file's path, write this rank's keys (in the background with
         ``async_persist``: the tensors are DeepSpeed's clones, a consistent snapshot),
         and commit once every rank's share is written."""
+        if self.snapshotting is not None:
+            files, self._files = self._files, {}
+            return self._snapshot(info, files)
         if not self.saving:  # not a save_checkpoint (save_16bit_model's file is written)
             return self._inner.commit(info)
         files, self._files = self._files, {}
@@ -285,6 +346,27 @@ class PecCheckpointEngine(CheckpointEngine):
         self._writer.start()
         return True
 
+    def _snapshot(self, info: Any, files: dict[str, Any]) -> bool:
+        """All ranks, inside :func:`snapshot`: this rank's keys of ``files`` (every one it
+        holds, not only those it would write) into a RAM slot."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name, sd in files.items():
+            tensors |= split_file(name, sd, self.experts(), optimizer_index(self._engine),
+                                  zero3_fragments(self._engine)).tensors
+        tensors |= module_replica(self._engine, info, files, self.experts()).tensors
+        tensors[f"{_RNG}/rank_{dist.get_rank()}/torch"] = torch.get_rng_state()
+        root = self.snapshotting
+        parent = self.front.lineage_uid(root)
+        if not parent:  # nothing would name its lineage at a restart (flat.ram)
+            if not self._said_first and dist.get_rank() == 0:
+                log.info("moepec: RAM snapshots of %s start after its first save or load",
+                         root)
+            self._said_first = True
+            return True
+        self.ram(root).snapshot(int(self._engine.global_steps), tensors,
+                                parent)
+        return True
+
     def _write(self, plan: Any, folder: str, share: dict[str, torch.Tensor],
                rank: int) -> None:
         try:
@@ -315,6 +397,8 @@ class PecCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         folder, name = os.path.split(os.path.abspath(path))
         root, tag = location(*os.path.split(folder))
+        if self._from_ram is not None and self._from_ram[:2] == (root, tag):
+            return self._load_ram(name)
         if not os.path.exists(os.path.join(root, tag, _MANIFEST)):
             if is_stub(path):
                 raise CheckpointError(f"{folder} is a moepec save that never committed (it "
@@ -335,6 +419,48 @@ class PecCheckpointEngine(CheckpointEngine):
         else:
             tensors = self.front.read(root, tag, keys)
         return join_file(name, tensors)
+
+    def choose_ram(self, load_dir: str, tag: str | None) -> str | None:
+        """All ranks, before a load of the newest state of ``load_dir`` (``tag``: what
+        :meth:`committed_tag` chose, None for ``latest``): when every rank holds a RAM
+        snapshot newer than that storage save (and of its lineage), the tag to hand DeepSpeed (that save's; its files are read from
+        RAM), else None (storage serves)."""
+        if not self.fields.get("snapshot_every"):
+            return None  # no RAM tier
+        named = tag if tag is not None else read_latest(load_dir)
+        root, where = location(load_dir, named) if named is not None else (None, None)
+        head = None if root is None or root != os.path.abspath(load_dir) \
+            else manifest_or_none(root, where)
+        if head is None:  # no moepec save: RAM is not read (nothing names its lineage)
+            named = None
+        found = self.ram(load_dir).newest(head, lambda key: key.split("/", 1)[0])
+        if found is None or named is None:
+            return None
+        self._from_ram = (root, where, found[0], found[1])
+        return named
+
+    def _load_ram(self, name: str) -> Any:
+        """File ``name`` of the load from RAM in progress (its first file: the lineage of
+        the storage head is taken over, and the report says ``ram``)."""
+        root, where, step, held = self._from_ram
+        if self._loading != (root, where):
+            _, head = self.front.load(root, where, [], agree=True)
+            self._loading = (root, where)
+            label = f"ram:{step}"
+            _last.append(dataclasses.replace(
+                head, step=step, checkpoint=label, tier="ram", units_from={
+                    "ram": len(head.sources)}, lost=[[0] * len(r) for r in head.lost],
+                sources={u: {**s, "step": step, "tier": "ram", "checkpoint": label}
+                         for u, s in head.sources.items()}))
+            rng = f"{_RNG}/rank_{dist.get_rank()}/torch"
+            self._rng = held[rng].clone() if rng in held else None
+        keys = file_keys(name, held)
+        if not keys:
+            raise CheckpointError(f"the RAM snapshot of step {step} has no {name} on this "
+                                  f"rank (another parallel layout?); load a tag explicitly: "
+                                  f"engine.load_checkpoint(dir, tag=...)")
+        # Copies: the slot is reused by later snapshots, the engine keeps what it loads.
+        return join_file(name, {k: held[k].clone() for k in keys})
 
     def committed_tag(self, load_dir: str, tag: str | None) -> str | None:
         """The tag to load: ``tag``, else the one ``latest`` names; if that is a moepec
@@ -375,11 +501,16 @@ class PecCheckpointEngine(CheckpointEngine):
         key = f"{_RNG}/rank_{dist.get_rank()}/torch"
         return [key] if key in view else []
 
-    def after_load(self) -> None:
-        """Restore this rank's RNG state, if the tag loaded had it."""
+    def after_load(self, load_dir: str) -> None:
+        """Restore this rank's RNG state, if the tag loaded had it; keep the RAM snapshot
+        loaded (if any) and invalidate the slots of later steps (any, after a storage
+        load: an abandoned future)."""
         if self._rng is not None:
             torch.set_rng_state(self._rng)
+        ram, self._from_ram = self._from_ram, None
         self._rng, self._loading = None, None
+        if self.fields.get("snapshot_every"):
+            self.ram(load_dir).settle(None if ram is None else ram[2])
 
 
 _ORIGINAL: dict[str, Any] = {}
@@ -411,10 +542,15 @@ def _load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = Non
     door = _door_of(self)
     if door is not None:
         _settle_before_load(door)
+        newest = tag is None
         tag = door.committed_tag(load_dir, tag)
-    out = _ORIGINAL["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
-    if door is not None:
-        door.after_load()
+        if newest:  # the newest state: RAM when newer than storage (an explicit tag: never)
+            tag = door.choose_ram(load_dir, tag) or tag
+    try:
+        out = _ORIGINAL["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
+    finally:
+        if door is not None:
+            door.after_load(load_dir)
     return out
 
 
