@@ -39,9 +39,11 @@ def attempts(tmp_path_factory):
             except subprocess.TimeoutExpired:  # the ranks too, not only torchrun
                 os.killpg(proc.pid, signal.SIGKILL)
                 stdout, stderr = proc.communicate()
+        left = sorted(p.name for p in Path(ram).glob("*/rank*/slot*"))
     finally:
         shutil.rmtree(ram, ignore_errors=True)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    assert left == [], left  # the clean end of the last attempt removed its slots
     return [[json.loads((out / f"attempt{a}_{r}.json").read_text()) for r in (0, 1)]
             for a in range(3)]
 

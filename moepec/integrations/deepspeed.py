@@ -44,6 +44,7 @@ import fnmatch
 import functools
 import logging
 import os
+import sys
 import threading
 import weakref
 from typing import Any
@@ -155,11 +156,15 @@ def _settle_before_load(door: PecCheckpointEngine) -> None:
 
 
 def _wait_at_exit() -> None:
+    # An uncaught exception (the interpreter printed it) keeps the RAM snapshots for the
+    # worker torchrun restarts; a clean exit removes them, as the manager's clean close.
+    clean = getattr(sys, "last_value", None) is None
     for door in list(_doors):
         try:
             door.wait()
         except CheckpointError as exc:
             log.error("moepec: at exit: %s", exc)
+        door.close_ram(unlink=clean)
 
 
 atexit.register(_wait_at_exit)
@@ -252,6 +257,12 @@ class PecCheckpointEngine(CheckpointEngine):
         self._said_first = False
         self._from_ram: tuple[str, str, int, dict[str, torch.Tensor]] | None = None
         """The load in progress from RAM: (root, tag of the storage head, step, tensors)."""
+
+    def close_ram(self, unlink: bool) -> None:
+        """Drop the RAM tiers' mappings; with ``unlink`` remove this rank's slots."""
+        rams, self._rams = self._rams, {}
+        for ram in rams.values():
+            ram.close(unlink)
 
     def ram(self, save_dir: str) -> FlatRam:
         """The RAM tier of save directory ``save_dir`` (opened at its first use)."""
