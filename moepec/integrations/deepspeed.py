@@ -39,7 +39,6 @@ fp32 and bf16. Refused in one line: native MoE at ZeRO-3, AutoEP, pipeline engin
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import fnmatch
 import functools
 import logging
@@ -57,8 +56,6 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 import moepec
 from moepec.errors import CheckpointError, ConfigError, MoepecError
 from moepec.flat import FLAT_FIELDS, FlatFrontEnd, write_rank
-from moepec.flat.lineage import manifest_or_none
-from moepec.flat.ram import FlatRam
 from moepec.integrations.ds_experts import (
     RouterCounts,
     check_supported,
@@ -81,13 +78,14 @@ from moepec.integrations.ds_files import (
     split_file,
     stub,
 )
+from moepec.integrations.ds_ram import RNG as _RNG
+from moepec.integrations.ds_ram import RamLevel
 from moepec.integrations.ds_writers import owned_keys
 from moepec.state.experts import ExpertMap
 
 log = logging.getLogger(__name__)
 
 SECTION = "moepec"
-_RNG = "moepec_rng"
 _MANIFEST = "moepec.json"
 _last: list[moepec.RestoreReport] = []
 _doors: weakref.WeakSet[PecCheckpointEngine] = weakref.WeakSet()
@@ -219,7 +217,7 @@ def _door_of(engine: DeepSpeedEngine) -> PecCheckpointEngine | None:
     return door
 
 
-class PecCheckpointEngine(CheckpointEngine):
+class PecCheckpointEngine(RamLevel, CheckpointEngine):
     """The engine's checkpoint engine: gathers one save's files and commits them as one
     PEC folder; loads each file stitched from its keys."""
 
@@ -251,25 +249,7 @@ class PecCheckpointEngine(CheckpointEngine):
         """Inside ``engine.save_checkpoint`` (every rank plans the save, files or not)."""
         self.last_save: tuple[str, str, int] | None = None
         """(save directory, tag, global step) of this engine's last save."""
-        self.snapshotting: str | None = None
-        """Inside :func:`snapshot`: its save directory (files go to RAM, not storage)."""
-        self._rams: dict[str, FlatRam] = {}
-        self._said_first = False
-        self._from_ram: tuple[str, str, int, dict[str, torch.Tensor]] | None = None
-        """The load in progress from RAM: (root, tag of the storage head, step, tensors)."""
-
-    def close_ram(self, unlink: bool) -> None:
-        """Drop the RAM tiers' mappings; with ``unlink`` remove this rank's slots."""
-        rams, self._rams = self._rams, {}
-        for ram in rams.values():
-            ram.close(unlink)
-
-    def ram(self, save_dir: str) -> FlatRam:
-        """The RAM tier of save directory ``save_dir`` (opened at its first use)."""
-        root = os.path.abspath(save_dir)
-        if root not in self._rams:
-            self._rams[root] = FlatRam(root, ram_dir=self.fields.get("ram_dir", "auto"))
-        return self._rams[root]
+        self._init_ram()
 
     # -- routing ---------------------------------------------------------------------
     def _count(self, module: Any, _inputs: Any, output: Any) -> None:
@@ -316,7 +296,7 @@ class PecCheckpointEngine(CheckpointEngine):
         and commit once every rank's share is written."""
         if self.snapshotting is not None:
             files, self._files = self._files, {}
-            return self._snapshot(info, files)
+            return self.snapshot_files(info, files)
         if not self.saving:  # not a save_checkpoint (save_16bit_model's file is written)
             return self._inner.commit(info)
         files, self._files = self._files, {}
@@ -357,27 +337,6 @@ class PecCheckpointEngine(CheckpointEngine):
         self._writer.start()
         return True
 
-    def _snapshot(self, info: Any, files: dict[str, Any]) -> bool:
-        """All ranks, inside :func:`snapshot`: this rank's keys of ``files`` (every one it
-        holds, not only those it would write) into a RAM slot."""
-        tensors: dict[str, torch.Tensor] = {}
-        for name, sd in files.items():
-            tensors |= split_file(name, sd, self.experts(), optimizer_index(self._engine),
-                                  zero3_fragments(self._engine)).tensors
-        tensors |= module_replica(self._engine, info, files, self.experts()).tensors
-        tensors[f"{_RNG}/rank_{dist.get_rank()}/torch"] = torch.get_rng_state()
-        root = self.snapshotting
-        parent = self.front.lineage_uid(root)
-        if not parent:  # nothing would name its lineage at a restart (flat.ram)
-            if not self._said_first and dist.get_rank() == 0:
-                log.info("moepec: RAM snapshots of %s start after its first save or load",
-                         root)
-            self._said_first = True
-            return True
-        self.ram(root).snapshot(int(self._engine.global_steps), tensors,
-                                parent)
-        return True
-
     def _write(self, plan: Any, folder: str, share: dict[str, torch.Tensor],
                rank: int) -> None:
         try:
@@ -409,7 +368,10 @@ class PecCheckpointEngine(CheckpointEngine):
         folder, name = os.path.split(os.path.abspath(path))
         root, tag = location(*os.path.split(folder))
         if self._from_ram is not None and self._from_ram[:2] == (root, tag):
-            return self._load_ram(name)
+            state, report = self.load_ram(name)
+            if report is not None:
+                _last.append(report)
+            return state
         if not os.path.exists(os.path.join(root, tag, _MANIFEST)):
             if is_stub(path):
                 raise CheckpointError(f"{folder} is a moepec save that never committed (it "
@@ -430,48 +392,6 @@ class PecCheckpointEngine(CheckpointEngine):
         else:
             tensors = self.front.read(root, tag, keys)
         return join_file(name, tensors)
-
-    def choose_ram(self, load_dir: str, tag: str | None) -> str | None:
-        """All ranks, before a load of the newest state of ``load_dir`` (``tag``: what
-        :meth:`committed_tag` chose, None for ``latest``): when every rank holds a RAM
-        snapshot newer than that storage save (and of its lineage), the tag to hand DeepSpeed (that save's; its files are read from
-        RAM), else None (storage serves)."""
-        if not self.fields.get("snapshot_every"):
-            return None  # no RAM tier
-        named = tag if tag is not None else read_latest(load_dir)
-        root, where = location(load_dir, named) if named is not None else (None, None)
-        head = None if root is None or root != os.path.abspath(load_dir) \
-            else manifest_or_none(root, where)
-        if head is None:  # no moepec save: RAM is not read (nothing names its lineage)
-            named = None
-        found = self.ram(load_dir).newest(head, lambda key: key.split("/", 1)[0])
-        if found is None or named is None:
-            return None
-        self._from_ram = (root, where, found[0], found[1])
-        return named
-
-    def _load_ram(self, name: str) -> Any:
-        """File ``name`` of the load from RAM in progress (its first file: the lineage of
-        the storage head is taken over, and the report says ``ram``)."""
-        root, where, step, held = self._from_ram
-        if self._loading != (root, where):
-            _, head = self.front.load(root, where, [], agree=True)
-            self._loading = (root, where)
-            label = f"ram:{step}"
-            _last.append(dataclasses.replace(
-                head, step=step, checkpoint=label, tier="ram", units_from={
-                    "ram": len(head.sources)}, lost=[[0] * len(r) for r in head.lost],
-                sources={u: {**s, "step": step, "tier": "ram", "checkpoint": label}
-                         for u, s in head.sources.items()}))
-            rng = f"{_RNG}/rank_{dist.get_rank()}/torch"
-            self._rng = held[rng].clone() if rng in held else None
-        keys = file_keys(name, held)
-        if not keys:
-            raise CheckpointError(f"the RAM snapshot of step {step} has no {name} on this "
-                                  f"rank (another parallel layout?); load a tag explicitly: "
-                                  f"engine.load_checkpoint(dir, tag=...)")
-        # Copies: the slot is reused by later snapshots, the engine keeps what it loads.
-        return join_file(name, {k: held[k].clone() for k in keys})
 
     def committed_tag(self, load_dir: str, tag: str | None) -> str | None:
         """The tag to load: ``tag``, else the one ``latest`` names; if that is a moepec
@@ -518,10 +438,8 @@ class PecCheckpointEngine(CheckpointEngine):
         load: an abandoned future)."""
         if self._rng is not None:
             torch.set_rng_state(self._rng)
-        ram, self._from_ram = self._from_ram, None
         self._rng, self._loading = None, None
-        if self.fields.get("snapshot_every"):
-            self.ram(load_dir).settle(None if ram is None else ram[2])
+        self.settle_ram(load_dir)
 
 
 _ORIGINAL: dict[str, Any] = {}
