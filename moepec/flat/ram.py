@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moepec.errors import CheckpointError, ConfigError
+from moepec.flat.lineage import manifest_or_none
 from moepec.ram import placement
 from moepec.ram.jobs import check_budget
 from moepec.ram.snapshot import RamTier, Snapshot
@@ -112,10 +113,14 @@ class FlatRam:
             raise CheckpointError(f"RAM snapshot of step {step} not sealed: {snap.error}")
         return snap
 
+    def head(self, name: str) -> FlatManifest | None:
+        """Any rank: the manifest of folder ``name`` of the root, None when uncommitted."""
+        return manifest_or_none(self.root, name)
+
     def newest(self, head: FlatManifest | None, group_of: Callable[[str], str]
                ) -> tuple[int, dict[str, torch.Tensor]] | None:
         """All ranks, before a load of the newest checkpoint whose storage head is
-        ``head``: (step, this rank's tensors, views of the slot: copy them) of the newest
+        ``head`` (:meth:`head`; None: no storage save): (step, this rank's tensors, views of the slot: copy them) of the newest
         snapshot every rank holds intact, continuing ``head``'s lineage and newer than
         it; else None on every rank. A rank's tensors are completed from the other
         ranks' snapshots: each key of a group (``group_of(key)``, e.g. a file) of which

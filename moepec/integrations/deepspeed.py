@@ -39,7 +39,6 @@ fp32 and bf16. Refused in one line: native MoE at ZeRO-3, AutoEP, pipeline engin
 from __future__ import annotations
 
 import atexit
-import fnmatch
 import functools
 import logging
 import os
@@ -69,7 +68,6 @@ from moepec.integrations.ds_experts import (
     spec_of,
     zero3_fragments,
 )
-from moepec.integrations.ds_export import read_latest
 from moepec.integrations.ds_files import (
     file_keys,
     is_stub,
@@ -79,14 +77,16 @@ from moepec.integrations.ds_files import (
     stub,
 )
 from moepec.integrations.ds_ram import RNG as _RNG
-from moepec.integrations.ds_ram import RamLevel
+from moepec.integrations.ds_ram import RamLevel, check_ram_fields
+from moepec.integrations.ds_ram import snapshot as snapshot  # public: the RAM level
+from moepec.integrations.ds_tags import MANIFEST as _MANIFEST
+from moepec.integrations.ds_tags import TagChoice
 from moepec.integrations.ds_writers import owned_keys
 from moepec.state.experts import ExpertMap
 
 log = logging.getLogger(__name__)
 
 SECTION = "moepec"
-_MANIFEST = "moepec.json"
 _last: list[moepec.RestoreReport] = []
 _doors: weakref.WeakSet[PecCheckpointEngine] = weakref.WeakSet()
 
@@ -96,35 +96,6 @@ def last_load_report() -> moepec.RestoreReport | None:
     ``sources["L/E"]["step"]`` (the global step of the save each expert came from; L the
     MoE layer in ``named_modules()`` order, E the global expert), ``lost``, ``plt``."""
     return _last[-1] if _last else None
-
-
-def snapshot(engine: DeepSpeedEngine, save_dir: str) -> bool:
-    """All ranks, after ``engine.step()``: the frequent level of the two-level checkpoint.
-    When due (every ``snapshot_every`` global steps, a field of the ``"moepec"`` section
-    that turns the RAM tier on), copy this rank's whole training state (the files a save of
-    ``save_dir`` would write, every expert) into a RAM slot in node-local shared memory
-    (``ram_dir``, default ``"auto"``); blocks until the slot is committed. A restarted
-    worker's ``engine.load_checkpoint(save_dir)`` (tag None) takes it when it is newer
-    than the storage save ``latest`` names. Returns whether a snapshot was taken.
-    Raises ConfigError for an engine without the door; CheckpointError when it failed."""
-    door = _door_of(engine)
-    if door is None:
-        raise ConfigError('snapshot(engine, save_dir) needs the door: a "moepec" section '
-                          'in the DeepSpeed config or moepec.integrations.deepspeed.attach')
-    every = door.fields.get("snapshot_every", 0)
-    if not every:
-        raise ConfigError('snapshot(engine, save_dir) needs "snapshot_every" (steps >= 1) in '
-                          'the DeepSpeed config\'s "moepec" section')
-    step = int(engine.global_steps)
-    if step % every:
-        return False
-    door.snapshotting = os.path.abspath(save_dir)
-    try:
-        _ORIGINAL["save_checkpoint"](engine, save_dir, f"moepec_ram_step{step}",
-                                     save_latest=False)
-    finally:
-        door.snapshotting = None
-    return True
 
 
 def wait() -> None:
@@ -183,14 +154,7 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
                           f'"{SECTION}" section; the ones that apply: '
                           f'{", ".join(FLAT_FIELDS + _DOOR_FIELDS)}')
     check_supported(engine)
-    every = fields.get("snapshot_every", 0)
-    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-        raise ConfigError(f"snapshot_every must be a whole number of steps >= 0 (got "
-                          f"{every!r}); 0 (the default) turns the RAM tier off")
-    ram_dir = fields.get("ram_dir", "auto")
-    if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
-        raise ConfigError(f'ram_dir must be "auto", a folder path (e.g. /dev/shm/moepec) '
-                          f"or null for in-process snapshots (got {ram_dir!r})")
+    check_ram_fields(fields)
     async_persist = fields.get("async_persist", True)
     if not isinstance(async_persist, bool):
         raise ConfigError(f"async_persist must be true or false (got {async_persist!r})")
@@ -217,7 +181,7 @@ def _door_of(engine: DeepSpeedEngine) -> PecCheckpointEngine | None:
     return door
 
 
-class PecCheckpointEngine(RamLevel, CheckpointEngine):
+class PecCheckpointEngine(RamLevel, TagChoice, CheckpointEngine):
     """The engine's checkpoint engine: gathers one save's files and commits them as one
     PEC folder; loads each file stitched from its keys."""
 
@@ -392,40 +356,6 @@ class PecCheckpointEngine(RamLevel, CheckpointEngine):
         else:
             tensors = self.front.read(root, tag, keys)
         return join_file(name, tensors)
-
-    def committed_tag(self, load_dir: str, tag: str | None) -> str | None:
-        """The tag to load: ``tag``, else the one ``latest`` names; if that is a moepec
-        save still uncommitted (the process died while it was written in the
-        background), the newest committed tag of the directory, with a warning. Raises
-        CheckpointError for a ``latest`` that is not a small regular file naming a plain
-        tag folder of ``load_dir`` (:func:`~moepec.integrations.ds_export.read_latest`)."""
-        if tag is not None:
-            return tag
-        named = read_latest(load_dir)
-        if named is None:
-            return None  # DeepSpeed says there is no `latest`
-        root, where = location(load_dir, named)
-        if os.path.exists(os.path.join(root, where, _MANIFEST)) or \
-                not os.path.isdir(os.path.join(root, where)) or root != \
-                os.path.abspath(load_dir):
-            return None  # committed, not moepec's, or a Trainer's folder: as DeepSpeed
-        newest = self.front.newest(root)
-        if newest is not None:
-            log.warning("moepec: %s/%s (named by `latest`) never committed (the save was "
-                        "interrupted); loading %s, the newest committed tag", load_dir,
-                        named, newest)
-        return newest
-
-    def model_files(self, root: str, tag: str, pattern: str) -> list[str] | None:
-        """The paths of a moepec tag's model files that DeepSpeed's glob ``pattern`` (a
-        file name pattern: ``mp_rank_*``, ZeRO-3's ``zero_pp_rank_R_mp_rank_*``) would
-        find; None for a tag that is not moepec's."""
-        folder = os.path.join(os.path.abspath(root), str(tag))
-        at = location(root, str(tag))
-        if not os.path.exists(os.path.join(*at, _MANIFEST)):
-            return None
-        names = {k.split("/", 1)[0] for k in self.front.keys(*at)}
-        return sorted(os.path.join(folder, n) for n in names if fnmatch.fnmatchcase(n, pattern))
 
     @staticmethod
     def _rng_key(view: Any) -> list[str]:

@@ -15,18 +15,55 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moepec.errors import CheckpointError
-from moepec.flat.lineage import manifest_or_none
-from moepec.flat.ram import FlatRam
+import moepec
+from moepec.errors import CheckpointError, ConfigError
+from moepec.flat import FlatRam
 from moepec.integrations.ds_experts import module_replica, optimizer_index, zero3_fragments
 from moepec.integrations.ds_export import read_latest
 from moepec.integrations.ds_files import file_keys, join_file, location, split_file
-from moepec.recovery.outcome import RestoreReport
 
 log = logging.getLogger(__name__)
 
 RNG = "moepec_rng"
 """The prefix of each rank's torch RNG state key (saved and snapshotted with the files)."""
+
+
+def snapshot(engine: Any, save_dir: str) -> bool:
+    """All ranks, after ``engine.step()``: the frequent level of the two-level checkpoint.
+    When due (every ``snapshot_every`` global steps, a field of the ``"moepec"`` section
+    that turns the RAM tier on), copy this rank's whole training state (the files a save of
+    ``save_dir`` would write, every expert) into a RAM slot in node-local shared memory
+    (``ram_dir``, default ``"auto"``); blocks until the slot is committed. A restarted
+    worker's ``engine.load_checkpoint(save_dir)`` (tag None) takes it when it is newer
+    than the storage save ``latest`` names. Returns whether a snapshot was taken.
+    Raises ConfigError for an engine without the field; CheckpointError when it failed."""
+    door = getattr(engine, "_moepec_door", None)  # attached when the engine was built
+    every = 0 if door is None else door.fields.get("snapshot_every", 0)
+    if not every:
+        raise ConfigError('snapshot(engine, save_dir) needs "snapshot_every" (steps >= 1) in '
+                          'the DeepSpeed config\'s "moepec" section (or attach(engine, '
+                          'snapshot_every=N, ...))')
+    step = int(engine.global_steps)
+    if step % every:
+        return False
+    door.snapshotting = os.path.abspath(save_dir)
+    try:  # DeepSpeed's own save hands the files to the door, which keeps them in RAM
+        engine.save_checkpoint(save_dir, f"moepec_ram_step{step}", save_latest=False)
+    finally:
+        door.snapshotting = None
+    return True
+
+
+def check_ram_fields(fields: dict[str, Any]) -> None:
+    """Raise ConfigError, in one line, for a RAM level field of the section that is wrong."""
+    every = fields.get("snapshot_every", 0)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ConfigError(f"snapshot_every must be a whole number of steps >= 0 (got "
+                          f"{every!r}); 0 (the default) turns the RAM tier off")
+    ram_dir = fields.get("ram_dir", "auto")
+    if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
+        raise ConfigError(f'ram_dir must be "auto", a folder path (e.g. /dev/shm/moepec) '
+                          f"or null for in-process snapshots (got {ram_dir!r})")
 
 
 class RamLevel:
@@ -92,17 +129,17 @@ class RamLevel:
             return None  # no RAM tier
         named = tag if tag is not None else read_latest(load_dir)
         root, where = location(load_dir, named) if named is not None else (None, None)
-        head = None if root is None or root != os.path.abspath(load_dir) \
-            else manifest_or_none(root, where)
+        ram = self.ram(load_dir)
+        head = None if root is None or root != ram.root else ram.head(where)
         if head is None:  # no moepec save: RAM is not read (nothing names its lineage)
             named = None
-        found = self.ram(load_dir).newest(head, lambda key: key.split("/", 1)[0])
+        found = ram.newest(head, lambda key: key.split("/", 1)[0])
         if found is None or named is None:
             return None
         self._from_ram = (root, where, found[0], found[1])
         return named
 
-    def load_ram(self, name: str) -> tuple[Any, RestoreReport | None]:
+    def load_ram(self, name: str) -> tuple[Any, moepec.RestoreReport | None]:
         """File ``name`` of the load from RAM in progress, and at its first file the
         load's report (``ram``; the lineage of the storage head is taken over)."""
         assert self._from_ram is not None
