@@ -6,9 +6,15 @@ tests/test_deepspeed_ram.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,4 +104,42 @@ def test_after_a_storage_load_every_snapshot_is_an_abandoned_future(ram):
     first.close()
     again = FlatRam(root, ram_dir=folder)
     assert again.newest(head("U1", 4), group) is None
+    again.close(unlink=True)
+
+
+CHILD = """
+import os, sys, time, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_flat_ram import state
+from moepec.flat.ram import FlatRam
+from moepec.hooks import FaultHooks
+dist.init_process_group("gloo", init_method="file://" + {pg!r}, rank=0, world_size=1)
+def stall(point, step):
+    if (point, step) == ("seal", 9):  # copied, not committed: the parent kills us here
+        open({flag!r}, "w").close()
+        time.sleep(120)
+ram = FlatRam({root!r}, ram_dir={folder!r}, hooks=FaultHooks(on_snapshot=stall))
+ram.snapshot(6, state(6), "U1")
+ram.snapshot(9, state(9), "U1")
+"""
+
+
+def test_a_worker_killed_during_a_snapshot_leaves_the_previous_one(ram, tmp_path):
+    root, folder = ram
+    flag = tmp_path / "sealing"
+    code = CHILD.format(tests=str(Path(__file__).parent), pg=str(tmp_path / "pg2"),
+                        flag=str(flag), root=root, folder=folder)
+    child = subprocess.Popen([sys.executable, "-c", code], env={
+        **os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    deadline = time.monotonic() + 60
+    while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert flag.exists(), "the child never reached the seal of step 9"
+    os.kill(child.pid, signal.SIGKILL)  # its slot of step 9 is written, its header not
+    child.wait(timeout=30)
+    slots = Path(folder).glob("*/rank0/slot*")
+    assert sorted(p.suffix for p in slots) == [".data", ".data", ".json"]  # one is torn
+    again = FlatRam(root, ram_dir=folder)
+    step, got = again.newest(head("U1", 4), group)
+    assert step == 6 and all(torch.equal(got[k], v) for k, v in state(6).items())
     again.close(unlink=True)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from moepec.errors import CheckpointError, ConfigError
 from moepec.flat.lineage import manifest_or_none
+from moepec.hooks import FaultHooks
 from moepec.ram import placement
 from moepec.ram.jobs import check_budget
 from moepec.ram.snapshot import RamTier, Snapshot
@@ -59,9 +60,11 @@ class FlatRam:
     again by a restarted worker of the same rank under the same directory)."""
 
     def __init__(self, root: str, *, ram_dir: str | None = placement.AUTO,
-                 budget_bytes: int | None = None, timeout_s: float = 600.0) -> None:
+                 budget_bytes: int | None = None, timeout_s: float = 600.0,
+                 hooks: FaultHooks | None = None) -> None:
         """``root``: the save directory (absolute); ``ram_dir``: as
         ``CheckpointConfig.ram_dir`` (``"auto"``, a folder, or None: in the process).
+        ``hooks``: fault-injection seams of the snapshots (``moepec.hooks``, for tests).
         Opens nothing: the first collective call does."""
         if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
             raise ConfigError(f"ram_dir must be 'auto', a folder path (e.g. /dev/shm/moepec) "
@@ -70,6 +73,7 @@ class FlatRam:
         self.ram_dir = ram_dir
         self.budget_bytes = budget_bytes
         self.timeout_s = timeout_s
+        self.hooks = hooks
         self._tier: RamTier | None = None
 
     def _open(self, share_bytes: int) -> RamTier:
@@ -88,7 +92,8 @@ class FlatRam:
             slots, _ = placement.open_slots(chosen, self.root, None, rank=rank,
                                             world_size=world, distributed=True)
         self.ram_dir = chosen if slots is not None else None
-        self._tier = RamTier(background=False, timeout_s=self.timeout_s, slots=slots)
+        self._tier = RamTier(background=False, timeout_s=self.timeout_s, slots=slots,
+                             hooks=self.hooks)
         return self._tier
 
     @property
