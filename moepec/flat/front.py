@@ -219,6 +219,17 @@ class FlatFrontEnd:
         head = scan(root).head
         return None if head is None else _parent_of(head)
 
+    def lineage_uid(self, root: str) -> str:
+        """The uid of the save of ``root`` this process's state continues (the save in
+        flight, the last committed, or the one loaded), or "" when none: what a RAM
+        snapshot records, so that a restarted worker reads it only within that lineage."""
+        if self._pending is not None and self._pending.root == root:
+            return self._pending.uid
+        for mine in (self._head, self._loaded):
+            if mine is not None and mine.root == root:
+                return mine.parent.uid
+        return ""
+
     def finish_save(self, plan: FlatPlan) -> None:
         """All ranks, after every rank's writer finished: rank 0 checks the records and
         commits; raises CheckpointError on every rank when the save is not committed."""

@@ -12,8 +12,11 @@ whose config has the section saves K of N experts per MoE layer::
     moepec.integrations.deepspeed.last_load_report()   # a moepec.RestoreReport
 
 or, without the section, :func:`attach` ``(engine, k_persist=2)``. The section takes the
-``CheckpointConfig`` fields that apply (``moepec.flat.FLAT_FIELDS``), ``async_persist``
-and ``expert_spec`` (an ``ExpertSpec``'s fields). The door is attached when the engine is
+``CheckpointConfig`` fields that apply (``moepec.flat.FLAT_FIELDS``), ``async_persist``,
+``expert_spec`` (an ``ExpertSpec``'s fields), and the RAM level's ``snapshot_every`` and
+``ram_dir``: with them, :func:`snapshot` ``(engine, save_dir)`` after ``engine.step()``
+copies every rank's state into shared memory (:mod:`moepec.flat.ram`), and a load of
+``latest`` after a worker restart takes it when it is newer than storage's. The door is attached when the engine is
 built (a section's mistakes, and a model with no experts found, are said then).
 
 The experts: DeepSpeed's own ``deepspeed.moe.layer.MoE`` layers, else the one expert
@@ -36,10 +39,10 @@ fp32 and bf16. Refused in one line: native MoE at ZeRO-3, AutoEP, pipeline engin
 from __future__ import annotations
 
 import atexit
-import fnmatch
 import functools
 import logging
 import os
+import sys
 import threading
 import weakref
 from typing import Any
@@ -65,7 +68,6 @@ from moepec.integrations.ds_experts import (
     spec_of,
     zero3_fragments,
 )
-from moepec.integrations.ds_export import read_latest
 from moepec.integrations.ds_files import (
     file_keys,
     is_stub,
@@ -74,14 +76,17 @@ from moepec.integrations.ds_files import (
     split_file,
     stub,
 )
+from moepec.integrations.ds_ram import RNG as _RNG
+from moepec.integrations.ds_ram import RamLevel, check_ram_fields
+from moepec.integrations.ds_ram import snapshot as snapshot  # public: the RAM level
+from moepec.integrations.ds_tags import MANIFEST as _MANIFEST
+from moepec.integrations.ds_tags import TagChoice
 from moepec.integrations.ds_writers import owned_keys
 from moepec.state.experts import ExpertMap
 
 log = logging.getLogger(__name__)
 
 SECTION = "moepec"
-_RNG = "moepec_rng"
-_MANIFEST = "moepec.json"
 _last: list[moepec.RestoreReport] = []
 _doors: weakref.WeakSet[PecCheckpointEngine] = weakref.WeakSet()
 
@@ -120,11 +125,15 @@ def _settle_before_load(door: PecCheckpointEngine) -> None:
 
 
 def _wait_at_exit() -> None:
+    # An uncaught exception (the interpreter printed it) keeps the RAM snapshots for the
+    # worker torchrun restarts; a clean exit removes them, as the manager's clean close.
+    clean = getattr(sys, "last_value", None) is None
     for door in list(_doors):
         try:
             door.wait()
         except CheckpointError as exc:
             log.error("moepec: at exit: %s", exc)
+        door.close_ram(unlink=clean)
 
 
 atexit.register(_wait_at_exit)
@@ -145,6 +154,7 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
                           f'"{SECTION}" section; the ones that apply: '
                           f'{", ".join(FLAT_FIELDS + _DOOR_FIELDS)}')
     check_supported(engine)
+    check_ram_fields(fields)
     async_persist = fields.get("async_persist", True)
     if not isinstance(async_persist, bool):
         raise ConfigError(f"async_persist must be true or false (got {async_persist!r})")
@@ -161,7 +171,7 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
     return door
 
 
-_DOOR_FIELDS = ("async_persist", "expert_spec")
+_DOOR_FIELDS = ("async_persist", "expert_spec", "snapshot_every", "ram_dir")
 
 
 def _door_of(engine: DeepSpeedEngine) -> PecCheckpointEngine | None:
@@ -171,7 +181,7 @@ def _door_of(engine: DeepSpeedEngine) -> PecCheckpointEngine | None:
     return door
 
 
-class PecCheckpointEngine(CheckpointEngine):
+class PecCheckpointEngine(RamLevel, TagChoice, CheckpointEngine):
     """The engine's checkpoint engine: gathers one save's files and commits them as one
     PEC folder; loads each file stitched from its keys."""
 
@@ -203,6 +213,7 @@ class PecCheckpointEngine(CheckpointEngine):
         """Inside ``engine.save_checkpoint`` (every rank plans the save, files or not)."""
         self.last_save: tuple[str, str, int] | None = None
         """(save directory, tag, global step) of this engine's last save."""
+        self._init_ram()
 
     # -- routing ---------------------------------------------------------------------
     def _count(self, module: Any, _inputs: Any, output: Any) -> None:
@@ -222,6 +233,8 @@ class PecCheckpointEngine(CheckpointEngine):
         self._info, self._files = info, {}
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        if self.snapshotting is not None and self._in_tag(os.path.join(path, "x")):
+            return  # a RAM snapshot's tag folder is never made
         self._inner.makedirs(path, exist_ok=exist_ok)
 
     def _in_tag(self, path: str) -> bool:
@@ -245,6 +258,9 @@ class PecCheckpointEngine(CheckpointEngine):
         a stub at each file's path, write this rank's keys (in the background with
         ``async_persist``: the tensors are DeepSpeed's clones, a consistent snapshot),
         and commit once every rank's share is written."""
+        if self.snapshotting is not None:
+            files, self._files = self._files, {}
+            return self.snapshot_files(info, files)
         if not self.saving:  # not a save_checkpoint (save_16bit_model's file is written)
             return self._inner.commit(info)
         files, self._files = self._files, {}
@@ -315,6 +331,11 @@ class PecCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         folder, name = os.path.split(os.path.abspath(path))
         root, tag = location(*os.path.split(folder))
+        if self._from_ram is not None and self._from_ram[:2] == (root, tag):
+            state, report = self.load_ram(name)
+            if report is not None:
+                _last.append(report)
+            return state
         if not os.path.exists(os.path.join(root, tag, _MANIFEST)):
             if is_stub(path):
                 raise CheckpointError(f"{folder} is a moepec save that never committed (it "
@@ -336,50 +357,19 @@ class PecCheckpointEngine(CheckpointEngine):
             tensors = self.front.read(root, tag, keys)
         return join_file(name, tensors)
 
-    def committed_tag(self, load_dir: str, tag: str | None) -> str | None:
-        """The tag to load: ``tag``, else the one ``latest`` names; if that is a moepec
-        save still uncommitted (the process died while it was written in the
-        background), the newest committed tag of the directory, with a warning. Raises
-        CheckpointError for a ``latest`` that is not a small regular file naming a plain
-        tag folder of ``load_dir`` (:func:`~moepec.integrations.ds_export.read_latest`)."""
-        if tag is not None:
-            return tag
-        named = read_latest(load_dir)
-        if named is None:
-            return None  # DeepSpeed says there is no `latest`
-        root, where = location(load_dir, named)
-        if os.path.exists(os.path.join(root, where, _MANIFEST)) or \
-                not os.path.isdir(os.path.join(root, where)) or root != \
-                os.path.abspath(load_dir):
-            return None  # committed, not moepec's, or a Trainer's folder: as DeepSpeed
-        newest = self.front.newest(root)
-        if newest is not None:
-            log.warning("moepec: %s/%s (named by `latest`) never committed (the save was "
-                        "interrupted); loading %s, the newest committed tag", load_dir,
-                        named, newest)
-        return newest
-
-    def model_files(self, root: str, tag: str, pattern: str) -> list[str] | None:
-        """The paths of a moepec tag's model files that DeepSpeed's glob ``pattern`` (a
-        file name pattern: ``mp_rank_*``, ZeRO-3's ``zero_pp_rank_R_mp_rank_*``) would
-        find; None for a tag that is not moepec's."""
-        folder = os.path.join(os.path.abspath(root), str(tag))
-        at = location(root, str(tag))
-        if not os.path.exists(os.path.join(*at, _MANIFEST)):
-            return None
-        names = {k.split("/", 1)[0] for k in self.front.keys(*at)}
-        return sorted(os.path.join(folder, n) for n in names if fnmatch.fnmatchcase(n, pattern))
-
     @staticmethod
     def _rng_key(view: Any) -> list[str]:
         key = f"{_RNG}/rank_{dist.get_rank()}/torch"
         return [key] if key in view else []
 
-    def after_load(self) -> None:
-        """Restore this rank's RNG state, if the tag loaded had it."""
+    def after_load(self, load_dir: str) -> None:
+        """Restore this rank's RNG state, if the tag loaded had it; keep the RAM snapshot
+        loaded (if any) and invalidate the slots of later steps (any, after a storage
+        load: an abandoned future)."""
         if self._rng is not None:
             torch.set_rng_state(self._rng)
         self._rng, self._loading = None, None
+        self.settle_ram(load_dir)
 
 
 _ORIGINAL: dict[str, Any] = {}
@@ -411,10 +401,15 @@ def _load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = Non
     door = _door_of(self)
     if door is not None:
         _settle_before_load(door)
+        newest = tag is None
         tag = door.committed_tag(load_dir, tag)
-    out = _ORIGINAL["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
-    if door is not None:
-        door.after_load()
+        if newest:  # the newest state: RAM when newer than storage (an explicit tag: never)
+            tag = door.choose_ram(load_dir, tag) or tag
+    try:
+        out = _ORIGINAL["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
+    finally:
+        if door is not None:
+            door.after_load(load_dir)
     return out
 
 

@@ -19,9 +19,10 @@ import torch.distributed as dist
 from moepec.errors import ConfigError
 from moepec.hooks import FaultHooks
 from moepec.manager.config import AUTO, CheckpointConfig
-from moepec.ram.jobs import DEFAULT_DIR, check_budget, folder_problem, root_identity
+from moepec.ram import placement
+from moepec.ram.jobs import check_budget, root_identity
 from moepec.ram.replica import Replicator, node_id, ring_peers
-from moepec.ram.shm import SlotsInUse, SlotStore
+from moepec.ram.shm import SlotStore
 from moepec.ram.snapshot import RamTier
 from moepec.state.catalog import StateCatalog
 from moepec.store.storage import Storage
@@ -77,78 +78,22 @@ class RamSetup:
 
     def open_slots(self, ram_dir: str, root: str, peers: tuple[int, int] | None
                    ) -> tuple[SlotStore | None, SlotStore | None]:
-        """This rank's slot store (and its predecessor's replicas), or (None, None) on
-        every rank when another live process of this host holds some rank's slots (a
-        second run into the same root, as in a takeover while the old run lives): the
-        tier is then in the process, with one warning. Collective when distributed."""
-        slots = held = None
-        busy = failed = None
-        try:
-            slots = SlotStore(ram_dir, root=root, rank=self.rank, world_size=self.world_size)
-            if peers:
-                held = SlotStore(ram_dir, root=root, rank=peers[1],
-                                 world_size=self.world_size, replica=True)
-        except SlotsInUse as exc:
-            busy = str(exc)
-        except OSError as exc:
-            failed = ConfigError(f"cannot keep RAM snapshots in ram_dir={ram_dir!r} ({exc}); "
-                                 f"use a writable folder on a shared-memory filesystem such "
-                                 f"as /dev/shm/moepec, or ram_dir=None")
-            failed.__cause__ = exc
-        except ConfigError as exc:  # a folder that is not this user's own (moepec.ram.jobs)
-            failed = exc
-        # Every rank hears every rank's outcome: a rank that cannot open its slots fails
-        # the manager on all ranks at once, not in the next collective's timeout.
-        bad = None
-        if self.distributed:
-            outcomes: list[Any] = [None] * self.world_size
-            dist.all_gather_object(outcomes, (busy, None if failed is None else str(failed)))
-            busy = next((f"rank {r}: {b}" for r, (b, _) in enumerate(outcomes) if b), None)
-            bad = next(((r, f) for r, (_, f) in enumerate(outcomes) if f), None)
-        if busy is None and bad is None and failed is None:
-            return slots, held
-        for store in (slots, held):
-            if store is not None:
-                store.close(unlink=False)
-        if failed is not None:
-            raise failed
-        if bad is not None:
-            raise ConfigError(f"rank {bad[0]} cannot open its RAM slots: {bad[1]}")
-        if self.rank == 0:
-            log.warning("RAM tier: in-process buffers (%s)", busy)
-        return None, None
+        """This rank's slot store and replicas (:func:`moepec.ram.placement.open_slots`).
+        Collective when distributed."""
+        return placement.open_slots(ram_dir, root, peers, rank=self.rank,
+                                    world_size=self.world_size, distributed=self.distributed)
 
     def choose_dir(self) -> str | None:
-        """The folder of the shared-memory RAM tier, or None for in-process buffers.
-        ``ram_dir="auto"``: DEFAULT_DIR when shared memory exists and the tier fits its
-        budget, else None; one info line (local rank 0) says which and why."""
+        """The folder of the shared-memory RAM tier, or None for in-process buffers
+        (:func:`moepec.ram.placement.choose_dir`). Collective when distributed."""
         chosen = self.config.ram_dir
         if chosen != AUTO:
             return chosen
-        shm = os.path.dirname(DEFAULT_DIR)
-        why = None
-        mine = _not_own(DEFAULT_DIR)
-        if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
-            why = f"no writable shared memory at {shm}; a restarted worker recovers from storage"
-        elif mine is not None:  # another user's folder on a shared node
-            why = f"{DEFAULT_DIR} {mine}; set ram_dir to a folder of your own to use the tier"
-        else:
-            try:
-                check_budget(self.need_bytes(None), self.config.ram_budget_bytes, shm,
-                             root_identity(self.storage.url, self.storage.local))
-            except ConfigError as exc:
-                why = f"shared memory is too small: {str(exc).split(';')[0]}"
-        if self.distributed:  # one tier for all ranks: the restore protocol meets over it
-            whys: list[Any] = [None] * self.world_size
-            dist.all_gather_object(whys, why)
-            why = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), None)
-        if self.rank == 0:
-            if why is None:
-                log.info("RAM tier: shared memory in %s (survives worker restarts; "
-                         "ram_dir=None keeps it in the process)", DEFAULT_DIR)
-            else:
-                log.info("RAM tier: in-process buffers (%s)", why)
-        return DEFAULT_DIR if why is None else None
+        return placement.choose_dir(chosen, self.need_bytes(None),
+                                    self.config.ram_budget_bytes,
+                                    root_identity(self.storage.url, self.storage.local),
+                                    rank=self.rank, world_size=self.world_size,
+                                    distributed=self.distributed)
 
     def replica_peers(self) -> tuple[int, int] | None:
         """(successor, predecessor) on the ring over nodes when RAM slots are replicated,
@@ -173,11 +118,3 @@ class RamSetup:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return 3 * -(-per_copy // self.world_size) * (2 if peers else 1) * local
 
-
-def _not_own(path: str) -> str | None:
-    """What makes an existing ``path`` unfit as the RAM tier's base folder, or None
-    (also when it does not exist yet: the tier makes it)."""
-    try:
-        return folder_problem(os.lstat(path), shared=True)
-    except FileNotFoundError:
-        return None

@@ -1,0 +1,194 @@
+"""The RAM tier behind the flat front end: a door's frequent level (a snapshot of this
+rank's flat keys into node-local shared memory), on the manager's implementation of it
+(:class:`~moepec.ram.snapshot.RamTier`'s slots and commit rule, ``ram_dir`` resolved by
+:mod:`moepec.ram.placement`).
+
+A door calls, on every rank:
+
+1. :meth:`FlatRam.snapshot` (collective) after the optimizer step: every flat key this
+   rank would save (all its experts: the RAM copy holds K_snapshot = N), copied into a
+   slot committed header last; the slot names the storage save it continues (its uid);
+2. :meth:`FlatRam.newest` (collective) before a load of the newest checkpoint: the step
+   of the newest snapshot every rank holds intact, when it continues the lineage of the
+   storage head and is newer than it, with this rank's tensors; else None;
+3. :meth:`FlatRam.settle` after the load: the slots newer than what was loaded are
+   invalidated (an abandoned future).
+
+A slot of another checkpoint root, rank or world size, a torn one, or one whose storage
+save is not in the head's lineage is never read (:mod:`moepec.ram.shm`). A snapshot
+taken before the first committed storage save is not read (storage serves, or the run
+starts fresh).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moepec.errors import CheckpointError, ConfigError
+from moepec.flat.lineage import manifest_or_none
+from moepec.hooks import FaultHooks
+from moepec.ram import placement
+from moepec.ram.jobs import check_budget
+from moepec.ram.snapshot import RamTier, Snapshot
+from moepec.store.flat import FlatManifest
+from moepec.store.meta import CheckpointMeta
+
+log = logging.getLogger(__name__)
+
+_STRUCTURE = {"experts": [], "params": [], "fingerprint": "moepec-flat"}
+"""A flat snapshot's meta: the keys are the door's; no model structure is recorded."""
+
+
+def _meta(step: int, parent_uid: str, world_size: int) -> CheckpointMeta:
+    return CheckpointMeta(
+        step=step, seq=step, index=0, time=time.time(), structure=_STRUCTURE, config={},
+        k_persist=0, k_snapshot=0, full=True, pec_scope="", selection="",
+        experts_saved=[], experts_snapshot=[], counts=[], ledger={}, plt=0.0,
+        selectors={}, k_history=[], world_size=world_size, write_mode="flat",
+        run_id=parent_uid, runs=[])
+
+
+class FlatRam:
+    """One door's RAM tier in this process, for one save directory (its slots are found
+    again by a restarted worker of the same rank under the same directory)."""
+
+    def __init__(self, root: str, *, ram_dir: str | None = placement.AUTO,
+                 budget_bytes: int | None = None, timeout_s: float = 600.0,
+                 hooks: FaultHooks | None = None) -> None:
+        """``root``: the save directory (absolute); ``ram_dir``: as
+        ``CheckpointConfig.ram_dir`` (``"auto"``, a folder, or None: in the process).
+        ``hooks``: fault-injection seams of the snapshots (``moepec.hooks``, for tests).
+        Opens nothing: the first collective call does."""
+        if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
+            raise ConfigError(f"ram_dir must be 'auto', a folder path (e.g. /dev/shm/moepec) "
+                              f"or None for in-process snapshots (got {ram_dir!r})")
+        self.root = os.path.abspath(root)
+        self.ram_dir = ram_dir
+        self.budget_bytes = budget_bytes
+        self.timeout_s = timeout_s
+        self.hooks = hooks
+        self._tier: RamTier | None = None
+
+    def _open(self, share_bytes: int) -> RamTier:
+        """All ranks, at the first call: resolve ``ram_dir`` and open this rank's slots."""
+        if self._tier is not None:
+            return self._tier
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        need = 3 * share_bytes * local
+        chosen = placement.choose_dir(self.ram_dir, need, self.budget_bytes, self.root,
+                                      rank=rank, world_size=world, distributed=True)
+        slots = None
+        if chosen is not None:
+            if self.ram_dir != placement.AUTO:
+                check_budget(need, self.budget_bytes, chosen, self.root)
+            slots, _ = placement.open_slots(chosen, self.root, None, rank=rank,
+                                            world_size=world, distributed=True)
+        self.ram_dir = chosen if slots is not None else None
+        self._tier = RamTier(background=False, timeout_s=self.timeout_s, slots=slots,
+                             hooks=self.hooks)
+        return self._tier
+
+    @property
+    def in_shared_memory(self) -> bool:
+        """Whether the snapshots outlive this process (known after the first call)."""
+        return self._tier is not None and self._tier.slots is not None
+
+    def snapshot(self, step: int, tensors: Mapping[str, torch.Tensor],
+                 parent_uid: str) -> Snapshot:
+        """All ranks: copy ``tensors`` (this rank's flat keys, on the CPU or a device)
+        into a slot and commit it (header last); blocks until sealed. ``parent_uid``: the
+        uid of the storage save this state continues. Returns the snapshot. Raises
+        CheckpointError when the copy or the seal failed (the slot stays torn)."""
+        share = sum(t.numel() * t.element_size() for t in tensors.values())
+        tier = self._open(share)
+        snap = Snapshot(tensors={}, persist_keys=frozenset(),
+                        meta=_meta(step, parent_uid, dist.get_world_size()), persist=False,
+                        all_keys=sorted(tensors))
+        tier.start(snap, dict(tensors))
+        tier.finish()
+        if not snap.done.wait(self.timeout_s) or snap.error is not None:
+            raise CheckpointError(f"RAM snapshot of step {step} not sealed: {snap.error}")
+        return snap
+
+    def head(self, name: str) -> FlatManifest | None:
+        """Any rank: the manifest of folder ``name`` of the root, None when uncommitted."""
+        return manifest_or_none(self.root, name)
+
+    def newest(self, head: FlatManifest | None, group_of: Callable[[str], str]
+               ) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """All ranks, before a load of the newest checkpoint whose storage head is
+        ``head`` (:meth:`head`; None: no storage save): (step, this rank's tensors, views of the slot: copy them) of the newest
+        snapshot every rank holds intact, continuing ``head``'s lineage and newer than
+        it; else None on every rank. A rank's tensors are completed from the other
+        ranks' snapshots: each key of a group (``group_of(key)``, e.g. a file) of which
+        this rank holds a key (a framework that writes a shared file on one rank
+        alone)."""
+        mine: dict[int, Snapshot] = {}
+        if head is not None and self._tier is None:
+            self._open(0)
+        if head is not None and self._tier is not None:
+            lineage = {head.uid} | {uid for _, uid in head.ancestors}
+            lineage.discard("")
+            for snap in self._tier.recovered(lambda meta: meta.run_id in lineage):
+                if snap.step > head.step and snap.origin != "replica" \
+                        and snap.meta.run_id in lineage:
+                    mine.setdefault(snap.step, snap)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(mine))
+        common = set(every[0]).intersection(*map(set, every[1:]))
+        if not common:
+            return None
+        step = max(common)
+        held = dict(mine[step].tensors)
+        return step, held | _completed(held, group_of)
+
+    def settle(self, step: int | None) -> None:
+        """All ranks, after a load: keep the snapshot of ``step`` (the load's source;
+        None: storage was loaded) and invalidate the slots of later steps (an abandoned
+        future: after a storage load, every slot)."""
+        tier = self._tier if self._tier is not None else self._open(0)
+        if step is None:
+            tier.drop()  # this process's newest snapshot too
+        tier.settle(-1 if step is None else step, keep=step is not None)
+
+    def close(self, unlink: bool = False) -> None:
+        """Drop the mappings; with ``unlink`` (a clean end) remove this rank's slots."""
+        if self._tier is not None:
+            self._tier.close(unlink)
+            self._tier = None
+
+
+def _completed(held: Mapping[str, torch.Tensor], group_of: Callable[[str], str]
+               ) -> dict[str, torch.Tensor]:
+    """All ranks: the keys this rank lacks of the groups it holds a key of, each sent by
+    the lowest rank holding it (one broadcast of its bytes per key)."""
+    world = dist.get_world_size()
+    names: list[Any] = [None] * world
+    mine = {k: (list(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in held.items()}
+    dist.all_gather_object(names, mine)
+    wanted = {r: {group_of(k) for k in names[r]} for r in range(world)}
+    sends: dict[str, tuple[int, Any]] = {}
+    for r in range(world):
+        for k, spec in names[r].items():
+            if k not in sends and any(group_of(k) in wanted[o] and k not in names[o]
+                                      for o in range(world)):
+                sends[k] = (r, spec)
+    me, out = dist.get_rank(), {}
+    for k in sorted(sends):
+        src, (shape, dtype) = sends[k]
+        t = held[k] if me == src else torch.empty(shape, dtype=getattr(torch, dtype))
+        data = t.contiguous().reshape(-1).view(torch.uint8).clone() if me == src else \
+            t.reshape(-1).view(torch.uint8)
+        if data.numel():
+            dist.broadcast(data, src=src)
+        if me != src and k not in held and group_of(k) in wanted[me]:
+            out[k] = t
+    return out

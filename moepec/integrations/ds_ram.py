@@ -1,0 +1,172 @@
+"""The DeepSpeed door's RAM level (:func:`moepec.integrations.deepspeed.snapshot`): a
+snapshot of the files a save would write into the flat front end's RAM tier
+(:mod:`moepec.flat.ram`), and a load of the newest state from it. Methods of
+:class:`~moepec.integrations.deepspeed.PecCheckpointEngine` (this class is one of its
+bases, which sets the fields they use: ``fields``, ``front``, ``_engine``, ``_loading``,
+``_rng``, ``experts()``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import moepec
+from moepec.errors import CheckpointError, ConfigError
+from moepec.flat import FlatRam
+from moepec.integrations.ds_experts import module_replica, optimizer_index, zero3_fragments
+from moepec.integrations.ds_export import read_latest
+from moepec.integrations.ds_files import file_keys, join_file, location, split_file
+
+log = logging.getLogger(__name__)
+
+RNG = "moepec_rng"
+"""The prefix of each rank's torch RNG state key (saved and snapshotted with the files)."""
+
+
+def snapshot(engine: Any, save_dir: str) -> bool:
+    """All ranks, after ``engine.step()``: the frequent level of the two-level checkpoint.
+    When due (every ``snapshot_every`` global steps, a field of the ``"moepec"`` section
+    that turns the RAM tier on), copy this rank's whole training state (the files a save of
+    ``save_dir`` would write, every expert) into a RAM slot in node-local shared memory
+    (``ram_dir``, default ``"auto"``); blocks until the slot is committed. A restarted
+    worker's ``engine.load_checkpoint(save_dir)`` (tag None) takes it when it is newer
+    than the storage save ``latest`` names. Returns whether a snapshot was taken.
+    Raises ConfigError for an engine without the field; CheckpointError when it failed."""
+    door = getattr(engine, "_moepec_door", None)  # attached when the engine was built
+    every = 0 if door is None else door.fields.get("snapshot_every", 0)
+    if not every:
+        raise ConfigError('snapshot(engine, save_dir) needs "snapshot_every" (steps >= 1) in '
+                          'the DeepSpeed config\'s "moepec" section (or attach(engine, '
+                          'snapshot_every=N, ...))')
+    step = int(engine.global_steps)
+    if step % every:
+        return False
+    door.snapshotting = os.path.abspath(save_dir)
+    try:  # DeepSpeed's own save hands the files to the door, which keeps them in RAM
+        engine.save_checkpoint(save_dir, f"moepec_ram_step{step}", save_latest=False)
+    finally:
+        door.snapshotting = None
+    return True
+
+
+def check_ram_fields(fields: dict[str, Any]) -> None:
+    """Raise ConfigError, in one line, for a RAM level field of the section that is wrong."""
+    every = fields.get("snapshot_every", 0)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ConfigError(f"snapshot_every must be a whole number of steps >= 0 (got "
+                          f"{every!r}); 0 (the default) turns the RAM tier off")
+    ram_dir = fields.get("ram_dir", "auto")
+    if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
+        raise ConfigError(f'ram_dir must be "auto", a folder path (e.g. /dev/shm/moepec) '
+                          f"or null for in-process snapshots (got {ram_dir!r})")
+
+
+class RamLevel:
+    """The RAM level's state and methods of a door."""
+
+    fields: dict[str, Any]
+    front: Any
+    _engine: Any
+    _loading: tuple[str, str] | None
+    _rng: torch.Tensor | None
+
+    def experts(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _init_ram(self) -> None:
+        self.snapshotting: str | None = None
+        """Inside :func:`snapshot`: its save directory (files go to RAM, not storage)."""
+        self._rams: dict[str, FlatRam] = {}
+        self._said_first = False
+        self._from_ram: tuple[str, str, int, dict[str, torch.Tensor]] | None = None
+        """The load in progress from RAM: (root, tag of the storage head, step, tensors)."""
+
+    def close_ram(self, unlink: bool) -> None:
+        """Drop the RAM tiers' mappings; with ``unlink`` remove this rank's slots."""
+        rams, self._rams = self._rams, {}
+        for ram in rams.values():
+            ram.close(unlink)
+
+    def ram(self, save_dir: str) -> FlatRam:
+        """The RAM tier of save directory ``save_dir`` (opened at its first use)."""
+        root = os.path.abspath(save_dir)
+        if root not in self._rams:
+            self._rams[root] = FlatRam(root, ram_dir=self.fields.get("ram_dir", "auto"))
+        return self._rams[root]
+
+    def snapshot_files(self, info: Any, files: dict[str, Any]) -> bool:
+        """All ranks, inside :func:`snapshot`: this rank's keys of ``files`` (every one it
+        holds, not only those it would write) into a RAM slot."""
+        root = self.snapshotting
+        assert root is not None
+        parent = self.front.lineage_uid(root)
+        if not parent:  # nothing would name its lineage at a restart (flat.ram)
+            if not self._said_first and dist.get_rank() == 0:
+                log.info("moepec: RAM snapshots of %s start after its first save or load",
+                         root)
+            self._said_first = True
+            return True
+        tensors: dict[str, torch.Tensor] = {}
+        for name, sd in files.items():
+            tensors |= split_file(name, sd, self.experts(), optimizer_index(self._engine),
+                                  zero3_fragments(self._engine)).tensors
+        tensors |= module_replica(self._engine, info, files, self.experts()).tensors
+        tensors[f"{RNG}/rank_{dist.get_rank()}/torch"] = torch.get_rng_state()
+        self.ram(root).snapshot(int(self._engine.global_steps), tensors, parent)
+        return True
+
+    def choose_ram(self, load_dir: str, tag: str | None) -> str | None:
+        """All ranks, before a load of the newest state of ``load_dir`` (``tag``: what
+        :meth:`committed_tag` chose, None for ``latest``): when every rank holds a RAM
+        snapshot newer than that storage save (and of its lineage), the tag to
+        hand DeepSpeed (that save's; its files are read from RAM), else None."""
+        if not self.fields.get("snapshot_every"):
+            return None  # no RAM tier
+        named = tag if tag is not None else read_latest(load_dir)
+        root, where = location(load_dir, named) if named is not None else (None, None)
+        ram = self.ram(load_dir)
+        head = None if root is None or root != ram.root else ram.head(where)
+        if head is None:  # no moepec save: RAM is not read (nothing names its lineage)
+            named = None
+        found = ram.newest(head, lambda key: key.split("/", 1)[0])
+        if found is None or named is None:
+            return None
+        self._from_ram = (root, where, found[0], found[1])
+        return named
+
+    def load_ram(self, name: str) -> tuple[Any, moepec.RestoreReport | None]:
+        """File ``name`` of the load from RAM in progress, and at its first file the
+        load's report (``ram``; the lineage of the storage head is taken over)."""
+        assert self._from_ram is not None
+        root, where, step, held = self._from_ram
+        report = None
+        if self._loading != (root, where):
+            _, head = self.front.load(root, where, [], agree=True)
+            self._loading = (root, where)
+            label = f"ram:{step}"
+            report = dataclasses.replace(
+                head, step=step, checkpoint=label, tier="ram", units_from={
+                    "ram": len(head.sources)}, lost=[[0] * len(r) for r in head.lost],
+                sources={u: {**s, "step": step, "tier": "ram", "checkpoint": label}
+                         for u, s in head.sources.items()})
+            rng = f"{RNG}/rank_{dist.get_rank()}/torch"
+            self._rng = held[rng].clone() if rng in held else None
+        keys = file_keys(name, held)
+        if not keys:
+            raise CheckpointError(f"the RAM snapshot of step {step} has no {name} on this "
+                                  f"rank (another parallel layout?); load a tag explicitly: "
+                                  f"engine.load_checkpoint(dir, tag=...)")
+        # Copies: the slot is reused by later snapshots, the engine keeps what it loads.
+        return join_file(name, {k: held[k].clone() for k in keys}), report
+
+    def settle_ram(self, load_dir: str) -> None:
+        """All ranks, after a load: keep the RAM snapshot loaded (if any) and invalidate
+        the slots of later steps (any, after a storage load: an abandoned future)."""
+        ram, self._from_ram = self._from_ram, None
+        if self.fields.get("snapshot_every"):
+            self.ram(load_dir).settle(None if ram is None else ram[2])

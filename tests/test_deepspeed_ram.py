@@ -1,0 +1,75 @@
+"""The DeepSpeed door's two levels (moepec.integrations.deepspeed.snapshot into the flat
+front end's RAM tier, moepec.flat.ram) under torchrun with real SIGKILLs: one launch,
+``--max-restarts 2``, three attempts of tests/ds_ram_worker.py (what each does is in its
+docstring), shared by the tests below."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "ds_ram_worker.py"
+
+
+@pytest.fixture(scope="module")
+def attempts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed_ram")
+    ram = tempfile.mkdtemp(prefix="moepec-test-", dir="/dev/shm")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "DS_ACCELERATOR": "cpu", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "--max-restarts", "2", str(WORKER), str(out), ram]
+    try:
+        with subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as proc:
+            try:
+                stdout, stderr = proc.communicate(timeout=500)
+            except subprocess.TimeoutExpired:  # the ranks too, not only torchrun
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+        left = sorted(p.name for p in Path(ram).glob("*/rank*/slot*"))
+    finally:
+        shutil.rmtree(ram, ignore_errors=True)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    assert left == [], left  # the clean end of the last attempt removed its slots
+    return [[json.loads((out / f"attempt{a}_{r}.json").read_text()) for r in (0, 1)]
+            for a in range(3)]
+
+
+def test_a_killed_worker_resumes_from_ram_at_the_newest_snapshot_bit_for_bit(attempts):
+    # Storage saved step 4; the RAM snapshot of step 6 is newer; rank 1 died at step 7.
+    for got in attempts[1]:
+        r = got["newest"]
+        assert (r["tier"], r["step"], r["checkpoint"], r["global_steps"]) == \
+            ("ram", 6, "ram:6", 6)
+        assert r["units_from"] == {"ram": 8} and r["sources"] == [6]
+        assert r["bad"] == [] and r["checked"] > 80 and r["rng"]
+
+
+def test_with_the_ram_tier_wiped_storage_serves_and_the_report_says_so(attempts):
+    # The snapshot of step 9 was wiped with the node's RAM; storage holds step 8.
+    for got in attempts[2]:
+        r = got["newest"]
+        assert (r["tier"], r["step"], r["checkpoint"], r["global_steps"]) == \
+            ("storage", 8, "global_step8", 8)
+        assert r["units_from"] == {"storage": 8} and r["bad"] == [] and r["rng"]
+
+
+def test_a_named_tag_loads_that_tag_never_ram_and_abandons_later_snapshots(attempts):
+    for got in attempts[2]:
+        for case in ("named", "after_named"):
+            r = got[case]
+            assert (r["tier"], r["step"], r["checkpoint"]) == ("storage", 8, "global_step8")
+            assert r["bad"] == []

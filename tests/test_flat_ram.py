@@ -1,0 +1,145 @@
+"""The flat front end's RAM tier (moepec.flat.ram) on real shared-memory slots: what a
+restarted worker reads back (the newest snapshot of its lineage, bit for bit), and what
+it never reads (a damaged slot, another lineage's, one older than storage, an abandoned
+future). One rank (gloo); the two-rank agreement and real SIGKILLs are in
+tests/test_deepspeed_ram.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moepec.flat.ram import FlatRam
+
+
+@pytest.fixture
+def ram(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    folder = tempfile.mkdtemp(prefix="moepec-test-", dir="/dev/shm")
+    try:
+        yield str(tmp_path / "ckpt"), folder
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def head(uid: str, step: int):
+    """What FlatRam.newest reads of a storage head's manifest."""
+    return types.SimpleNamespace(uid=uid, ancestors=[("older", "U0")], step=step)
+
+
+def group(key: str) -> str:
+    return key.split("/", 1)[0]
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"f/w": torch.randn(4, 8, generator=g), "f/b": torch.randn(8, generator=g)
+            .to(torch.bfloat16), "f/n": torch.randint(0, 9, (3,), generator=g),
+            "g/s": torch.tensor(seed)}
+
+
+def test_a_restarted_worker_reads_its_newest_snapshot_bit_for_bit(ram):
+    root, folder = ram
+    first = FlatRam(root, ram_dir=folder)
+    first.snapshot(6, state(6), "U1")
+    first.snapshot(9, state(9), "U1")
+    first.close()  # the worker dies: its slots stay
+    again = FlatRam(root, ram_dir=folder)
+    step, got = again.newest(head("U1", 4), group)
+    assert step == 9 and got.keys() == state(9).keys()
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype
+               for k, v in state(9).items())
+    # a head whose lineage does not hold the save the snapshot continued: not read
+    assert again.newest(head("U2", 4), group) is None
+    again.close(unlink=True)
+
+
+def test_a_damaged_slot_is_never_read_the_previous_snapshot_is(ram):
+    root, folder = ram
+    first = FlatRam(root, ram_dir=folder)
+    first.snapshot(6, state(6), "U1")
+    newest = first.snapshot(9, state(9), "U1")
+    first.close()
+    with open(newest.slot.data_path, "r+b") as f:  # a write that never finished
+        f.write(b"\xff" * 16)
+    again = FlatRam(root, ram_dir=folder)
+    step, got = again.newest(head("U1", 4), group)
+    assert step == 6 and all(torch.equal(got[k], v) for k, v in state(6).items())
+    again.close(unlink=True)
+
+
+def test_ram_is_not_read_when_storage_is_as_new_or_of_another_lineage(ram):
+    root, folder = ram
+    first = FlatRam(root, ram_dir=folder)
+    first.snapshot(6, state(6), "U1")
+    first.close()
+    again = FlatRam(root, ram_dir=folder)
+    assert again.newest(head("U1", 6), group) is None  # storage holds step 6 already
+    assert again.newest(None, group) is None  # no storage save names a lineage
+    again.close()
+    other = FlatRam(root, ram_dir=folder)
+    assert other.newest(head("U9", 4), group) is None  # another run's save
+    other.close(unlink=True)
+
+
+def test_after_a_storage_load_every_snapshot_is_an_abandoned_future(ram):
+    root, folder = ram
+    first = FlatRam(root, ram_dir=folder)
+    first.snapshot(6, state(6), "U1")
+    first.settle(None)  # storage was loaded (a named tag): this process's snapshot too
+    assert first.newest(head("U1", 4), group) is None
+    first.close()
+    again = FlatRam(root, ram_dir=folder)
+    assert again.newest(head("U1", 4), group) is None
+    again.close(unlink=True)
+
+
+CHILD = """
+import os, sys, time, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_flat_ram import state
+from moepec.flat.ram import FlatRam
+from moepec.hooks import FaultHooks
+dist.init_process_group("gloo", init_method="file://" + {pg!r}, rank=0, world_size=1)
+def stall(point, step):
+    if (point, step) == ("seal", 9):  # copied, not committed: the parent kills us here
+        open({flag!r}, "w").close()
+        time.sleep(120)
+ram = FlatRam({root!r}, ram_dir={folder!r}, hooks=FaultHooks(on_snapshot=stall))
+ram.snapshot(6, state(6), "U1")
+ram.snapshot(9, state(9), "U1")
+"""
+
+
+def test_a_worker_killed_during_a_snapshot_leaves_the_previous_one(ram, tmp_path):
+    root, folder = ram
+    flag = tmp_path / "sealing"
+    code = CHILD.format(tests=str(Path(__file__).parent), pg=str(tmp_path / "pg2"),
+                        flag=str(flag), root=root, folder=folder)
+    child = subprocess.Popen([sys.executable, "-c", code], env={
+        **os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    deadline = time.monotonic() + 60
+    while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert flag.exists(), "the child never reached the seal of step 9"
+    os.kill(child.pid, signal.SIGKILL)  # its slot of step 9 is written, its header not
+    child.wait(timeout=30)
+    slots = Path(folder).glob("*/rank0/slot*")
+    assert sorted(p.suffix for p in slots) == [".data", ".data", ".json"]  # one is torn
+    again = FlatRam(root, ram_dir=folder)
+    step, got = again.newest(head("U1", 4), group)
+    assert step == 6 and all(torch.equal(got[k], v) for k, v in state(6).items())
+    again.close(unlink=True)
