@@ -44,7 +44,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check moepec tests benchmarks
 
 test: lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=30
 
 # The suite beside two CPU-bound busy processes (tests/busy.py): it must stay green on a
 # loaded machine.

@@ -263,11 +263,11 @@ def test_ram_dir_auto_keeps_the_tier_in_the_process_when_the_folder_is_not_yours
         tmp_path, monkeypatch, caplog):
     # On a shared node /dev/shm/moepec may be another user's, or writable by all: "auto"
     # then keeps the snapshots in the process, with the reason, rather than failing.
-    import moepec.manager.ram_setup as ram_setup
+    import moepec.ram.placement as placement  # the one ram_dir resolution of both front ends
 
     base = tmp_path / "shm" / "moepec"
     folders(tmp_path / "shm", base, mode=0o777)
-    monkeypatch.setattr(ram_setup, "DEFAULT_DIR", str(base))
+    monkeypatch.setattr(placement, "DEFAULT_DIR", str(base))
     model, opt, sched = make(0, "stacked", 4)
     with caplog.at_level("INFO", logger="moepec"):
         mgr = CheckpointManager(model, opt, CheckpointConfig(
