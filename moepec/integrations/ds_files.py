@@ -210,20 +210,8 @@ class _Splitter:
                            self.fragment(self.params.get(n), int(a.start), int(a.numel)))
             if any(u is not None for _, _, u in frags):
                 flats[g] = frags
-        out = {}
-        for k, v in x.items():
-            if k == "single_partition_of_fp32_groups":
-                out[k] = [self.cut(t, path + [k, g], flats.get(g)) for g, t in enumerate(v)]
-            elif k == "base_optimizer_state" and isinstance(v, dict) and "state" in v:
-                out[k] = {**{kk: self.walk(vv, path + [k, kk]) for kk, vv in v.items()
-                             if kk != "state"},
-                          "state": {g: {n: self.cut(t, path + [k, "state", g, n],
-                                                    flats.get(g))
-                                        for n, t in s.items()}
-                                    for g, s in v["state"].items()}}
-            else:
-                out[k] = self.walk(v, path + [k])
-        return out
+        return self._cut_partitions(x, path, flats, "single_partition_of_fp32_groups",
+                                    "base_optimizer_state")
 
     def zero3_optimizer(self, x: dict, path: list[Any]) -> Any:
         """ZeRO-3's optimizer state: per sub-group a flat fp32 partition
@@ -235,11 +223,19 @@ class _Splitter:
                             for p in self.fragment(self.params.get(n), start, numel))
             if any(u is not None for _, _, u in pieces):
                 flats[g] = pieces
+        return self._cut_partitions(x, path, flats, "fp32_flat_groups",
+                                    "optimizer_state_dict")
+
+    def _cut_partitions(self, x: dict, path: list[Any], flats: dict, masters: str,
+                        moments: str) -> Any:
+        """A ZeRO optimizer file's flat partitions cut by ``flats`` (per group, the
+        fragments of each partition): the fp32 masters (list field ``masters``) and the
+        moments of the same length (``moments``' per-group ``state``); the rest walked."""
         out = {}
         for k, v in x.items():
-            if k == "fp32_flat_groups":
+            if k == masters:
                 out[k] = [self.cut(t, path + [k, g], flats.get(g)) for g, t in enumerate(v)]
-            elif k == "optimizer_state_dict" and isinstance(v, dict) and "state" in v:
+            elif k == moments and isinstance(v, dict) and "state" in v:
                 out[k] = {**{kk: self.walk(vv, path + [k, kk]) for kk, vv in v.items()
                              if kk != "state"},
                           "state": {g: {n: self.cut(t, path + [k, "state", g, n],
