@@ -12,21 +12,30 @@ import megatron_shims
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
 N_EXPERTS, N_LAYERS = 4, 2
 
 
-def build(seed: int):
+def build(seed: int, te_grouped: bool = False):
+    """``te_grouped``: the experts are Transformer Engine's TEGroupedMLP with swiglu, as
+    Megatron-LM builds them for ``--moe-grouped-gemm --swiglu`` (needs a
+    ``transformer_engine``: tests/te_standin.py)."""
     torch.manual_seed(seed)
+    glu = {"moe_grouped_gemm": True, "gated_linear_unit": True,
+           "activation_func": torch.nn.functional.silu} if te_grouped else {}
     cfg = TransformerConfig(
         num_layers=N_LAYERS, hidden_size=16, num_attention_heads=2,
         num_moe_experts=N_EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=8,
         ffn_hidden_size=32, moe_token_dispatcher_type="allgather",
-        use_cpu_initialization=True, add_bias_linear=False)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(num_experts=N_EXPERTS), vocab_size=32,
-                     max_sequence_length=8)
+        use_cpu_initialization=True, add_bias_linear=False, **glu)
+    spec = get_gpt_layer_local_spec(num_experts=N_EXPERTS)
+    if te_grouped:  # the local layer with TE's experts (attention stays local)
+        spec.submodules.mlp = get_moe_module_spec(use_te=True, num_experts=N_EXPERTS,
+                                                  moe_grouped_gemm=True)
+    model = GPTModel(cfg, spec, vocab_size=32, max_sequence_length=8)
     # Two groups as Megatron's get_megatron_optimizer makes them (its identifier keys).
     groups = [{"params": [p for n, p in model.named_parameters() if (".experts." in n) == e],
                "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": e,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -84,12 +85,16 @@ def route(model, seed: int) -> torch.Tensor:
 
 
 def expert_of(name: str) -> tuple[int, int] | None:
-    """(MoE layer, global expert) of a SequentialMLP parameter name."""
+    """(MoE layer, global expert) of a SequentialMLP parameter name
+    (``...local_experts.<i>...``) or a TEGroupedMLP one (``...experts...weight<i>``)."""
     parts = name.split(".")
-    if "local_experts" not in parts:
+    if "local_experts" in parts:
+        local = int(parts[parts.index("local_experts") + 1])
+    elif "experts" in parts and (m := re.fullmatch(r"(?:weight|bias)(\d+)", parts[-1])):
+        local = int(m[1])
+    else:
         return None
     layer = int(parts[parts.index("layers") + 1])
-    local = int(parts[parts.index("local_experts") + 1])
     per_rank = N_EXPERTS // dist.get_world_size()
     return layer, ps.get_expert_model_parallel_rank() * per_rank + local
 

@@ -7,9 +7,11 @@ folder loadable; ``moepec verify`` names the folders each view needs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "megatron_worker.py"
 STRICT = REPO / "tests" / "megatron_strict.py"
 STOCK = REPO / "tests" / "megatron_stock.py"
+TE = REPO / "tests" / "megatron_te_worker.py"
 
 
 def torchrun(nproc: int, phase: str | None, root: Path, singleton: bool = False,
@@ -193,6 +196,34 @@ def test_loads_torch_dist_refuses_or_reports_the_same_with_moepec(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(x for x in proc.stdout.splitlines() if "STRICT OK" in x) == [
         "rank 0 STRICT OK 29", "rank 1 STRICT OK 29"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2])
+def test_transformer_engine_grouped_experts_save_k_of_n_and_load_bit_exact(tmp_path, ep):
+    """TEGroupedMLP (swiglu, FP8 extra state), its sharded state dict Megatron's own
+    (TEGroupedLinear._sharded_state_dict_grouped, under the TE stand-in of
+    tests/te_standin.py, in the worker's processes only): the worker checks that each
+    (layer, expert) is found once with its 11 shards (fc1's swiglu halves of weight<i>,
+    fc2's weight<i>, their Adam moments, both _extra_state), and that the stitched load
+    equals the documented rotation bit for bit (weights, moments, each expert's FP8
+    scales); here, that each save after the first wrote one expert per layer, whole."""
+    proc = torchrun(ep, None, tmp_path, worker=TE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tensors = {1: 169, 2: 113}[ep]  # this rank's weights, moments and FP8 scales
+    assert sorted(x for x in proc.stdout.splitlines() if " TE OK " in x) == sorted(
+        f"rank {r} TE OK singleton={s} {tensors} tensors 6 stale of 8"
+        for r in range(ep) for s in (False, True)), proc.stdout[-3000:]
+    for layout in ("stacked", "single"):
+        written = []
+        for it in (0, 10, 20):
+            m = json.loads((tmp_path / layout / f"iter_{it:07d}" / "moepec.json").read_text())
+            units = Counter(tuple(m["experts"][k]) for k in m["items"] if k in m["experts"])
+            assert sorted(units) == sorted(tuple(u) for u in m["experts_saved"])
+            assert set(units.values()) == {11}, units  # each written expert whole
+            written.append((len(units), len(m["items"]) - 11 * len(units)))
+        # 8 experts, then K = 1 per layer (2 layers); the non-expert shards every time
+        assert [n for n, _ in written] == [8, 2, 2] and len({r for _, r in written}) == 1
 
 
 def test_an_untested_megatron_core_version_warns_once(monkeypatch, caplog):
