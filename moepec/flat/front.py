@@ -445,5 +445,5 @@ def _commit(plan: FlatPlan) -> None:
                     "reads the experts it held from older copies, and the next save "
                     "writes them again", plan.root, plan.name, ", ".join(gone))
     commit(plan.root, plan.manifest(items))
-    log.info("moepec: committed %s/%s (%d items, %d expert unit(s) written)", plan.root,
+    log.debug("moepec: committed %s/%s (%d items, %d expert unit(s) written)", plan.root,
              plan.name, len(items), len(plan.saved))
