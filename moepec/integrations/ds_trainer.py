@@ -36,3 +36,8 @@ class FinalSave(TrainerCallback):
         last = control.should_training_stop or state.global_step >= state.max_steps
         if control.should_save and last:
             complete_next_save(self.trainer.model_wrapped)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # save_strategy "epoch": the last epoch's save
+        if control.should_save and state.global_step >= state.max_steps:
+            complete_next_save(self.trainer.model_wrapped)
