@@ -11,9 +11,11 @@ writes its results as JSON per rank in OUT:
   last save's for non-expert state), on both ranks;
 - ``exact=CASES``: K = N, a save at step 2, 2 more steps; a fresh engine loads and trains
   the same 2 steps: the losses, bit for bit;
+- ``final``: ``complete_next_save`` before a save: every expert, and a resume from it
+  bit-exact;
 - ``dense``: a model with no experts and a section: the one-line warning;
 - ``trainer=STAGES``: the Hugging Face Trainer on transformers' own Mixtral, saves and a
-  resume;
+  resume (at ``FINAL_STAGES`` with the ``FinalSave`` callback: the last save complete);
 - ``load_aware``: load-aware selection fed by the routers' counts;
 - ``accelerate``: Accelerate's ``save_state``/``load_state`` with its DeepSpeed plugin
   at ZeRO-2, the same model.
@@ -41,6 +43,9 @@ from moepec.integrations.ds_files import Rows
 from tests.ds_worker import state
 
 V, H, E = 64, 16, 4
+FINAL_STAGES = ("2", "3")
+"""Trainer stages run with :class:`moepec.integrations.ds_trainer.FinalSave` (the others
+without: their last save is K of N, and a resume stitches)."""
 
 
 class ExpertMLP(nn.Module):
@@ -259,6 +264,30 @@ def exact(out: str, cases: list[str]) -> dict:
     return results
 
 
+def final(out: str, _cases: list[str]) -> dict:
+    """``complete_next_save``: qwen2 at ZeRO-2, K=1 of 4, saves at steps 2 (full) and 3
+    (marked final: every expert), 2 more steps; a fresh engine loads ``latest`` and trains
+    the same 2 steps: the losses, bit for bit; the save after the final one is K=1."""
+    save_dir = os.path.join(out, "final")
+    eng = engine("qwen2", 2, seed=4, section={"k_persist": 1})
+    train(eng, 2, seed=4)
+    eng.save_checkpoint(save_dir)
+    train(eng, 1, seed=4)
+    door.complete_next_save(eng)
+    eng.save_checkpoint(save_dir)
+    after = train(eng, 2, seed=4)
+    eng.save_checkpoint(save_dir)
+    door.wait()
+    fresh = engine("qwen2", 2, seed=8, section={"k_persist": 1})
+    fresh.load_checkpoint(save_dir, tag="global_step3")
+    report = door.last_load_report()
+    saved = {t: len(json.load(open(os.path.join(save_dir, t, "moepec.json")))["experts_saved"])
+             for t in ("global_step2", "global_step3", "global_step5")}
+    return {"uninterrupted": after, "resumed": train(fresh, 2, seed=4), "saved": saved,
+            "sources": sorted({v["checkpoint"] for v in report.sources.values()}),
+            "n": len(report.sources), "lost": report.lost_total, "plt": report.plt}
+
+
 class _Tokens(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 64
@@ -281,6 +310,8 @@ def _trainer(out: str, stage: str) -> dict:
     gathered at each save (``stage3_gather_16bit_weights_on_model_save``)."""
     from transformers import Trainer, TrainingArguments
 
+    from moepec.integrations.ds_trainer import FinalSave
+
     def run(steps: int) -> Trainer:
         net = mixtral(0)
         zero = {"stage": int(stage[0])}
@@ -298,7 +329,10 @@ def _trainer(out: str, stage: str) -> dict:
                                  per_device_train_batch_size=2, save_steps=2, use_cpu=True,
                                  deepspeed=ds, report_to=[], seed=0, learning_rate=1e-2,
                                  disable_tqdm=True, logging_steps=100)
-        return Trainer(model=net, args=args, train_dataset=_Tokens())
+        trainer = Trainer(model=net, args=args, train_dataset=_Tokens())
+        if stage in FINAL_STAGES:  # the last save (max_steps) marked complete
+            trainer.add_callback(FinalSave(trainer))
+        return trainer
 
     run(6).train()
     resumed = run(10)

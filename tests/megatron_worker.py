@@ -49,6 +49,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron_model import N_EXPERTS, N_LAYERS, build, sharded, snapshot  # noqa: E402
 
 import moepec.integrations.megatron as mg  # noqa: E402
+from moepec.integrations.megatron_final import complete_next_save  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE: dict = {}
@@ -252,6 +253,32 @@ def pipeline_routing(root: str) -> None:
     sys.stdout.flush()
 
 
+def final_save(root: str, model, opt, queue: AsyncCallsQueue) -> None:
+    """complete_next_save on rank 1 only (a stop that reached one rank first): the next
+    (async) save writes every expert on both ranks; a fresh model loads it bit for bit,
+    every expert from it, no token lost; the save after it is K = 1 again."""
+    train_a_bit(model, opt, seed=60)
+    if dist.get_rank() == 1:
+        complete_next_save()
+    expected = snapshot(model, opt)
+    save(model, opt, os.path.join(root, iter_name(60)), True, queue)
+    fresh, fresh_opt = build(seed=4444)
+    GUIDE["load"](fresh, fresh_opt, os.path.join(root, iter_name(60)))
+    got = snapshot(fresh, fresh_opt)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    report = mg.last_load_report()
+    assert {s["checkpoint"] for s in report.sources.values()} == {iter_name(60)}
+    assert len(report.sources) == N_LAYERS * N_EXPERTS and report.lost_total == 0
+    save(fresh, fresh_opt, os.path.join(root, iter_name(70)), False, queue)
+    with open(os.path.join(root, iter_name(60), "moepec.json")) as f:
+        complete = len(json.load(f)["experts_saved"])
+    with open(os.path.join(root, iter_name(70), "moepec.json")) as f:
+        after = len(json.load(f)["experts_saved"])
+    assert (complete, after) == (N_LAYERS * N_EXPERTS, N_LAYERS), (complete, after)
+    sys.stdout.write(f"rank {dist.get_rank()} FINAL OK\n")
+    sys.stdout.flush()
+
+
 def iter_name(i: int) -> str:
     return f"iter_{i:07d}"
 
@@ -307,6 +334,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             with open(os.path.join(root, iter_name(50), "moepec.json")) as f:
                 print("PARENT", json.load(f)["parent"], flush=True)
+        final_save(root, model, opt, queue)
         pipeline_routing(root)
     queue.close()
     GUIDE["queue"].close()

@@ -35,7 +35,7 @@ def results(out: Path, phase: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed_hf")
-    done = torchrun(out, f"stitched={'+'.join(STITCHED)},exact={'+'.join(EXACT)},dense,"
+    done = torchrun(out, f"stitched={'+'.join(STITCHED)},exact={'+'.join(EXACT)},final,dense,"
                     "trainer=0+2+3+3leaf,accelerate,load_aware",
                     WORKER)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -112,21 +112,17 @@ def test_a_section_on_a_model_without_experts_says_so_once_at_initialize(runs):
     assert "deepspeed.moe.layer.MoE" in line and '"expert_spec"' in line
 
 
-@pytest.mark.parametrize("stage", ["0", "2", "3", "3leaf"])
+@pytest.mark.parametrize("stage", ["0", "3leaf"])
 def test_the_trainer_saves_k_experts_and_resumes_stitched(runs, stage):
-    """The Trainer (``deepspeed=`` ZeRO-0, 2 or 3 with ``{"moepec": {"k_persist": 1}}``) on
-    transformers' own Mixtral (stacked experts): its checkpoint-N folders are one lineage
-    (the first full, then one expert per layer), and resume_from_checkpoint stitches
-    checkpoint-6 from the older ones and trains on to step 10. At ZeRO-3 (16-bit weights
-    not gathered) the Trainer calls save_checkpoint twice per checkpoint on one tag: the
-    second changes nothing (one expert per layer, not two). ``3leaf``: ZeRO-3 with the MoE
-    blocks as ``set_z3_leaf_modules`` leaves and the 16-bit weights gathered at each save
-    (DeepSpeed's own ``model.safetensors`` beside the PEC tag)."""
-    manifests = {p.parent.name: json.loads(p.read_text())
-                 for p in (runs / f"trainer_{stage}").glob("checkpoint-*/moepec.json")}
-    saved = {n: len(manifests[n]["experts_saved"])
-             for n in ("checkpoint-2", "checkpoint-4", "checkpoint-6")}
-    assert saved == {"checkpoint-2": 8, "checkpoint-4": 2, "checkpoint-6": 2}
+    """The Trainer (``deepspeed=`` ZeRO-0 or 3 with ``{"moepec": {"k_persist": 1}}``) on
+    transformers' own Mixtral (stacked experts), without the FinalSave callback: its
+    checkpoint-N folders are one lineage (the first full, then one expert per layer), and
+    resume_from_checkpoint stitches checkpoint-6 from the older ones and trains on to step
+    10. ``3leaf``: ZeRO-3 with the MoE blocks as ``set_z3_leaf_modules`` leaves and the
+    16-bit weights gathered at each save (DeepSpeed's own ``model.safetensors`` beside the
+    PEC tag)."""
+    saved = _saved(runs, stage)
+    assert [saved[n] for n in ("checkpoint-2", "checkpoint-4", "checkpoint-6")] == [8, 2, 2]
     if stage == "3leaf":
         assert (runs / "trainer_3leaf" / "checkpoint-4" / "model.safetensors").is_file()
     for res in results(runs, "trainer"):
@@ -134,6 +130,41 @@ def test_the_trainer_saves_k_experts_and_resumes_stitched(runs, stage):
         assert res["step"] == 6 and res["global_step"] == 10
         assert sorted(res["sources"].values()) == [2, 2, 2, 2, 4, 4, 6, 6]
         assert 0 < res["plt"] < 1
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_the_trainers_last_save_holds_every_expert_with_final_save(runs, stage):
+    """The Trainer with ``moepec.integrations.ds_trainer.FinalSave`` at ZeRO-2 and 3: its
+    saves are K = 1 of 4 but the one at ``max_steps`` (checkpoint-6, and the resumed run's
+    checkpoint-10) holds every expert, so resume_from_checkpoint loads every expert from
+    checkpoint-6, no token lost. At ZeRO-3 (16-bit weights not gathered) the Trainer calls
+    save_checkpoint twice on one tag: the mark makes the first complete, the second
+    changes nothing."""
+    saved = _saved(runs, stage)
+    assert saved == {"checkpoint-2": 8, "checkpoint-4": 2, "checkpoint-6": 8,
+                     "checkpoint-8": 2, "checkpoint-10": 8}
+    for res in results(runs, "trainer"):
+        res = res[stage]
+        assert res["step"] == 6 and res["global_step"] == 10
+        assert sorted(res["sources"].values()) == [6] * 8 and res["plt"] == 0
+
+
+def _saved(runs: Path, stage: str) -> dict[str, int]:
+    """Experts each checkpoint-N folder of a Trainer stage wrote."""
+    return {p.parent.name: len(json.loads(p.read_text())["experts_saved"])
+            for p in (runs / f"trainer_{stage}").glob("checkpoint-*/moepec.json")}
+
+
+def test_complete_next_save_writes_every_expert_and_resumes_bit_exact(runs):
+    """``moepec.integrations.deepspeed.complete_next_save(engine)`` before a save (qwen2,
+    ZeRO-2, K = 1 of 4 in 3 layers): that save writes all 12 experts, a fresh engine's load
+    of it reads every expert from it (no token lost) and trains on with the uninterrupted
+    run's losses, bit for bit, on both ranks; the save after it is K = 1 again."""
+    for res in results(runs, "final"):
+        assert res["saved"] == {"global_step2": 12, "global_step3": 12, "global_step5": 3}
+        assert res["sources"] == ["global_step3"] and res["n"] == 12
+        assert res["lost"] == 0
+        assert res["resumed"] == res["uninterrupted"]
 
 
 def test_load_aware_selection_takes_the_most_routed_expert(runs):

@@ -71,6 +71,23 @@ def test_sequential_rotation_and_full_every(tmp_path):
                    [[2], [3]], [[3], [0]], [[0, 1, 2, 3]] * 2]
 
 
+def test_a_final_save_writes_every_expert_once_and_loads_with_plt_0(tmp_path):
+    """complete_next_save (moepec.flat.final): the next save writes every expert (K = N
+    once), its load reads nothing older (PLT 0, no token lost), and the rotation goes on
+    after it (the mark is one-shot)."""
+    front = FlatFrontEnd(k_persist=1, dynamic_k=False)
+    for step in (0, 10, 20):
+        front.observe_routing([[5, 6, 7, 8], [1, 2, 3, 4]])
+        save(front, tmp_path, step)
+    front.complete_next_save()
+    front.observe_routing([[5, 6, 7, 8], [1, 2, 3, 4]])
+    assert per_layer(save(front, tmp_path, 30)) == [[0, 1, 2, 3]] * 2
+    _, report = FlatFrontEnd(k_persist=1).load(str(tmp_path), "iter_0000030", list(UNITS))
+    assert {s["checkpoint"] for s in report.sources.values()} == {"iter_0000030"}
+    assert len(report.sources) == 2 * N and report.lost_total == 0 and report.plt == 0
+    assert per_layer(save(front, tmp_path, 40)) == [[2], [3]]  # one-shot; rotation on
+
+
 def test_a_stitched_load_reports_sources_and_plt_from_the_counts(tmp_path):
     rng = random.Random(7)
     front = FlatFrontEnd(k_persist=1, dynamic_k=False)

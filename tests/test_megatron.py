@@ -154,6 +154,8 @@ def test_ep2_saves_a_killed_save_and_the_resume(tmp_path):
     assert verify_root(str(tmp_path)).ok
     assert resumed.stdout.count("OBJECTS OK") == 2  # BytesIO objects; one rank's error
     assert resumed.stdout.count("PIPELINE ROUTING OK") == 2  # PP 2: layers L 2, 3 on rank 1
+    # complete_next_save on one rank: that save holds every expert, loads bit for bit
+    assert resumed.stdout.count("FINAL OK") == 2, resumed.stdout[-3000:]
     # Saved at EP 2, loaded at EP 1 (one rank): equal to Megatron's own resharding of a
     # torch_dist save of the same state, with the PLT of the EP 2 load.
     moved = torchrun(1, "reshard", tmp_path)

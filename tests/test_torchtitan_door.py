@@ -402,3 +402,36 @@ def test_last_save_is_the_model_alone_as_stocks(tmp_path):
     back = {k: torch.empty_like(v, dtype=torch.bfloat16) for k, v in model.state_dict().items()}
     dcp.load(back, checkpoint_id=str(tmp_path / "ckpt" / "step-4"))
     assert all(torch.equal(back[k], v.to(torch.bfloat16)) for k, v in model.state_dict().items())
+
+
+def test_the_last_steps_save_holds_every_expert_and_resumes_exactly(tmp_path):
+    """torchtitan's last step (``last_step=True``) with ``last_save_model_only`` off: a
+    complete moepec checkpoint (every expert, K = N once, where the saves before it hold
+    K = 1), so the next load reads nothing older: PLT 0, every expert and all the rest as
+    at that step, bit for bit."""
+    model = _moe_model(0)
+    optimizers = _optimizers(model, two=False)
+    ckpt = _manager(tmp_path, model, optimizers, interval=2, last_save_model_only=False)
+    history: dict[int, dict[str, torch.Tensor]] = {}
+    _train(ckpt, model, optimizers, range(1, 5), history)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    ckpt.maybe_wait_for_staging()
+    optimizers.step()
+    assert ckpt.save(curr_step=5, last_step=True)
+    history[5] = _state(model, optimizers)
+    ckpt.close()
+    rows = {c.step: c for c in inspect_path(str(tmp_path / "ckpt"))["checkpoints"]}
+    assert sorted(rows) == [2, 4, 5] and not rows[4].full and rows[5].full
+    assert [len(layer) for layer in rows[4].experts_saved] == [1, 1]
+
+    model = _moe_model(7)
+    optimizers = _optimizers(model, two=False)
+    again = _manager(tmp_path, model, optimizers, interval=2, last_save_model_only=False)
+    assert again.load()
+    report = again.report
+    assert report.step == 5 and report.plt == 0 and report.lost_total == 0
+    assert {s["step"] for s in report.sources.values()} == {5}
+    assert len(report.sources) == 2 * N_EXPERTS
+    assert _check_view(_state(model, optimizers), history, report) == 0
+    again.close()

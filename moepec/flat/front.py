@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from moepec.errors import CheckpointError, ConfigError, CorruptCheckpointError, MoepecError
+from moepec.flat.final import FinalSaves
 from moepec.flat.lineage import (
     GONE,
     REWRITTEN,
@@ -93,9 +94,9 @@ def _parent_of(m: FlatManifest, ledger: Mapping[str, Any] | None = None) -> Pare
                   m.uid, list(m.ancestors))
 
 
-class FlatFrontEnd:
+class FlatFrontEnd(FinalSaves):
     """One door's PEC state in this process: its settings, the routing counts since the
-    last save, the save in flight and the last one committed or loaded."""
+    last save, the save in flight, the last one committed or loaded, a final save's mark."""
 
     def __init__(self, **fields: Any) -> None:
         """``fields``: :data:`moepec.flat.plan.FLAT_FIELDS` of CheckpointConfig
@@ -174,17 +175,18 @@ class FlatFrontEnd:
         read or the folder is committed already."""
         self._read_cache = None
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dict(units), error, os.urandom(8).hex()))
-        failed = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(gathered) if e is not None]
+        dist.all_gather_object(gathered, (dict(units), error, os.urandom(8).hex(),
+                                          self._final_asked))
+        failed = [f"rank {r}: {e}" for r, (_, e, *_) in enumerate(gathered) if e is not None]
         if failed:
             raise CheckpointError(f"{root}/{name} not saved; {'; '.join(failed)}")
-        every = [u for u, _, _ in gathered]
+        every = [u for u, *_ in gathered]
         sizes = layer_sizes(every)
         counts = self._take_counts(list(sizes.values()))
         parent = self._parent(root, name)
         schedule = schedule_for(sizes, self.config, parent, dist.get_rank(), step)
         plan = plan_save(root, name, step, every, parent, schedule, counts,
-                         uid=gathered[0][2])
+                         uid=gathered[0][2], full=self.final_agreed(gathered))
         self._pending = plan
         return plan
 
@@ -280,15 +282,14 @@ class FlatFrontEnd:
              ) -> tuple[dict[str, torch.Tensor], RestoreReport]:
         """Any rank, no collective unless ``agree`` (a door: every rank loads; checks all
         ranks chose the same copies, as :func:`moepec.flat.lineage.agreed`, and that all
-        read them, as :func:`moepec.flat.lineage.settled`): ``keys`` of
-        folder ``name``, each from the folder its view names (an expert's newest copy),
-        checksums verified. A shard key
-        (:func:`moepec.flat.regions.shard_key`) the save did not write, as after a change
-        of the parallel layout, is cut from the saved shards of its tensor that overlap
-        it. Raises CheckpointError for a key the saved shards do not cover, a damaged
-        item or a missing folder; CorruptCheckpointError naming the folder for a damaged
-        shard key (:mod:`moepec.flat.regions`), before anything larger than the shards
-        it reads is allocated. The next save continues this folder's lineage."""
+        read them, as :func:`moepec.flat.lineage.settled`): ``keys`` of folder ``name``,
+        each from the folder its view names (an expert's newest copy), checksums verified. A
+        shard key (:func:`moepec.flat.regions.shard_key`) the save did not write, as after a
+        change of the parallel layout, is cut from the saved shards of its tensor that
+        overlap it. Raises CheckpointError for a key the saved shards do not cover, a
+        damaged item or a missing folder; CorruptCheckpointError naming the folder for a
+        damaged shard key (:mod:`moepec.flat.regions`), before anything larger than the
+        shards it reads is allocated. The next save continues this folder's lineage."""
         started = time.monotonic()
         warnings: list[str] = []
         def choose():

@@ -135,12 +135,15 @@ def schedule_for(sizes: Mapping[str, int], config: CheckpointConfig, parent: Par
 
 def plan_save(root: str, name: str, step: int, every: Sequence[Mapping[str, Unit | None]],
               parent: Parent | None, schedule: ExpertSchedule | None,
-              counts: Sequence[Sequence[int]] | None, uid: str = "") -> FlatPlan:
+              counts: Sequence[Sequence[int]] | None, uid: str = "", full: bool = False
+              ) -> FlatPlan:
     """Plan one save: ``every`` is each rank's key -> unit (all ranks gathered),
     ``counts`` the routing counts per (layer, expert) since the parent (summed over ranks),
-    ``uid`` the save's identity (the same on every rank).
-    The first save of a lineage, one ``full_every`` asks for, and one over a changed set
-    of layers write every expert; a key the parent's view lacks is always written."""
+    ``uid`` the save's identity (the same on every rank), ``full``: a complete save (a
+    final one, :mod:`moepec.flat.final`).
+    The first save of a lineage, one ``full_every`` asks for, one over a changed set of
+    layers and a ``full`` one write every expert; a key the parent's view lacks is always
+    written."""
     sizes = layer_sizes(every)
     selected: set[Unit] = set()
     fields = None
@@ -149,7 +152,7 @@ def plan_save(root: str, name: str, step: int, every: Sequence[Mapping[str, Unit
             schedule.observe(counts)
         resumed = parent is not None and parent.schedule is not None \
             and list(parent.layers) == list(sizes)
-        full = not resumed or schedule.is_full_by_period()
+        full = full or not resumed or schedule.is_full_by_period()
         _, persist_sel = schedule.choose(full, persist=True)
         selected = {(layer, e) for layer, sel in zip(sizes, persist_sel) for e in sel}
         fields = schedule.meta_fields()

@@ -76,6 +76,7 @@ from moepec.integrations.ds_files import (
     split_file,
     stub,
 )
+from moepec.integrations.ds_final import complete_next_save as complete_next_save  # public
 from moepec.integrations.ds_ram import RNG as _RNG
 from moepec.integrations.ds_ram import RamLevel, check_ram_fields
 from moepec.integrations.ds_ram import snapshot as snapshot  # public: the RAM level

@@ -190,7 +190,9 @@ class PecCheckpointManager(BaseCheckpointManager):
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         """Start a checkpoint labelled ``curr_step`` (returns once the RAM snapshot is
-        under way; the write runs in the background unless ``async_mode=disabled``)."""
+        under way; the write runs in the background unless ``async_mode=disabled``); the
+        last step's is complete (every expert), or the model alone as torchtitan's own
+        with ``last_save_model_only``."""
         if not self._should_save(curr_step, last_step):
             return False
         if last_step and self.config.last_save_model_only:
@@ -200,7 +202,9 @@ class PecCheckpointManager(BaseCheckpointManager):
             return self._stock(self.folder).save(curr_step, last_step=True)
         if self.loader_state is not None:
             self.loader_state.capture()
-        self.manager.save(curr_step)
+        # torchtitan's last step, when it saves the training state: every expert, so a
+        # rerun or an extension of the run (more steps) restores it with PLT 0
+        self.manager.save(curr_step, final=last_step)
         return True
 
     def _stock(self, folder: str) -> CheckpointManager:
