@@ -100,7 +100,8 @@ class DemoSettings:
                               "a folder on shared memory or drop --ram-lost")
         for name in ("ft_steps", "stop_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 10:
-                raise ConfigError(f"{name} must be an integer >= 10, got "
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be an integer >= 10 (steps of that run), got "
                                   f"{getattr(self, name)!r}")
         # Both runs' configs (the faulty one has every field the fault-free one has):
         # steps, interval, K and the fault spec against steps and interval.
