@@ -22,7 +22,8 @@ from typing import Any
 
 from moepec.errors import ConfigError, MoepecError
 
-__all__ = ["compare_table", "planned_stop_row", "replica_group_row", "restart_all_row"]
+__all__ = ["compare_table", "planned_stop_row", "replica_group_row", "restart_all_row",
+           "stop_settings"]
 
 log = logging.getLogger(__name__)
 
