@@ -37,10 +37,14 @@ def test_demo_end_to_end(tmp_path, monkeypatch):
     # next checkpoint, which a busy machine may still be writing when training reaches step
     # 40; a storage fault there would fire in the life that is killed, and the restarted
     # life (which resumes before it, with the fault spent) would never see storage fail.
+    # After it, the replica-group run (300 tiny steps: its kill comes 1 s into training)
+    # and the planned stop (SIGTERM to torchrun after step 15 of 30, then the rerun).
     s = DemoSettings(config="tiny", steps=60, ckpt_interval=6, batch_size=8,
-                     faults="sigkill@20:r1,kill_persist@33:r0,exception@44:r1,enospc@48")
+                     faults="sigkill@20:r1,kill_persist@33:r0,exception@44:r1,enospc@48",
+                     ft_steps=300, stop_steps=30)
     lines = []
     report = run_demo(tmp_path, s, say=lines.append)
+    _assert_costs_side_by_side(report, tmp_path)
     kinds = [f["kind"] for f in report["faults"]]
     assert kinds == ["sigkill", "kill_persist", "exception", "enospc"]
     assert report["recoveries"] == 3 and report["persist_errors"] >= 1
@@ -69,6 +73,25 @@ def test_demo_end_to_end(tmp_path, monkeypatch):
 
 class _Stop(Exception):
     pass
+
+
+def _assert_costs_side_by_side(report: dict, out) -> None:
+    """One fault three ways: restart-all redoes steps and loses tokens; the replica groups'
+    survivor and a planned stop lose neither, and the planned stop's checkpoint is
+    complete (every expert: bigger than a PEC one)."""
+    costs = report["cost_per_fault"]
+    ra, ft, stop = costs["restart_all"], costs["replica_groups"], costs["planned_stop"]
+    assert ra["what"] == "sigkill@20:r1" and ra["steps_redone"] > 0 and ra["plt"] > 0
+    assert ra["lost_s"] > ra["downtime_s"] > 0
+    assert (ft["steps_redone"], ft["plt"], ft["same_final_state"]) == (0, 0.0, True)
+    assert 0 < ft["lost_s"] and ft["rejoin_s"] > 0
+    assert (stop["steps_redone"], stop["plt"]) == (0, 0.0)
+    assert 0 < stop["signal_to_commit_s"] <= stop["signal_to_exit_s"] < stop["lost_s"]
+    assert stop["complete_bytes"] > report["bytes_partial"]
+    text = (out / "report.md").read_text()
+    assert "cost per fault" in text and "planned stop" in text and "replica groups" in text
+    assert "cost_per_fault.png" in report["plots"]
+    assert (out / "cost_per_fault.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_report_says_why_plt_ends_over_budget_and_only_then():

@@ -22,6 +22,7 @@ def test_the_demo_imports_no_framework_of_the_test_extras():
     code = (
         "import sys\n"
         "import moepec.cli.main as m, moepec.cli.demo, moepec.cli.demo_report\n"
+        "import moepec.cli.demo_compare\n"
         "import moepec.bench.ft, moepec.train.trainer, moepec.train.setup\n"
         "import moepec.train.replicas, moepec.integrations.torchft\n"
         "m.build_parser()\n"

@@ -234,3 +234,51 @@ def test_a_hung_group_is_dropped_within_the_timeouts_and_heals_when_it_wakes(cor
     (end0,), (end1,) = (_events(r, "ft_end") for r in (survivor, woken))
     assert end0["step"] == end1["step"] == steps
     assert end0["model"] == end1["model"] and end0["optimizer"] == end1["optimizer"]
+
+
+def test_sigterm_stops_each_group_with_a_complete_checkpoint_and_no_restart(corpus, lighthouse):
+    """Planned stops of replica groups. SIGTERM to group 1's launcher: the group writes a
+    complete checkpoint (every expert) into its own root and leaves, its worker exits 0
+    (neither a warm spare nor torchrun restarts it); group 0 trains on alone. SIGTERM to
+    group 0's launcher then does the same. The same commands again: the cold start
+    restores group 0's complete checkpoint with nothing lost and no step redone, group 1
+    continues from the same state, and both end as one, bit for bit."""
+    tmp = corpus
+    procs = [_launch(tmp, lighthouse, g, steps=100_000, interval=20) for g in (0, 1)]
+    _wait_for(lambda: all(_events(_safe_records(tmp, g), "commit") for g in (0, 1)), 120,
+              "a checkpoint of both groups", procs)
+    stops = []
+    for g in (1, 0):
+        os.kill(procs[g].pid, signal.SIGTERM)
+        procs[g].wait(timeout=60)
+        records = _records(tmp, g)
+        (stop,) = _events(records, "stop")
+        assert stop["signal"] == "SIGTERM" and stop["committed"], stop
+        # complete, committed, and the group's last word: not restarted
+        (commit,) = [c for c in _events(records, "commit") if c["step"] == stop["step"]]
+        assert commit["full"]
+        assert len(_events(records, "ft_join")) == 1 and "Restarting" not in \
+            (tmp / f"group{g}.log").read_text()
+        stops.append(stop)
+        if g == 1:  # the other group trains on alone, past the stopped one
+            def alone(after=stop["step"]) -> bool:
+                records = _safe_records(tmp, 0)
+                return any(w["groups"] == 1 for w in _events(records, "ft_width")) and any(
+                    c["step"] > after for c in _events(records, "commit"))
+
+            _wait_for(alone, 60, "group 0 training on alone", procs[:1])
+    stop1, stop0 = stops
+    assert stop0["step"] > stop1["step"]
+    _verify(tmp / "ckpt" / "group-0")
+    before = [len(_records(tmp, g)) for g in (0, 1)]
+    steps = stop0["step"] + 11
+    procs = [_launch(tmp, lighthouse, g, steps=steps, interval=20) for g in (0, 1)]
+    assert _wait(procs, tmp) == [0, 0]
+    again = [_records(tmp, g)[before[g]:] for g in (0, 1)]
+    (rec,) = _events(again[0], "recovery")
+    assert rec["step"] == stop0["step"] and rec["lost"] == 0 and rec["plt"] == 0.0, rec
+    trained = [r["step"] for r in again[0] if "loss" in r and "event" not in r]
+    assert min(trained) == stop0["step"] + 1  # nothing redone
+    (end0,), (end1,) = (_events(r, "ft_end") for r in again)
+    assert end0["step"] == end1["step"] == steps
+    assert end0["model"] == end1["model"] and end0["optimizer"] == end1["optimizer"]

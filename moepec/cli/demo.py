@@ -34,9 +34,10 @@ __all__ = ["DemoSettings", "format_summary", "run_demo", "train_argv"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STEPS = 400
-"""The demo's length, for which its default faults are placed."""
-DEFAULT_FAULTS = "sigkill@110:r1,kill_persist@185:r0,enospc@240,exception@330:r1"
+DEFAULT_STEPS = 300
+"""The demo's length, for which its default faults are placed (300: the demo's four runs
+fit in about 4 minutes on 2 idle CPU cores)."""
+DEFAULT_FAULTS = "sigkill@82:r1,kill_persist@138:r0,enospc@180,exception@247:r1"
 """The faulty run's faults, placed for DEFAULT_STEPS steps on 2 ranks; another length or
 fewer ranks get them moved to the same fractions of the run (:meth:`DemoSettings.planned_faults`)."""
 
@@ -80,6 +81,14 @@ class DemoSettings:
     ram_lost: bool = False
     """Add a ``ram_lost`` fault (the node's ``ram_dir`` wiped, then SIGKILL) at 70% of
     the run: that recovery comes from storage."""
+    compare: bool = True
+    """After the faulty (restart-all) run, also run the same kill with replica groups and
+    a planned stop with its rerun, and put the cost per fault of the three side by side
+    (:mod:`moepec.cli.demo_compare`)."""
+    ft_steps: int = 80
+    """Steps of the replica-group run (its kill comes 1 s into training)."""
+    stop_steps: int = 40
+    """Steps of the planned-stop run (SIGTERM to its launcher half-way)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks, int) or self.ranks < 1:
@@ -89,6 +98,11 @@ class DemoSettings:
             raise ConfigError("the ram_lost fault wipes the shared-memory RAM tier, and "
                               "--ram-dir none keeps snapshots in the process; give --ram-dir "
                               "a folder on shared memory or drop --ram-lost")
+        for name in ("ft_steps", "stop_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 10:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be an integer >= 10 (steps of that run), got "
+                                  f"{getattr(self, name)!r}")
         # Both runs' configs (the faulty one has every field the fault-free one has):
         # steps, interval, K and the fault spec against steps and interval.
         cfg = self.train_config("demo-out", faulty=True, ranks=self.ranks)
@@ -130,7 +144,7 @@ class DemoSettings:
         """Identifies the fault-free run these settings need (for its cache)."""
         d = asdict(self)
         for k in ("faults", "max_restarts", "k_persist", "k_snapshot", "ckpt_interval",
-                  "dynamic_k", "ram_dir", "ram_lost"):
+                  "dynamic_k", "ram_dir", "ram_lost", "compare", "ft_steps", "stop_steps"):
             d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -152,7 +166,7 @@ class DemoSettings:
             threads=1 if ranks > 1 else 2, eval_interval=max(1, self.steps // 8),
             eval_batches=4, log_interval=5, progress=False, out_dir=str(out),
             dist_timeout_s=self.timeout_s, checkpoint=checkpoint,
-            faults=self.fault_spec() if faulty else None)
+            faults=(self.fault_spec() or None) if faulty else None)
 
 
 def train_argv(cfg: TrainConfig) -> list[str]:
@@ -255,7 +269,8 @@ def _in_one_process(s: DemoSettings, say) -> DemoSettings:
 
 def run_demo(out_dir: str | Path = "demo-out", settings: DemoSettings | None = None,
              say=print) -> dict:
-    """Run the fault-free (cached) and the faulty run, then build the report.
+    """Run the fault-free (cached) and the faulty (restart-all) run, then, with
+    ``settings.compare``, the replica-group run and the planned stop, and build the report.
 
     Blocks for a few minutes; writes everything under ``out_dir``; returns the report's
     numbers. Raises MoepecError when a run fails beyond its restarts.
@@ -274,21 +289,42 @@ def run_demo(out_dir: str | Path = "demo-out", settings: DemoSettings | None = N
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    parts = 4 if s.compare else 2
     clean = out / "fault-free" / s.key()
     if (clean / "summary.json").exists():
         say(f"fault-free reference: cached in {clean}")
     else:
         shutil.rmtree(clean, ignore_errors=True)
-        say(f"[1/2] fault-free reference run: {s.config}, {s.steps} steps, {s.ranks} ranks ...")
+        say(f"[1/{parts}] fault-free reference run: {s.config}, {s.steps} steps, {s.ranks} ranks ...")
         _train_run(s, clean, faulty=False, say=say)
     faulty = out / "faulty"
     shutil.rmtree(faulty, ignore_errors=True)
-    say(f"[2/2] faulty run with PEC (K_snapshot {s.k_snapshot}, K_persist {s.k_persist}), "
+    say(f"[2/{parts}] restart-all: faulty run with PEC (K_snapshot {s.k_snapshot}, K_persist {s.k_persist}), "
         f"faults {s.fault_spec()}, RAM tier {s.ram_dir or 'in the process'} ...")
     ranks = _train_run(s, faulty, faulty=True, say=say)
-    report = build_report(s, clean, faulty, out, ranks=ranks, wall_s=time.time() - t0)
+    compare = _compare(s, out, ranks, say) if s.compare else None
+    report = build_report(s, clean, faulty, out, ranks=ranks, wall_s=time.time() - t0,
+                          compare=compare)
     say(report["text"])
     return report
+
+
+def _compare(s: DemoSettings, out: Path, ranks: int, say) -> dict:
+    """The replica-group run and the planned stop (parts 3 and 4): their rows of the
+    cost-per-fault comparison (:mod:`moepec.cli.demo_compare`)."""
+    from moepec.cli.demo_compare import planned_stop_row, replica_group_row, stop_settings
+
+    for name in ("replica-groups", "planned-stop"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    say(f"[3/4] replica groups: 2 groups on torchft, {s.ft_steps} steps, the same SIGKILL "
+        "of a rank (the other group trains on; the killed one heals from it) ...")
+    ft = replica_group_row(dataclasses.replace(s, ranks=ranks), out / "replica-groups", say)
+    say(f"[4/4] planned stop: {s.stop_steps} steps, SIGTERM to the launcher half-way, then "
+        "the same command again ...")
+    stop_s = stop_settings(dataclasses.replace(s, ranks=ranks))
+    stop = planned_stop_row(stop_s, out / "planned-stop",
+                            lambda st, o: _train_cmd(st, o, True, st.ranks), _env(), say)
+    return {"replica_groups": ft, "planned_stop": stop}
 
 
 def format_summary(result: TrainResult) -> str:

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from moepec.cli.demo_compare import compare_table, restart_all_row
 from moepec.recovery.offline import inspect_path
 from moepec.recovery.records import read_recoveries
 from moepec.store.storage import Storage
@@ -79,10 +80,11 @@ def _median_iteration_s(s, segs: list[list[dict]]) -> float:
     return statistics.median(iter_s) if iter_s else float("nan")
 
 
-def build_report(s, clean: Path, faulty: Path, out: Path, *, ranks: int,
-                 wall_s: float) -> dict[str, Any]:
-    """The demo's numbers from the two runs' folders; writes report.md, report.json and
-    the plots into ``out`` and returns the numbers (``text``: the report)."""
+def build_report(s, clean: Path, faulty: Path, out: Path, *, ranks: int, wall_s: float,
+                 compare: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The demo's numbers from the two runs' folders (and ``compare``: the replica-group
+    and planned-stop rows, :mod:`moepec.cli.demo_compare`); writes report.md, report.json
+    and the plots into ``out`` and returns the numbers (``text``: the report)."""
     clean_summary = json.loads((clean / "summary.json").read_text())
     summary = json.loads((faulty / "summary.json").read_text())
     metrics = _lines(faulty / "metrics.jsonl")
@@ -116,7 +118,11 @@ def build_report(s, clean: Path, faulty: Path, out: Path, *, ranks: int,
         "recovery_records": read_recoveries(Storage(str(ckpt_root))),
     }
     result["val_gap"] = (result["val_loss"] - result["clean_val_loss"]) / result["clean_val_loss"]
-    plots = _plots(s, clean, segs, faults, recoveries, ckpts, persist_errors, metrics, out)
+    if compare is not None:
+        result["cost_per_fault"] = {
+            "restart_all": restart_all_row(result["faults"], result["iter_s"]), **compare}
+    plots = _plots(s, clean, segs, faults, recoveries, ckpts, persist_errors, metrics, out,
+                   result.get("cost_per_fault"))
     result["plots"] = plots
     result["text"] = _text(result)
     (out / "report.md").write_text(result["text"] + "\n\n" + "\n".join(
@@ -134,7 +140,7 @@ def _text(r: dict[str, Any]) -> str:
         f"  model {s['config']}, {r['ranks']} rank(s), {s['steps']} steps, checkpoint every "
         f"{s['ckpt_interval']} steps, K_snapshot {s['k_snapshot']}, K_persist {s['k_persist']}"
         + (" (dynamic K)" if s.get("dynamic_k") else ""),
-        f"  wall time {r['wall_s']:.0f} s (both runs)",
+        f"  wall time {r['wall_s']:.0f} s (all runs)",
         "",
         f"faults injected: {len(r['faults'])}; automatic recoveries: {r['recoveries']}",
         f"  {'fault':<14}{'step':>6}{'rank':>6}  {'resumed at':>10}  {'from':<8}"
@@ -168,7 +174,30 @@ def _text(r: dict[str, Any]) -> str:
         f"fault-free ({100 * r['val_gap']:+.2f}%)",
         f"plots: {', '.join(r['plots'])}",
     ]
+    if r.get("cost_per_fault"):
+        lines += ["", *compare_table(r["cost_per_fault"]), *_compare_notes(r["cost_per_fault"])]
     return "\n".join(lines)
+
+
+def _compare_notes(rows: dict[str, Any]) -> list[str]:
+    """What the comparison's columns measured, in a line each."""
+    notes = ["  restart-all: every worker restarts and restores PEC checkpoints (RAM, else "
+             "storage);"]
+    ft, stop = rows.get("replica_groups"), rows.get("planned_stop")
+    if ft:
+        notes.append(f"  replica groups: the survivor trains on, the killed group trains "
+                     f"again {ft['rejoin_s']:.2f}s after the kill, healed from the survivor "
+                     f"({'bit-identical' if ft['same_final_state'] else 'DIFFERENT'} at the "
+                     f"end);")
+    else:
+        notes.append("  replica groups: not measured (torchft missing, or the run ended "
+                     "before its kill: see above);")
+    if stop:
+        notes.append(f"  planned stop: complete checkpoint ({stop['complete_bytes'] / 1e6:.2f} "
+                     f"MB, every expert) committed {stop['signal_to_commit_s']:.2f}s after the "
+                     f"signal, launcher exit after {stop['signal_to_exit_s']:.2f}s, the rerun "
+                     f"restored it {stop['rerun_restore_s']:.2f}s after its start.")
+    return notes
 
 
 def _over_budget(r: dict[str, Any]) -> str:
@@ -185,7 +214,7 @@ def _over_budget(r: dict[str, Any]) -> str:
 
 
 def _plots(s, clean: Path, segs, faults, recoveries, ckpts, persist_errors, metrics,
-           out: Path) -> list[str]:
+           out: Path, costs: dict[str, Any] | None) -> list[str]:
     """Draw the report's plots into ``out``; returns their file names."""
     import matplotlib
 
@@ -205,6 +234,8 @@ def _plots(s, clean: Path, segs, faults, recoveries, ckpts, persist_errors, metr
     save("loss.png", (9, 4.5), _draw_loss, clean, segs, faults, metrics)
     save("plt.png", (7, 3.5), _draw_plt, s.steps, recoveries)
     save("timeline.png", (9, 2.8), _draw_timeline, faults, recoveries, ckpts, persist_errors)
+    if costs:
+        save("cost_per_fault.png", (7, 3.2), _draw_costs, costs)
     return names
 
 
@@ -243,6 +274,24 @@ def _draw_plt(ax, steps: int, recoveries) -> None:
     ax.set_ylabel("PLT (%)")
     ax.set_title("Proportion of lost tokens")
     ax.legend(fontsize=8)
+
+
+def _draw_costs(ax, costs: dict[str, Any]) -> None:
+    """Lost seconds per fault: restart-all, replica groups, a planned stop (the steps
+    redone and the PLT added written on each bar)."""
+    names = [("restart_all", "restart-all"), ("replica_groups", "replica groups"),
+             ("planned_stop", "planned stop")]
+    rows = [(title, costs[key]) for key, title in names if costs.get(key)]
+    bars = ax.barh([t for t, _ in rows], [r["lost_s"] for _, r in rows],
+                   color=["C3", "C2", "C0"][:len(rows)])
+    for bar, (_, r) in zip(bars, rows):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f"  {r['lost_s']:.1f}s, {r['steps_redone']} steps redone, PLT "
+                f"+{100 * r['plt']:.2f}%", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.6 * max(r["lost_s"] for _, r in rows))
+    ax.set_xlabel("training seconds lost per fault")
+    ax.set_title("What one fault costs")
 
 
 def _draw_timeline(ax, faults, recoveries, ckpts, persist_errors) -> None:

@@ -436,6 +436,13 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-dir", default=d.ram_dir, metavar="DIR",
                    help="the faulty run's shared-memory RAM tier (%(default)s); 'none': "
                         "in-process snapshots (restarted workers recover from storage)")
+    p.add_argument("--ft-steps", type=int, default=d.ft_steps,
+                   help="steps of the replica-group run (%(default)s)")
+    p.add_argument("--stop-steps", type=int, default=d.stop_steps,
+                   help="steps of the planned-stop run, SIGTERM half-way (%(default)s)")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip the replica-group run and the planned stop after the faulty "
+                        "run (their cost per fault beside restart-all's)")
     p.add_argument("--ft", action="store_true",
                    help="replica groups on torchft instead: 2 groups, a SIGKILL of one "
                         "group's rank mid-run, beside the same fault under restart-all "
@@ -459,7 +466,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     settings = DemoSettings(steps=args.steps, ranks=args.ranks, seed=args.seed,
                             faults=args.faults, ckpt_interval=args.ckpt_interval,
-                            ram_lost=args.ram_lost,
+                            ram_lost=args.ram_lost, compare=not args.no_compare,
+                            ft_steps=args.ft_steps, stop_steps=args.stop_steps,
                             ram_dir=_ram_dir_arg(args.ram_dir))
     run_demo(args.out_dir, settings)
     print(f"report: {os.path.join(args.out_dir, 'report.md')}")

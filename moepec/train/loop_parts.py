@@ -8,11 +8,11 @@ import logging
 from dataclasses import dataclass
 
 from moepec.train.config import TrainConfig, TrainResult
-from moepec.train.metrics import MetricsWriter
+from moepec.train.metrics import MetricsWriter, stop_record
 from moepec.train.setup import Run
 from moepec.train.steps import StepResult, evaluate
 
-__all__ = ["Timer", "evaluate_if_due", "log_step", "record_step"]
+__all__ = ["Timer", "evaluate_if_due", "log_step", "planned_stop", "record_step"]
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +72,16 @@ def log_step(metrics: MetricsWriter, step: int, out: StepResult, lr: float, tok_
     if to_log:
         log.info("step %d: loss %.4f lr %.2e %.0f tok/s dropped %d",
                  step, out.loss, lr, tok_s, out.dropped)
+
+
+def planned_stop(run: Run, result: TrainResult, step: int, metrics: MetricsWriter) -> bool:
+    """Whether a planned stop (a preemption signal, Ctrl-C) ends the run after ``step``:
+    every rank (of the replica group, in a replica-group run) agrees, and the manager has
+    written a complete checkpoint there (its record becomes ``result.stopped`` and a
+    ``stop`` metrics record). Collective: every rank, every step (every committed step of
+    a replica group), last in the step (after evaluation, so nothing of it is redone)."""
+    if not run.manager.should_stop(step):
+        return False
+    result.stopped = stop_record(run.manager.stopped)
+    metrics.write(result.stopped)
+    return True

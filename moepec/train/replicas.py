@@ -33,7 +33,7 @@ import torch
 from moepec.train import dist
 from moepec.train.config import FtCheckpoints, TrainConfig, TrainResult
 from moepec.train.liveness import PeerWatch
-from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, record_step
+from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, planned_stop, record_step
 from moepec.train.metrics import MetricsWriter, checkpoint_record, recovery_record
 from moepec.train.setup import Run
 from moepec.train.spare import child_store_prefix, joined
@@ -303,6 +303,11 @@ def ft_loop(cfg: TrainConfig, run: Run, result: TrainResult, metrics: MetricsWri
                 log_step(metrics, step, out, lr, timer.tokens_per_s(run.tokens_per_step),
                           grad_norm, val_loss, to_log=is_main and not cfg.progress)
                 timer.new_window()
+            # A planned stop (this group's launcher got SIGTERM): a complete checkpoint in
+            # this group's own root, then the group leaves; exit 0 under torchrun, so it is
+            # not restarted; the other groups train on unless they were stopped too.
+            if run.manager and planned_stop(run, result, step, metrics):
+                break
         metrics.write({"event": "ft_end", "time": time.time(),
                        **_digests(s.state.state_dict(), s.group.step, cfg.ft.digests)})
     finally:

@@ -33,8 +33,8 @@ from moepec.errors import ConfigError, DataError
 from moepec.keys import parse_checkpoint_name
 from moepec.train import dist
 from moepec.train.config import TrainConfig, TrainResult
-from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, record_step
-from moepec.train.metrics import MetricsWriter, checkpoint_record, recovery_record, stop_record
+from moepec.train.loop_parts import Timer, evaluate_if_due, log_step, planned_stop, record_step
+from moepec.train.metrics import MetricsWriter, checkpoint_record, recovery_record
 from moepec.train.setup import Run, setup
 
 # Re-exported so `from moepec.train.trainer import train_step` (tests, notebooks) keeps working.
@@ -143,23 +143,11 @@ def _loop(cfg: TrainConfig, run: Run, result: TrainResult, metrics: MetricsWrite
                 log_step(metrics, step, out, lr, tok_s, grad_norm, val_loss,
                           to_log=is_main and bar.disable)  # otherwise the bar shows it
                 timer.new_window()
-            if run.manager and _stopped(run, result, step, metrics):
+            if run.manager and planned_stop(run, result, step, metrics):
                 break
     finally:
         bar.close()
     return timer.total
-
-
-def _stopped(run: Run, result: TrainResult, step: int, metrics: MetricsWriter) -> bool:
-    """Whether a planned stop (a preemption signal, Ctrl-C) ends the run after ``step``:
-    every rank agrees, and the manager has written a complete checkpoint there (its record
-    becomes ``result.stopped`` and a ``stop`` metrics record). Collective: every rank,
-    every step, last in the step (after evaluation, so nothing of the step is redone)."""
-    if not run.manager.should_stop(step):
-        return False
-    result.stopped = stop_record(run.manager.stopped)
-    metrics.write(result.stopped)
-    return True
 
 
 # --------------------------------------------------------------------------------- train
