@@ -78,3 +78,29 @@ def test_a_kill_during_a_snapshot_leaves_the_previous_one(attempts):
     for got in attempts[3]:
         r = got["newest"]
         assert (r["tier"], r["step"], r["bad"]) == ("ram", 9, [])
+
+
+def test_snapshot_refuses_without_the_ram_level_or_with_iteration_in_the_common_state(
+        tmp_path):
+    import torch
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import moepec
+    import moepec.integrations.megatron as pec
+
+    def sd():
+        return {"iteration": 5, "w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(moepec.ConfigError, match="ram_dir="):
+            pec.snapshot(sd(), 5, str(tmp_path))  # registered at import: no RAM level
+        pec.register(k_persist=1, ram_dir=None)
+        with pytest.raises(moepec.ConfigError, match="'iteration'"):
+            pec.snapshot(sd(), 5, str(tmp_path))
+        with pytest.raises(moepec.ConfigError, match="ram_dir must be"):
+            pec.register(ram_dir="")
+    finally:
+        pec.register()
+        dist.destroy_process_group()

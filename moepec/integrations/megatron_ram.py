@@ -94,14 +94,12 @@ class RamLevel:
         ``fields`` and return the rest; ``hooks``: the snapshots' fault-injection seams
         (:class:`moepec.hooks.FaultHooks`, for tests). Drops the mappings of an earlier configuration."""
         rest = dict(fields)
-        self.on = "ram_dir" in rest
-        self.ram_dir = rest.pop("ram_dir", None)
-        self.hooks = rest.pop("hooks", None)
-        if self.on and self.ram_dir is not None and (
-                not isinstance(self.ram_dir, str) or not self.ram_dir):
+        on, ram_dir = "ram_dir" in rest, rest.pop("ram_dir", None)
+        if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
             raise ConfigError(f"ram_dir must be 'auto', a folder path (e.g. /dev/shm/moepec) "
-                              f"or None for in-process snapshots (got {self.ram_dir!r})")
+                              f"or None for in-process snapshots (got {ram_dir!r})")
         self.close(unlink=False)
+        self.on, self.ram_dir, self.hooks = on, ram_dir, rest.pop("hooks", None)
         return rest
 
     def ram(self, root: str) -> FlatRam:
@@ -118,18 +116,28 @@ class RamLevel:
         directory, holding the ``iter_*`` folders) takes it when it is newer. Returns
         whether a snapshot was taken: none before the first save or load of
         ``checkpoint_dir`` in this process (nothing would name its lineage). Raises
-        ConfigError when the RAM level is off; CheckpointError when the copy failed."""
+        ConfigError when the RAM level is off or the common state holds ``iteration``
+        (Megatron-LM's: a RAM load would mix iterations); CheckpointError when the copy
+        failed."""
         if not self.on:
             raise ConfigError("snapshot() needs the RAM level: call pec.register(ram_dir="
                               "'auto', ...) (or use_for_torch_dist(ram_dir=...)) on every "
                               "rank before the first load or save")
+        sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+        if "iteration" in common:
+            raise ConfigError(
+                "snapshot(): this state dict keeps 'iteration' in its common state (as "
+                "Megatron-LM's checkpointing does), which a load from RAM would take from "
+                "the storage folder while the weights come from the snapshot; the RAM "
+                "level serves a loop that keeps its step outside the common state (resume "
+                "after last_load_report().step): leave 'iteration' out of the snapshot's "
+                "state dict")
         root = os.path.abspath(checkpoint_dir)
         parent = self._front().lineage_uid(root)
         if not parent:
             self._once(f"first:{root}", "moepec: RAM snapshots of %s start after its first "
                        "save or load", root)
             return False
-        sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
         if common:
             self._once("common", "moepec: RAM snapshots hold the sharded state only; a load "
                        "from RAM returns these common (non-sharded) values as the storage "
