@@ -39,6 +39,8 @@ folder lacks (:mod:`moepec.integrations.megatron_checks`). A save without expert
 once; ``moepec materialize`` turns a folder into a ``torch_dist`` checkpoint
 (:mod:`moepec.integrations.megatron_export`). :func:`use_for_torch_dist`: moepec for
 Megatron-LM's ``--ckpt-format torch_dist`` (:mod:`moepec.integrations.megatron_switch`).
+:func:`snapshot` (with ``register(ram_dir=...)``): the RAM level, next to the training
+step; a load of the newest folder takes it when newer (:mod:`.megatron_ram`).
 """
 
 from __future__ import annotations
