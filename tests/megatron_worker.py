@@ -121,11 +121,14 @@ def make_folder(folder: str) -> None:
     dist.barrier()
 
 
-def guide() -> dict:
+def guide(ram_dir: str) -> dict:
     """The usage block of docs/megatron.md, run as written: its save() and load() are
-    the ones these phases call (so the guide's code is what the tests prove)."""
+    the ones these phases call (so the guide's code is what the tests prove), with its
+    RAM level in ``ram_dir`` (the test's, not the user's /dev/shm/moepec)."""
     text = (REPO / "docs" / "megatron.md").read_text()
     code = text.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'ram_dir="auto"' in code
+    code = code.replace('ram_dir="auto"', f"ram_dir={ram_dir!r}")
     namespace: dict = {}
     exec(compile(code, "docs/megatron.md", "exec"), namespace)
     return namespace
@@ -291,7 +294,7 @@ def main() -> None:
     phase, root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
-    GUIDE.update(guide())
+    GUIDE.update(guide(root.rstrip("/") + "-ram"))  # beside the save directory
     queue = AsyncCallsQueue()
     model, opt = build(seed=1)
     if phase in ("save", "save-crash"):

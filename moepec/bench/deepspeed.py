@@ -18,6 +18,13 @@ written, and how long the call blocked the training loop. Methods: ``deepspeed``
 background: ``async_persist``) and ``moepec-sync``. The first save of a PEC lineage
 writes every expert; the table reports the later ones (the steady state) and the first
 apart. One process (gloo, world size 1, ``DS_ACCELERATOR=cpu`` unless set).
+
+Then the two levels (:func:`two_level`, unless ``--no-two-level``): after a first save
+names the lineage, a RAM snapshot per checkpoint (``snapshot(engine, dir)``, the whole
+state into shared memory), its blocking against DeepSpeed's own ``save_checkpoint``
+above; and the restore of a restarted worker (a fresh engine, ``load_checkpoint(dir)``)
+from RAM against the same load from storage (a local folder, page cache warm), medians
+of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -51,6 +58,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3),
                    help="ZeRO stage (3: --model mixtral; DeepSpeed's MoE refuses it)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (both methods)")
+    p.add_argument("--repeats", type=int, default=3, help="two levels: restores per tier")
+    p.add_argument("--no-two-level", dest="two_level", action="store_false",
+                   help="skip the RAM level's snapshot and restore measurements")
     p.add_argument("--methods", nargs="+", default=["deepspeed", "moepec", "moepec-sync"],
                    choices=METHODS,
                    help="decoupled: DeepSpeed 0.19.8's decoupled writer; on CPU it fails "
@@ -105,7 +115,7 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
     return Net()
 
 
-def _engine(args: argparse.Namespace, method: str):
+def _engine(args: argparse.Namespace, method: str, section: dict | None = None):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -119,7 +129,7 @@ def _engine(args: argparse.Namespace, method: str):
     if method == "decoupled":
         cfg["checkpoint"] = {"writer": {"type": "python", "decoupled": True}}
     if method.startswith("moepec"):
-        cfg["moepec"] = {"k_persist": args.k, "async_persist": method == "moepec"}
+        cfg["moepec"] = section or {"k_persist": args.k, "async_persist": method == "moepec"}
     engine, *_ = deepspeed.initialize(model=net, model_parameters=groups, config=cfg)
     return engine
 
@@ -141,6 +151,62 @@ def _train(engine, steps: int, vocab: int | None = None) -> float:
         engine.backward(loss)
         engine.step()
     return (time.perf_counter() - started) / steps
+
+
+def two_level(args: argparse.Namespace, root: Path) -> dict:
+    """RAM snapshots (blocking) and restores from RAM and from storage (module docstring)."""
+    import moepec.integrations.deepspeed as door
+
+    ram_dir = tempfile.mkdtemp(prefix="moepec-bench-", dir="/dev/shm") \
+        if os.access("/dev/shm", os.W_OK) else None
+    save_dir, vocab = str(root / "two-level"), (args.vocab if args.model == "mixtral"
+                                                else None)
+    section = {"k_persist": args.k, "async_persist": False, "snapshot_every": 1,
+               "ram_dir": ram_dir}
+    try:
+        engine = _engine(args, "moepec", section)
+        _train(engine, 1, vocab)
+        engine.save_checkpoint(save_dir)  # names the lineage the snapshots continue
+        blocked = []
+        for _ in range(args.checkpoints):
+            _train(engine, args.steps, vocab)
+            started = time.perf_counter()
+            assert door.snapshot(engine, save_dir)
+            blocked.append(time.perf_counter() - started)
+        door.attach(engine, **section).close_ram(unlink=False)  # as a dead worker leaves them
+        times: dict[str, list[float]] = {"ram": [], "local": []}
+        for _ in range(args.repeats):
+            for tier in ("ram", "local"):  # a fresh engine: what a restarted worker has
+                fresh = _engine(args, "moepec", section if tier == "ram" else
+                                {"k_persist": args.k, "async_persist": False})
+                started = time.perf_counter()
+                fresh.load_checkpoint(save_dir)
+                times[tier].append(time.perf_counter() - started)
+                got = door.last_load_report().tier
+                assert got == ("ram" if tier == "ram" else "storage"), got
+                if tier == "ram":
+                    door.attach(fresh, **section).close_ram(unlink=False)
+                fresh.destroy()
+        engine.destroy()
+    finally:  # the slots go with the folder
+        if ram_dir is not None:
+            shutil.rmtree(ram_dir, ignore_errors=True)
+    return {"snapshot": statistics.median(blocked[1:] or blocked),
+            **{t: statistics.median(v) for t, v in times.items()}}
+
+
+def report_levels(levels: dict, rows: list[dict]) -> list[str]:
+    base = next((r for r in rows if r["method"] == "deepspeed"), None)
+    snap, ram, local = (1e3 * levels[k] for k in ("snapshot", "ram", "local"))
+    lines = [f"two levels: RAM snapshot (whole state) blocks {snap:.1f} ms"]
+    if base is not None:
+        own = 1e3 * statistics.median(base["blocked"][1:])
+        lines[0] += f"; DeepSpeed's save_checkpoint {own:.1f} ms: {snap / own:.3f}x " \
+                    "(goal <= 0.25x)"
+    lines.append(f"restore of a restarted worker: from RAM {ram:.1f} ms, from storage "
+                 f"(local folder, warm) {local:.1f} ms: RAM / local {ram / local:.3f}x "
+                 f"(goal <= 1x)")
+    return lines
 
 
 def _bytes(folder: Path) -> int:
@@ -221,5 +287,7 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as exc:  # a DeepSpeed writer that does not start here
                 print(f"{method}: did not run ({type(exc).__name__}: {exc})"[:300])
         print("\n".join(report(rows, args)))
+        if args.two_level:
+            print("\n".join(report_levels(two_level(args, root), rows)))
     finally:
         shutil.rmtree(root, ignore_errors=True)

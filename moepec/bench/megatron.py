@@ -12,17 +12,26 @@ time overlaps training and is reported apart. Weights and Adam moments change be
 checkpoints (the forward does not run on CPU). One process (gloo, world size 1), CPU
 shims from tests/megatron_shims.py (so it runs from a source checkout:
 :mod:`moepec.bench.checkout`).
+
+Then the two levels (:func:`two_level`): after a moepec save names the lineage, a RAM
+snapshot (``pec.snapshot``, the whole state into shared memory) per checkpoint, its
+blocking against torch_dist's async save's above; and the restore of a restarted worker
+(a fresh registration, new model and optimizer; ``dist_checkpointing.load`` of the
+newest folder, ``load_state_dict``) from RAM against the same load from storage (a local
+folder, page cache warm: storage's best case), medians of ``--repeats``, checked equal.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,8 +70,18 @@ def build(args: argparse.Namespace):
                "is_decoupled_lr": False} for e in (False, True)]
     adam = torch.optim.Adam(groups, lr=1e-3)
     opt = megatron_shims.fp32_optimizer(adam, OptimizerConfig(optimizer="adam", lr=1e-3),
-                                        lambda o, c=None: None)
+                                        _init_state)
     return model, opt
+
+
+def _init_state(opt, config=None) -> None:
+    """Adam's moments before the first step (what a load fills: Megatron calls this
+    when it builds the optimizer's sharded state dict for loading)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not opt.state[p]:
+                opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
 def step(model, opt, seed: int) -> None:
@@ -112,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ffn", type=int, default=512)
     ap.add_argument("--checkpoints", type=int, default=8)
     ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5, help="restores per tier")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="moepec-bench-megatron-") as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0,
@@ -127,8 +147,10 @@ def main(argv: list[str] | None = None) -> None:
             for name, strategy in order[::1 if c % 2 else -1]:  # alternate who goes first
                 rows[name].append(one_save(model, opt, Path(tmp) / name / f"iter_{c:07d}",
                                            strategy, queue))
+        levels = two_level(args, model, opt, Path(tmp) / "two-level", queue)
         queue.close()
         report(args, rows)
+        report_levels(levels, rows)
         dist.destroy_process_group()
 
 
@@ -151,6 +173,83 @@ def report(args: argparse.Namespace, rows: dict[str, list[dict[str, float]]]) ->
     (tb, tblk), (mb, mblk) = summary["torch_dist"], summary["moepec"]
     print(f"moepec / torch_dist: bytes per checkpoint {mb / tb:.3f}x, blocking per "
           f"checkpoint {mblk / tblk:.3f}x (checkpoints after the first)")
+
+
+def _restore(args: argparse.Namespace, folder: Path) -> tuple[float, Any, dict]:
+    """A restarted worker's restore: new model and optimizer, the load, load_state_dict."""
+    from megatron.core import dist_checkpointing
+
+    import moepec.integrations.megatron as mg
+
+    model, opt = build(args)
+    t0 = time.perf_counter()
+    model_sd = model.sharded_state_dict()
+    state = dist_checkpointing.load({"model": model_sd, "optimizer": opt.sharded_state_dict(
+        model_sd, is_loading=True)}, str(folder))
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return time.perf_counter() - t0, mg.last_load_report(), _tensors(model, opt)
+
+
+def _tensors(model, opt) -> dict[str, torch.Tensor]:
+    out = {f"w:{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for k, v in opt.optimizer.state.get(p, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                out[f"{k}:{n}"] = v.detach().clone()
+    return out
+
+
+def two_level(args: argparse.Namespace, model, opt, root: Path, queue) -> dict:
+    """RAM snapshots (blocking) and restores from RAM and from storage (see the module
+    docstring). The storage head is one moepec save (full: the first of its lineage)."""
+    import moepec.integrations.megatron as mg
+
+    ram_dir = tempfile.mkdtemp(prefix="moepec-bench-", dir="/dev/shm") \
+        if os.access("/dev/shm", os.W_OK) else None
+    try:
+        mg.register(k_persist=args.k, ram_dir=ram_dir)
+        one_save(model, opt, root / "iter_0000000", ("moepec", 1), queue)
+        blocking = []
+        for c in range(1, args.checkpoints + 1):
+            step(model, opt, seed=1000 + c)
+            model_sd = model.sharded_state_dict()
+            sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}
+            t0 = time.perf_counter()
+            assert mg.snapshot(sd, c, str(root))
+            blocking.append(time.perf_counter() - t0)
+        want, head = _tensors(model, opt), root / "iter_0000000"
+        times: dict[str, list[float]] = {"ram": [], "local": []}
+        for _ in range(args.repeats):
+            for tier in ("ram", "local"):  # a fresh registration: what a restart has
+                mg.register(k_persist=args.k, **({"ram_dir": ram_dir} if tier == "ram"
+                                                 else {}))
+                seconds, rep, got = _restore(args, head)
+                assert rep.tier == ("ram" if tier == "ram" else "storage"), rep.tier
+                if tier == "ram":
+                    assert all(torch.equal(got[k], v) for k, v in want.items())
+                times[tier].append(seconds)
+        mg.register(k_persist=args.k, ram_dir=ram_dir)
+        mg.close_ram()  # this rank's slots removed
+    finally:
+        if ram_dir is not None:
+            shutil.rmtree(ram_dir, ignore_errors=True)
+    return {"snapshot": statistics.median(blocking[1:] or blocking),
+            "in_shared_memory": ram_dir is not None,
+            **{t: statistics.median(v) for t, v in times.items()}}
+
+
+def report_levels(levels: dict, rows: dict[str, list[dict[str, float]]]) -> None:
+    """The two levels' lines, and their ratios against torch_dist and storage."""
+    async_ms = statistics.median(r["blocking"] for r in rows["torch_dist"][1:]) * 1e3
+    snap_ms = levels["snapshot"] * 1e3
+    where = "shared memory" if levels["in_shared_memory"] else "the process"
+    print(f"two levels: RAM snapshot (whole state, {where}) blocks {snap_ms:.1f} ms; "
+          f"torch_dist async save blocks {async_ms:.1f} ms: {snap_ms / async_ms:.3f}x "
+          f"(goal <= 0.25x)")
+    ram, local = levels["ram"] * 1e3, levels["local"] * 1e3
+    print(f"restore of a restarted worker: from RAM {ram:.1f} ms, from storage (local "
+          f"folder, warm) {local:.1f} ms: RAM / local {ram / local:.3f}x (goal <= 1x)")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ starts fresh).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ from moepec.hooks import FaultHooks
 from moepec.ram import placement
 from moepec.ram.jobs import check_budget
 from moepec.ram.snapshot import RamTier, Snapshot
+from moepec.recovery.outcome import RestoreReport
 from moepec.store.flat import FlatManifest
 from moepec.store.meta import CheckpointMeta
 
@@ -164,6 +166,18 @@ class FlatRam:
         if self._tier is not None:
             self._tier.close(unlink)
             self._tier = None
+
+
+def ram_report(head: RestoreReport, step: int) -> RestoreReport:
+    """The report of a load from the RAM snapshot of ``step``, from ``head``'s (the load
+    of its storage head, whose lineage the run takes over): every unit from RAM at that
+    step, nothing lost by this load (the PLT of earlier recoveries stays)."""
+    label = f"ram:{step}"
+    return dataclasses.replace(
+        head, step=step, checkpoint=label, tier="ram", units_from={"ram": len(head.sources)},
+        lost=[[0] * len(r) for r in head.lost],
+        sources={u: {**s, "step": step, "tier": "ram", "checkpoint": label}
+                 for u, s in head.sources.items()})
 
 
 def _completed(held: Mapping[str, torch.Tensor], group_of: Callable[[str], str]

@@ -7,7 +7,6 @@ bases, which sets the fields they use: ``fields``, ``front``, ``_engine``, ``_lo
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 import moepec
 from moepec.errors import CheckpointError, ConfigError
-from moepec.flat import FlatRam
+from moepec.flat import FlatRam, ram_report
 from moepec.integrations.ds_experts import module_replica, optimizer_index, zero3_fragments
 from moepec.integrations.ds_export import read_latest
 from moepec.integrations.ds_files import file_keys, join_file, location, split_file
@@ -148,12 +147,7 @@ class RamLevel:
         if self._loading != (root, where):
             _, head = self.front.load(root, where, [], agree=True)
             self._loading = (root, where)
-            label = f"ram:{step}"
-            report = dataclasses.replace(
-                head, step=step, checkpoint=label, tier="ram", units_from={
-                    "ram": len(head.sources)}, lost=[[0] * len(r) for r in head.lost],
-                sources={u: {**s, "step": step, "tier": "ram", "checkpoint": label}
-                         for u, s in head.sources.items()})
+            report = ram_report(head, step)
             rng = f"{RNG}/rank_{dist.get_rank()}/torch"
             self._rng = held[rng].clone() if rng in held else None
         keys = file_keys(name, held)

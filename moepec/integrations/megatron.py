@@ -39,13 +39,14 @@ folder lacks (:mod:`moepec.integrations.megatron_checks`). A save without expert
 once; ``moepec materialize`` turns a folder into a ``torch_dist`` checkpoint
 (:mod:`moepec.integrations.megatron_export`). :func:`use_for_torch_dist`: moepec for
 Megatron-LM's ``--ckpt-format torch_dist`` (:mod:`moepec.integrations.megatron_switch`).
+:func:`snapshot` (with ``register(ram_dir=...)``): the RAM level, next to the training
+step; a load of the newest folder takes it when newer (:mod:`.megatron_ram`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -53,7 +54,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import (
     CheckpointingException,
     ShardedObject,
@@ -74,7 +75,6 @@ from moepec.flat import (
     FlatPlan,
     Unit,
     decode_object,
-    encode_object,
     split_folder,
     write_rank,
 )
@@ -86,7 +86,11 @@ from moepec.integrations.megatron_checks import (
     refusals,
     refuse_on_every_rank,
 )
-from moepec.integrations.megatron_keys import expert_unit, flat_key, object_unit
+from moepec.integrations.megatron_keys import expert_unit, object_unit
+from moepec.integrations.megatron_ram import RamLevel, Shard
+from moepec.integrations.megatron_ram import empty as _empty
+from moepec.integrations.megatron_ram import shards as _shards
+from moepec.integrations.megatron_ram import value as _value
 from moepec.integrations.megatron_switch import answer, answering, restore
 
 log = logging.getLogger(__name__)
@@ -96,6 +100,9 @@ VERSION = 1
 _BUCKETS = "optimizer.distributed."
 _ITER = re.compile(r"(\d+)$")
 _door: list[FlatFrontEnd] = []
+_ram = RamLevel(lambda: _door[-1])
+snapshot = _ram.snapshot  # public: the RAM level (moepec.integrations.megatron_ram)
+close_ram = _ram.close  # public: at the clean end of a run, this rank's slots removed
 
 
 def _front() -> FlatFrontEnd:
@@ -117,42 +124,11 @@ def last_load_report() -> moepec.RestoreReport | None:
     """What the last ``dist_checkpointing.load`` of a moepec folder in this process
     restored: ``sources["L/E"]`` (the step and folder of each expert's copy), ``lost``
     and ``plt`` (paper Eq. 7, from the routing counts the saves recorded)."""
-    return _front().last_load_report()
-
-
-Shard = ShardedTensor | ShardedObject
-
-
-def _flat_key_of(x: Shard) -> str:
-    return flat_key(x) if isinstance(x, ShardedTensor) else f"{OBJECT}{x.unique_key}"
+    return _ram.report or _front().last_load_report()  # from RAM, or storage's
 
 
 def _unit_of(x: Shard) -> Unit | None:
     return expert_unit(x) if isinstance(x, ShardedTensor) else object_unit(x)
-
-
-def _value(x: Shard) -> torch.Tensor:
-    """What is written for a shard: its tensor, or its object as tagged JSON (no pickle;
-    moepec.state.objects)."""
-    if isinstance(x, ShardedTensor):
-        return x.data
-    return encode_object(x.data, f"ShardedObject {x.key!r}",
-                         fix="keep _extra_state and other sharded objects plain data")
-
-
-def _shards(sharded_state_dict: Any) -> dict[str, Shard]:
-    """Every ShardedTensor and ShardedObject by flat key."""
-    return {_flat_key_of(x): x for x in nested_values(sharded_state_dict)
-            if isinstance(x, (ShardedTensor, ShardedObject))}
-
-
-def _empty(sh: Shard) -> bool:
-    """A shard with no values (a rank's zero-length part of an uneven split): nothing to
-    write, and the load makes it without reading."""
-    if not isinstance(sh, ShardedTensor):
-        return False
-    rng = sh.flattened_range
-    return (rng.stop - rng.start if rng is not None else math.prod(sh.local_shape)) == 0
 
 
 def _main_shards(sharded_state_dict: Any) -> dict[str, Shard]:
@@ -282,8 +258,8 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         refuse_on_every_rank(reasons, f"{root}/{name}")
         reads = {k: _to_read(k, sh, saved) for k, sh in shards.items()}
         try:
-            targets, _ = self.front.load(root, name, list(dict.fromkeys(
-                r for r in reads.values() if r is not None)), agree=True)
+            targets = _ram.load(root, name, list(dict.fromkeys(  # RAM when newer
+                r for r in reads.values() if r is not None)))
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
         loaded = {id(sh): _loaded(sh, k, reads[k], targets, saved, name)
@@ -362,9 +338,11 @@ def register(**fields: Any) -> None:
     """(Re-)register the ``("moepec", 1)`` backend with Megatron's strategy registry, on
     a fresh front end with ``fields``: the CheckpointConfig fields that apply
     (``k_persist``, ``selection``, ``full_every``, ``plt_budget``, ``dynamic_k``,
-    ``dynamic_k_down``; same names, defaults and validation). Called at import with the
-    defaults (K = 1, sequential). Raises moepec.ConfigError for a bad or foreign field."""
-    front = FlatFrontEnd(**fields)
+    ``dynamic_k_down``; same names, defaults and validation), and ``ram_dir`` (``"auto"``,
+    a folder, or None: in the process) to turn the RAM level on (:func:`snapshot`; loads
+    of the newest folder take RAM when newer). Called at import with the defaults (K = 1,
+    sequential, no RAM level). Raises moepec.ConfigError for a bad or foreign field."""
+    front = FlatFrontEnd(**_ram.configure(fields))
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
                               MoepecSaveStrategy(front))
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION,

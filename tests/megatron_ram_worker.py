@@ -1,0 +1,138 @@
+"""A torchrun worker for tests/test_megatron_ram.py: the Megatron-Core door's two levels
+(``pec.snapshot`` every 3 iterations into the RAM tier, a ``dist_checkpointing`` save
+every 4) under ``torchrun --max-restarts 3``, 2 ranks, gloo, EP 2, K = 1 of 4 experts.
+``python megatron_ram_worker.py OUT RAM_DIR``; each attempt writes JSON per rank in OUT:
+
+- attempt 0: iterations 1-7 (save at 4, snapshot at 6; none at 3: no lineage yet); the
+  state at 4 and 6 recorded; rank 1 SIGKILLs itself after 7;
+- attempt 1: a load of the newest folder (iter 4): from RAM at 6, bit for bit; 7-9 (save
+  at 8, snapshot at 9); the node's RAM is wiped; rank 1 SIGKILLs itself;
+- attempt 2: the load takes storage (8; each expert from its source's step); 9 (a
+  snapshot); a load naming iter 4 takes it, never RAM; a load of the newest after it
+  takes storage (the snapshot of 9 was an abandoned future); 9 again (a snapshot), then
+  at 10 rank 1 SIGKILLs itself inside its snapshot, its slot copied and not sealed;
+- attempt 3: the load takes RAM at 9 (rank 1's slot of 10 is torn: never read).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron_model import build, sharded, snapshot
+from megatron_worker import expert_of, make_folder, train_a_bit
+
+import moepec.integrations.megatron as pec
+from moepec.hooks import FaultHooks
+
+
+def folder(save_dir: str, it: int) -> str:
+    return os.path.join(save_dir, f"iter_{it:07d}")
+
+
+def newest(save_dir: str) -> str:
+    """The newest saved folder (what Megatron-LM's tracker file names)."""
+    return max(n for n in os.listdir(save_dir)
+               if os.path.exists(os.path.join(save_dir, n, "metadata.json")))
+
+
+def record(out: str, it: int, model, opt) -> None:
+    torch.save(snapshot(model, opt), os.path.join(out, f"state_{it}_{dist.get_rank()}.pt"))
+
+
+def expected(out: str, it: int) -> dict:
+    return torch.load(os.path.join(out, f"state_{it}_{dist.get_rank()}.pt"),
+                      weights_only=True)
+
+
+def load(model, opt, path: str, out: str) -> dict:
+    """A plain dist_checkpointing.load of ``path``; the report, and every weight and Adam
+    moment that differs from its value at the step the report names for it."""
+    model_sd = model.sharded_state_dict()
+    state = dist_checkpointing.load({"model": model_sd, "optimizer": opt.sharded_state_dict(
+        model_sd, is_loading=True)}, path)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    r = pec.last_load_report()
+    got, bad = snapshot(model, opt), []
+    for key, v in got.items():
+        unit = expert_of(key.split(":", 1)[1])
+        step = r.step if unit is None else r.sources[f"{unit[0]}/{unit[1]}"]["step"]
+        bad += [f"{key}@{step}"] if not torch.equal(v, expected(out, step)[key]) else []
+    return {"tier": r.tier, "step": r.step, "checkpoint": r.checkpoint, "bad": bad,
+            "checked": len(got), "units_from": r.units_from,
+            "sources": sorted({s["step"] for s in r.sources.values()})}
+
+
+def run(model, opt, save_dir: str, out: str, start: int, until: int) -> None:
+    """Iterations start+1 .. until: a save every 4, a snapshot every 3."""
+    for it in range(start + 1, until + 1):
+        train_a_bit(model, opt, seed=it)
+        if it % 4 == 0:
+            make_folder(folder(save_dir, it))
+            dist_checkpointing.save(sharded(model, opt), folder(save_dir, it),
+                                    sharded_strategy=("moepec", 1))
+            record(out, it, model, opt)
+        if it % 3 == 0 and pec.snapshot(sharded(model, opt), it, save_dir):
+            record(out, it, model, opt)
+
+
+def main(out: str, ram_dir: str) -> None:
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    save_dir = os.path.join(out, "ckpt")
+    hooks = FaultHooks()
+    pec.register(k_persist=1, ram_dir=ram_dir, hooks=hooks)
+    model, opt = build(seed=10 + attempt)
+    results: dict = {}
+    if attempt == 0:
+        run(model, opt, save_dir, out, 0, 7)
+    else:
+        results["newest"] = load(model, opt, folder(save_dir, int(
+            newest(save_dir).removeprefix("iter_"))), out)
+    if attempt == 1:
+        run(model, opt, save_dir, out, 6, 9)
+        dist.barrier()
+        shutil.rmtree(os.path.join(ram_dir, os.listdir(ram_dir)[0], f"rank{rank}"))
+        dist.barrier()  # the node's RAM is gone, then the fault
+    if attempt == 2:
+        run(model, opt, save_dir, out, 8, 9)
+        results["named"] = load(model, opt, folder(save_dir, 4), out)
+        results["after_named"] = load(model, opt, folder(save_dir, 8), out)
+        run(model, opt, save_dir, out, 8, 9)
+
+        def die(point: str, step: int) -> None:
+            if (point, step) == ("seal", 10) and rank == 1:  # copied, header not written
+                os.kill(os.getpid(), signal.SIGKILL)
+        hooks.on_snapshot = die
+        with open(os.path.join(out, f"attempt{attempt}_{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.barrier()  # both ranks hold the snapshot of 9 and wrote their results
+        train_a_bit(model, opt, seed=10)
+        pec.snapshot(sharded(model, opt), 10, save_dir)
+        dist.barrier()  # rank 0 waits here until torchrun stops it
+    with open(os.path.join(out, f"attempt{attempt}_{rank}.json"), "w") as f:
+        json.dump(results, f)
+    if attempt < 2:
+        dist.barrier()  # both ranks wrote their results; then the fault
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()  # rank 0 waits here until torchrun stops it
+    pec.close_ram()  # a clean end: this rank's slots removed
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("moepec").setLevel(logging.INFO)
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,106 @@
+"""The Megatron-Core door's two levels (moepec.integrations.megatron.snapshot into the
+flat front end's RAM tier) under torchrun with real SIGKILLs: one launch,
+``--max-restarts 3``, four attempts of tests/megatron_ram_worker.py (what each does is in
+its docstring), shared by the tests below."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "megatron_ram_worker.py"
+
+
+@pytest.fixture(scope="module")
+def attempts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron_ram")
+    ram = tempfile.mkdtemp(prefix="moepec-test-", dir="/dev/shm")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "--max-restarts", "3", str(WORKER), str(out), ram]
+    try:
+        with subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as proc:
+            try:
+                stdout, stderr = proc.communicate(timeout=500)
+            except subprocess.TimeoutExpired:  # the ranks too, not only torchrun
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+        left = sorted(p.name for p in Path(ram).glob("*/rank*/slot*"))
+    finally:
+        shutil.rmtree(ram, ignore_errors=True)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    assert left == [], left  # the clean end of the last attempt removed its slots
+    return [[json.loads((out / f"attempt{a}_{r}.json").read_text()) for r in (0, 1)]
+            for a in range(4)]
+
+
+def test_a_killed_worker_resumes_from_ram_at_the_newest_snapshot_bit_for_bit(attempts):
+    # Storage saved iteration 4; the RAM snapshot of 6 is newer; rank 1 died at 7.
+    for got in attempts[1]:
+        r = got["newest"]
+        assert (r["tier"], r["step"], r["checkpoint"]) == ("ram", 6, "ram:6")
+        assert r["units_from"] == {"ram": 8} and r["sources"] == [6]
+        assert r["bad"] == [] and r["checked"] >= 20
+
+
+def test_with_the_ram_tier_wiped_storage_serves_and_the_report_says_so(attempts):
+    # The snapshot of 9 was wiped with the node's RAM; storage holds 8 (K = 1 of 4).
+    for got in attempts[2]:
+        r = got["newest"]
+        assert (r["tier"], r["step"], r["checkpoint"]) == ("storage", 8, "iter_0000008")
+        assert r["units_from"] == {"storage": 8} and r["sources"] == [4, 8]
+        assert r["bad"] == [] and r["checked"] >= 20
+
+
+def test_a_named_older_folder_loads_that_folder_and_abandons_later_snapshots(attempts):
+    for got in attempts[2]:
+        assert [(got[c]["tier"], got[c]["step"], got[c]["bad"]) for c in (
+            "named", "after_named")] == [("storage", 4, []), ("storage", 8, [])]
+
+
+def test_a_kill_during_a_snapshot_leaves_the_previous_one(attempts):
+    # Rank 1 died inside the snapshot of 10 (copied, not sealed): every rank takes 9.
+    for got in attempts[3]:
+        r = got["newest"]
+        assert (r["tier"], r["step"], r["bad"]) == ("ram", 9, [])
+
+
+def test_snapshot_refuses_without_the_ram_level_or_with_iteration_in_the_common_state(
+        tmp_path):
+    import torch
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import moepec
+    import moepec.integrations.megatron as pec
+
+    def sd():
+        return {"iteration": 5, "w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(moepec.ConfigError, match="ram_dir="):
+            pec.snapshot(sd(), 5, str(tmp_path))  # registered at import: no RAM level
+        pec.register(k_persist=1, ram_dir=None)
+        with pytest.raises(moepec.ConfigError, match="'iteration'"):
+            pec.snapshot(sd(), 5, str(tmp_path))
+        with pytest.raises(moepec.ConfigError, match="ram_dir must be"):
+            pec.register(ram_dir="")
+    finally:
+        pec.register()
+        dist.destroy_process_group()
