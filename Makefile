@@ -43,8 +43,10 @@ demo: $(DEMO_STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check moepec tests benchmarks
 
+# Two pytest-xdist workers, a test file at a time each (tests/conftest.py: longest first).
+# A serial run (`$(PY) -m pytest`) runs the same tests.
 test: lint
-	$(PY) -m pytest -q -ra --durations=30
+	$(PY) -m pytest -q -ra --durations=30 -n 2 --dist loadfile
 
 # The suite beside two CPU-bound busy processes (tests/busy.py): it must stay green on a
 # loaded machine.
