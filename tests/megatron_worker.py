@@ -49,7 +49,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron_model import N_EXPERTS, N_LAYERS, build, sharded, snapshot  # noqa: E402
 
 import moepec.integrations.megatron as mg  # noqa: E402
-from moepec.integrations.megatron_final import complete_next_save  # noqa: E402
+from moepec.integrations.megatron import complete_next_save  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE: dict = {}

@@ -41,6 +41,7 @@ once; ``moepec materialize`` turns a folder into a ``torch_dist`` checkpoint
 Megatron-LM's ``--ckpt-format torch_dist`` (:mod:`moepec.integrations.megatron_switch`).
 :func:`snapshot` (with ``register(ram_dir=...)``): the RAM level, next to the training
 step; a load of the newest folder takes it when newer (:mod:`.megatron_ram`).
+:func:`complete_next_save`: the run's last save writes every expert.
 """
 
 from __future__ import annotations
@@ -108,6 +109,15 @@ close_ram = _ram.close  # public: at the clean end of a run, this rank's slots r
 def _front() -> FlatFrontEnd:
     """The front end the registered strategies share (the last :func:`register`)."""
     return _door[-1]
+
+
+def complete_next_save() -> None:
+    """Make this process's next moepec save complete: every expert of every MoE layer
+    (K = N once; then the rotation goes on), for a run's last save (end of training,
+    Megatron-LM's ``--exit-signal-handler``), whose being last the backend cannot see.
+    Any rank, any thread (a signal handler's too), no collective: the save's plan
+    carries a mark on one rank to every rank."""
+    _front().complete_next_save()
 
 
 def observe_routing(counts: Any) -> None:
