@@ -111,8 +111,8 @@ class FlatFrontEnd:
         self._read_cache: tuple[str, str, Any] | None = None
         """The last load's folders, kept for the reads of the same folder that follow
         it (each of a framework's files): one choice of older copies per load."""
-        self._uids: dict[str, tuple[tuple, str]] = {}
-        """What :func:`moepec.flat.lineage.folder_uid` read (rank 0's saves)."""
+        self._uids: dict[str, tuple[tuple, str]] = {}  # folder_uid's reads (rank 0 saves)
+        self._rotating: set[str] = set()  # roots whose old folders get deleted: saves full
 
     # -- routing ---------------------------------------------------------------------
     def observe_routing(self, counts: Any) -> None:
@@ -194,7 +194,8 @@ class FlatFrontEnd:
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:  # whatever happens, the other ranks must hear of it (they wait below)
-                box[0] = without_gone(root, self._read_parent(root, name), self._uids)
+                box[0] = without_gone(root, self._read_parent(root, name), self._uids,
+                                      self._rotating)
             except (OSError, MoepecError) as exc:
                 box[0] = f"{root} cannot be read ({exc})"
         dist.broadcast_object_list(box, src=0)

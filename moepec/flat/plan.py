@@ -78,6 +78,8 @@ class Parent:
     """Its lineage, oldest first (the manifest's ``ancestors``: (folder, uid))."""
     pending: bool = False
     """Not committed when this save was planned (a save of this process in flight)."""
+    full: bool = False
+    """The save must write every expert (the folders it would read from get deleted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +141,9 @@ def plan_save(root: str, name: str, step: int, every: Sequence[Mapping[str, Unit
     """Plan one save: ``every`` is each rank's key -> unit (all ranks gathered),
     ``counts`` the routing counts per (layer, expert) since the parent (summed over ranks),
     ``uid`` the save's identity (the same on every rank).
-    The first save of a lineage, one ``full_every`` asks for, and one over a changed set
-    of layers write every expert; a key the parent's view lacks is always written."""
+    The first save of a lineage, one ``full_every`` or a ``full`` parent asks for, and
+    one over a changed set of layers write every expert; a key the parent's view lacks is
+    always written."""
     sizes = layer_sizes(every)
     selected: set[Unit] = set()
     fields = None
@@ -149,7 +152,7 @@ def plan_save(root: str, name: str, step: int, every: Sequence[Mapping[str, Unit
             schedule.observe(counts)
         resumed = parent is not None and parent.schedule is not None \
             and list(parent.layers) == list(sizes)
-        full = not resumed or schedule.is_full_by_period()
+        full = not resumed or parent.full or schedule.is_full_by_period()
         _, persist_sel = schedule.choose(full, persist=True)
         selected = {(layer, e) for layer, sel in zip(sizes, persist_sel) for e in sel}
         fields = schedule.meta_fields()
