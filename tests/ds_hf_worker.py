@@ -38,9 +38,8 @@ from torch import nn
 
 import moepec.integrations.deepspeed as door
 from moepec.integrations.ds_files import Rows
+from tests.ds_plain_worker import E, H, V, qwen2, raw
 from tests.ds_worker import state
-
-V, H, E = 64, 16, 4
 
 
 class ExpertMLP(nn.Module):
@@ -83,9 +82,7 @@ def model(name: str, seed: int) -> nn.Module:
         return m
     # 3 layers: ZeRO-2's boundary between 2 ranks falls in expert 2's row of layer 1's
     # gate_up_proj (value 752 of it, 256 a row)
-    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-        **dict(attn, num_hidden_layers=3), moe_intermediate_size=8, shared_expert_intermediate_size=16, num_experts=E,
-        num_experts_per_tok=2))
+    return qwen2(seed)
 
 
 def engine(name: str, stage: int | str, seed: int, section: dict | None):
@@ -213,6 +210,10 @@ def stitched(out: str, cases: list[str]) -> dict:
         fresh.load_checkpoint(save_dir)
         report = door.last_load_report()
         source = {k: v["step"] for k, v in report.sources.items()}
+        if case == "qwen2:3":  # what a DeepSpeed without moepec loads from it materialized
+            from safetensors.torch import save_file
+            rank = torch.distributed.get_rank()
+            save_file(raw(fresh), os.path.join(out, f"stitched_qwen2_3_{rank}.safetensors"))
         results[case] = {
             "bad": compare(snapshot(fresh), at, experts, source, max(at)),
             "checked": len(at[max(at)]), "sources": source, "step": report.step,
