@@ -34,11 +34,12 @@ import sys
 
 import deepspeed
 import torch
+import torch._dynamo  # noqa: F401 - before any zero.Init (see engine)
 from torch import nn
 
 import moepec.integrations.deepspeed as door
 from moepec.integrations.ds_files import Rows
-from tests.ds_plain_worker import E, H, V, qwen2, raw
+from tests.ds_plain_worker import E, H, V, qwen2, qwen2_config, raw
 from tests.ds_worker import state
 
 
@@ -86,16 +87,31 @@ def model(name: str, seed: int) -> nn.Module:
 
 
 def engine(name: str, stage: int | str, seed: int, section: dict | None):
-    """``stage``: the ZeRO stage, ``"2bf16"`` for stage 2 in bf16."""
-    net = model(name, seed)
+    """``stage``: the ZeRO stage, ``"2bf16"`` for stage 2 in bf16, ``"3init"`` for stage 3
+    with the model built under ``deepspeed.zero.Init`` (each parameter partitioned as it
+    is made, as transformers does for ZeRO-3)."""
     bf16 = str(stage).endswith("bf16")
-    if bf16:
-        net = net.to(torch.bfloat16)
     cfg = {"train_micro_batch_size_per_gpu": 2,
-           "zero_optimization": {"stage": int(str(stage).removesuffix("bf16"))},
+           "zero_optimization": {"stage": int(str(stage)[0])},
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
            "steps_per_print": 10 ** 6}
+    if str(stage).endswith("init"):  # qwen2 only
+        # transformers builds and initializes it under zero.Init while an
+        # HfDeepSpeedConfig of a ZeRO-3 config lives (from_pretrained / from_config).
+        # torch._dynamo is imported at the top of this file: transformers imports it
+        # lazily, and it refuses to be imported under zero.Init (which patches
+        # torch.Tensor.__new__).
+        from transformers import Qwen2MoeForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        alive = HfDeepSpeedConfig(cfg)
+        torch.manual_seed(seed)
+        net = Qwen2MoeForCausalLM._from_config(qwen2_config())
+        del alive
+    else:
+        net = model(name, seed)
     if bf16:
+        net = net.to(torch.bfloat16)
         cfg["bf16"] = {"enabled": True}
     if section is not None:
         cfg["moepec"] = section

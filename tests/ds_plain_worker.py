@@ -15,15 +15,21 @@ import torch
 V, H, E = 64, 16, 4
 
 
-def qwen2(seed: int) -> torch.nn.Module:
+def qwen2_config():
     """Qwen2-MoE, 3 layers, 4 stacked experts and a shared expert per layer (tiny)."""
     import transformers
 
-    torch.manual_seed(seed)
-    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+    return transformers.Qwen2MoeConfig(
         vocab_size=V, hidden_size=H, num_attention_heads=2, num_key_value_heads=1,
         num_hidden_layers=3, moe_intermediate_size=8, shared_expert_intermediate_size=16,
-        num_experts=E, num_experts_per_tok=2))
+        num_experts=E, num_experts_per_tok=2)
+
+
+def qwen2(seed: int) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.Qwen2MoeForCausalLM(qwen2_config())
 
 
 def raw(engine) -> dict[str, torch.Tensor]:

@@ -22,9 +22,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "ds_hf_worker.py"
 STITCHED = ["mixtral:0", "mixtral:2", "mixtral:3", "qwen2:0", "qwen2:1bf16", "qwen2:2",
-            "qwen2:2bf16", "qwen2:3"]
-"""model : ZeRO stage (fp32, or bf16). ``mixtral``: module-list experts; ``qwen2``: stacked
-experts and a shared expert, its ZeRO-1/2 partition boundary inside an expert's row."""
+            "qwen2:2bf16", "qwen2:3", "qwen2:3init"]
+"""model : ZeRO stage (fp32, or bf16; ``3init``: built partitioned under ``zero.Init``, as
+transformers' ``from_config`` does with a ZeRO-3 ``HfDeepSpeedConfig``). ``mixtral``:
+module-list experts; ``qwen2``: stacked experts and a shared expert, its ZeRO-1/2
+partition boundary inside an expert's row."""
 EXACT = ["mixtral:2", "mixtral:3", "qwen2:0", "qwen2:2", "qwen2:3"]
 
 
@@ -48,7 +50,8 @@ def test_stitched_load_restores_every_expert_from_its_save(runs):
     fp32 masters and Adam moments -- as it was at the step its report names, and every
     non-expert tensor (shared experts and routers included) as at the last save, on both
     ranks, at ZeRO-0, 1, 2 and 3 (each rank's partition of every parameter), fp32 and
-    bf16 (whose fp32 copies are the masters)."""
+    bf16 (whose fp32 copies are the masters), and a model built under ``zero.Init`` (its
+    stacked experts found by their full shapes, ``ds_shape``)."""
     for rank, res in enumerate(results(runs, "stitched")):
         for case in STITCHED:
             r = res[case]

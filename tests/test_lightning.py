@@ -63,3 +63,17 @@ def test_rotation_by_save_top_k_1_makes_saves_full_said_once_and_the_last_loads(
     for res in (rank0, rank1):
         assert res["saved"] == {"epoch=2-step=6.ckpt": 8}
         assert res["warnings"] == [] and res["steps"] == [6]
+
+
+def test_export_fp32_of_the_checkpoint_folder_loads_into_the_module(runs, tmp_path):
+    """`moepec export --fp32` of ModelCheckpoint's directory takes its newest
+    ``<name>.ckpt`` folder, stitched: the fp32 masters under the LightningModule's
+    parameter names, which it loads strictly."""
+    from safetensors.torch import load_file
+
+    from moepec.integrations.ds_export import export_fp32
+    from tests.lightning_worker import Lit
+
+    tag, n = export_fp32(str(runs / "stitched"), str(tmp_path / "m.safetensors"))
+    assert tag == "checkpoint" and n > 0
+    Lit(0).load_state_dict(load_file(str(tmp_path / "m.safetensors")), strict=True)

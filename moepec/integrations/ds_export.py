@@ -87,14 +87,15 @@ def read_latest(save_dir: str) -> str | None:
 def resolve_tag(save_dir: str, tag: str | None) -> tuple[str, str, str]:
     """(DeepSpeed tag, moepec root, moepec folder) of ``save_dir``'s ``tag``, by default
     the one ``latest`` names; a Hugging Face Trainer's output folder means its newest
-    committed ``checkpoint-<N>``. Raises CheckpointError naming what is missing, or a
+    committed ``checkpoint-<N>``, a Lightning ``ModelCheckpoint`` folder its newest
+    ``<name>.ckpt``. Raises CheckpointError naming what is missing, or a
     tag that is not a plain folder name of ``save_dir`` (``latest`` read as
     :func:`read_latest` reads it)."""
     save_dir = os.path.abspath(save_dir)
     newest = FlatFrontEnd.newest(save_dir) \
         if not os.path.lexists(os.path.join(save_dir, "latest")) else None
-    if newest is not None and HF_CHECKPOINT.match(newest):  # a Trainer's output folder
-        save_dir = os.path.join(save_dir, newest)
+    if newest is not None and (HF_CHECKPOINT.match(newest) or newest.endswith(".ckpt")):
+        save_dir = os.path.join(save_dir, newest)  # a Trainer's or Lightning's folders
     if tag is None:
         tag = read_latest(save_dir)
         if tag is None:
