@@ -224,11 +224,9 @@ def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, i
         save_file(model, out)
         return tag, len(model)
     if not optim or model_file is None:
-        raise CheckpointError(f"{os.path.join(save_dir, tag)} has no ZeRO-1/2 optimizer "
-                              f"partitions to join (a ZeRO-0 or ZeRO-3 save): at ZeRO-0 "
-                              f"export it without --fp32 (its module weights); at either, "
-                              f"`moepec materialize` it (at ZeRO-3 then run DeepSpeed's "
-                              f"zero_to_fp32.py on the result)")
+        raise CheckpointError(f"{os.path.join(save_dir, tag)} has no ZeRO-1/2/3 optimizer "
+                              f"partitions to join (a ZeRO-0 save): export it without "
+                              f"--fp32 (its module weights), or `moepec materialize` it")
     shapes = join_file(model_file, front.read(root, folder, file_keys(model_file, view)))
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     shape_of: dict[str, tuple[int, ...]] = {}
