@@ -98,9 +98,9 @@ class FlatFrontEnd:
     last save, the save in flight and the last one committed or loaded."""
 
     def __init__(self, **fields: Any) -> None:
-        """``fields``: :data:`moepec.flat.plan.FLAT_FIELDS` of CheckpointConfig
-        (``k_persist``, ``selection``, ``full_every``, ``plt_budget``, ``dynamic_k``,
-        ``dynamic_k_down``). Raises ConfigError for anything else."""
+        """``fields``: :data:`moepec.flat.plan.FLAT_FIELDS` of CheckpointConfig (``k_persist``,
+        ``selection``, ``full_every``, ``plt_budget``, ``dynamic_k``, ``dynamic_k_down``).
+        Raises ConfigError for anything else."""
         self.config = flat_config(**fields)
         self._counts: list[list[int]] = []
         self._on_device: dict[int, torch.Tensor] = {}
@@ -108,9 +108,7 @@ class FlatFrontEnd:
         self._head: _Known | None = None
         self._loaded: _Known | None = None
         self._report: RestoreReport | None = None
-        self._read_cache: tuple[str, str, Any] | None = None
-        """The last load's folders, kept for the reads of the same folder that follow
-        it (each of a framework's files): one choice of older copies per load."""
+        self._read_cache: tuple[str, str, Any] | None = None  # the last load's, for its files
         self._uids: dict[str, tuple[tuple, str]] = {}  # folder_uid's reads (rank 0 saves)
         self._rotating: set[str] = set()  # roots whose old folders get deleted: saves full
 
@@ -195,7 +193,9 @@ class FlatFrontEnd:
         if dist.get_rank() == 0:
             try:  # whatever happens, the other ranks must hear of it (they wait below)
                 box[0] = without_gone(root, self._read_parent(root, name), self._uids,
-                                      self._rotating)
+                                      rotating=root in self._rotating)
+                if isinstance(box[0], Parent) and box[0].full:
+                    self._rotating.add(root)
             except (OSError, MoepecError) as exc:
                 box[0] = f"{root} cannot be read ({exc})"
         dist.broadcast_object_list(box, src=0)
