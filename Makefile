@@ -30,9 +30,9 @@ $(DEMO_STAMP): pyproject.toml
 # (pyproject.toml, titan-deps).
 $(STAMP): $(DEMO_STAMP) pyproject.toml
 	@echo "moepec: installing the test extras (transformers, megatron-core, torchtitan," \
-	  "deepspeed, datasets, test tools) into $(VENV)"
+	  "deepspeed, lightning, datasets, test tools) into $(VENV)"
 	$(PIP) --no-deps megatron-core==0.16.1
-	DS_BUILD_OPS=0 $(PIP) -e '.[dev,hf,ft,megatron,titan-deps,deepspeed]'
+	DS_BUILD_OPS=0 $(PIP) -e '.[dev,hf,ft,megatron,titan-deps,deepspeed,lightning]'
 	$(PIP) --no-deps torchtitan==0.3.0
 	touch $(DEMO_STAMP)
 	touch -r $(DEMO_STAMP) $(STAMP)

@@ -36,13 +36,14 @@ import sys
 
 import deepspeed
 import torch
+import torch._dynamo  # noqa: F401 - before any zero.Init (see engine)
 from torch import nn
 
 import moepec.integrations.deepspeed as door
 from moepec.integrations.ds_files import Rows
+from tests.ds_plain_worker import E, H, V, qwen2, qwen2_config, raw
 from tests.ds_worker import state
 
-V, H, E = 64, 16, 4
 FINAL_STAGES = ("2", "3")
 """Trainer stages run with :class:`moepec.integrations.ds_trainer.FinalSave` (the others
 without: their last save is K of N, and a resume stitches)."""
@@ -88,22 +89,35 @@ def model(name: str, seed: int) -> nn.Module:
         return m
     # 3 layers: ZeRO-2's boundary between 2 ranks falls in expert 2's row of layer 1's
     # gate_up_proj (value 752 of it, 256 a row)
-    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-        **dict(attn, num_hidden_layers=3), moe_intermediate_size=8, shared_expert_intermediate_size=16, num_experts=E,
-        num_experts_per_tok=2))
+    return qwen2(seed)
 
 
 def engine(name: str, stage: int | str, seed: int, section: dict | None):
-    """``stage``: the ZeRO stage, ``"2bf16"`` for stage 2 in bf16."""
-    net = model(name, seed)
+    """``stage``: the ZeRO stage, ``"2bf16"`` for stage 2 in bf16, ``"3init"`` for stage 3
+    with the model built under ``deepspeed.zero.Init`` (each parameter partitioned as it
+    is made, as transformers does for ZeRO-3)."""
     bf16 = str(stage).endswith("bf16")
-    if bf16:
-        net = net.to(torch.bfloat16)
     cfg = {"train_micro_batch_size_per_gpu": 2,
-           "zero_optimization": {"stage": int(str(stage).removesuffix("bf16"))},
+           "zero_optimization": {"stage": int(str(stage)[0])},
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
            "steps_per_print": 10 ** 6}
+    if str(stage).endswith("init"):  # qwen2 only
+        # transformers builds and initializes it under zero.Init while an
+        # HfDeepSpeedConfig of a ZeRO-3 config lives (from_pretrained / from_config).
+        # torch._dynamo is imported at the top of this file: transformers imports it
+        # lazily, and it refuses to be imported under zero.Init (which patches
+        # torch.Tensor.__new__).
+        from transformers import Qwen2MoeForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        alive = HfDeepSpeedConfig(cfg)
+        torch.manual_seed(seed)
+        net = Qwen2MoeForCausalLM._from_config(qwen2_config())
+        del alive
+    else:
+        net = model(name, seed)
     if bf16:
+        net = net.to(torch.bfloat16)
         cfg["bf16"] = {"enabled": True}
     if section is not None:
         cfg["moepec"] = section
@@ -218,6 +232,10 @@ def stitched(out: str, cases: list[str]) -> dict:
         fresh.load_checkpoint(save_dir)
         report = door.last_load_report()
         source = {k: v["step"] for k, v in report.sources.items()}
+        if case == "qwen2:3":  # what a DeepSpeed without moepec loads from it materialized
+            from safetensors.torch import save_file
+            rank = torch.distributed.get_rank()
+            save_file(raw(fresh), os.path.join(out, f"stitched_qwen2_3_{rank}.safetensors"))
         results[case] = {
             "bad": compare(snapshot(fresh), at, experts, source, max(at)),
             "checked": len(at[max(at)]), "sources": source, "step": report.step,

@@ -324,6 +324,33 @@ def test_a_folder_deleted_while_a_save_is_written_does_not_fail_its_commit(tmp_p
     assert "iter_0000010" not in after.view.values()
 
 
+def test_a_rotation_that_keeps_one_folder_makes_every_save_full_and_says_so_once(
+        tmp_path, caplog):
+    """Lightning's ModelCheckpoint(save_top_k=1) (or save_total_limit=1) deletes the
+    previous folder right after each save returns: a K-of-N save would need the folder
+    deleted next. From the first save that finds a needed folder deleted on, every save
+    into that root is full, said once; the newest folder then loads alone, nothing
+    stale."""
+    import shutil
+
+    front = FlatFrontEnd(k_persist=1)
+    kept, plans = None, []
+    with caplog.at_level("WARNING", logger="moepec.flat.lineage"):
+        for step in range(0, 70, 10):
+            plans.append(save(front, tmp_path, step))
+            if kept is not None:
+                shutil.rmtree(tmp_path / kept)
+            kept = plans[-1].name
+    full = 2 * N
+    assert [len(p.saved) for p in plans[:2]] == [full, 2]  # the rotation not seen yet
+    assert all(len(p.saved) == full for p in plans[2:])
+    said = [r.getMessage() for r in caplog.records if "written full" in r.getMessage()]
+    assert len(said) == 1 and "save_top_k=-1" in said[0] and "\n" not in said[0]
+    targets, report = FlatFrontEnd().load(str(tmp_path), kept, list(UNITS))
+    assert not report.warnings and {s["step"] for s in report.sources.values()} == {60}
+    assert all(torch.equal(targets[k], values(60)[k]) for k in UNITS)
+
+
 def test_a_save_whose_parent_in_flight_never_commits_is_not_committed(tmp_path):
     """Only folders committed when the save was planned may vanish under it: a parent
     still in flight then that never commits (its folder gone or not) fails the save."""

@@ -193,7 +193,7 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("dcp", "safetensors"), default=None,
                    help="default: safetensors if OUT ends in .safetensors, else dcp")
     p.add_argument("--fp32", action="store_true",
-                   help="a DeepSpeed save at ZeRO-1/2: its fp32 master weights (what "
+                   help="a DeepSpeed save at ZeRO-1/2/3: its fp32 master weights (what "
                         "zero_to_fp32.py gives, MoE included) instead of the module's")
 
 

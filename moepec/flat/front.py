@@ -99,9 +99,9 @@ class FlatFrontEnd(FinalSaves):
     last save, the save in flight, the last one committed or loaded, a final save's mark."""
 
     def __init__(self, **fields: Any) -> None:
-        """``fields``: :data:`moepec.flat.plan.FLAT_FIELDS` of CheckpointConfig
-        (``k_persist``, ``selection``, ``full_every``, ``plt_budget``, ``dynamic_k``,
-        ``dynamic_k_down``). Raises ConfigError for anything else."""
+        """``fields``: :data:`moepec.flat.plan.FLAT_FIELDS` of CheckpointConfig (``k_persist``,
+        ``selection``, ``full_every``, ``plt_budget``, ``dynamic_k``, ``dynamic_k_down``).
+        Raises ConfigError for anything else."""
         self.config = flat_config(**fields)
         self._counts: list[list[int]] = []
         self._on_device: dict[int, torch.Tensor] = {}
@@ -109,11 +109,9 @@ class FlatFrontEnd(FinalSaves):
         self._head: _Known | None = None
         self._loaded: _Known | None = None
         self._report: RestoreReport | None = None
-        self._read_cache: tuple[str, str, Any] | None = None
-        """The last load's folders, kept for the reads of the same folder that follow
-        it (each of a framework's files): one choice of older copies per load."""
-        self._uids: dict[str, tuple[tuple, str]] = {}
-        """What :func:`moepec.flat.lineage.folder_uid` read (rank 0's saves)."""
+        self._read_cache: tuple[str, str, Any] | None = None  # the last load's, for its files
+        self._uids: dict[str, tuple[tuple, str]] = {}  # folder_uid's reads (rank 0 saves)
+        self._rotating: set[str] = set()  # roots whose old folders get deleted: saves full
 
     # -- routing ---------------------------------------------------------------------
     def observe_routing(self, counts: Any) -> None:
@@ -196,7 +194,10 @@ class FlatFrontEnd(FinalSaves):
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:  # whatever happens, the other ranks must hear of it (they wait below)
-                box[0] = without_gone(root, self._read_parent(root, name), self._uids)
+                box[0] = without_gone(root, self._read_parent(root, name), self._uids,
+                                      rotating=root in self._rotating)
+                if isinstance(box[0], Parent) and box[0].full:
+                    self._rotating.add(root)
             except (OSError, MoepecError) as exc:
                 box[0] = f"{root} cannot be read ({exc})"
         dist.broadcast_object_list(box, src=0)

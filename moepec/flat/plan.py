@@ -78,6 +78,8 @@ class Parent:
     """Its lineage, oldest first (the manifest's ``ancestors``: (folder, uid))."""
     pending: bool = False
     """Not committed when this save was planned (a save of this process in flight)."""
+    full: bool = False
+    """The save must write every expert (the folders it would read from get deleted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +143,9 @@ def plan_save(root: str, name: str, step: int, every: Sequence[Mapping[str, Unit
     ``counts`` the routing counts per (layer, expert) since the parent (summed over ranks),
     ``uid`` the save's identity (the same on every rank), ``full``: a complete save (a
     final one, :mod:`moepec.flat.final`).
-    The first save of a lineage, one ``full_every`` asks for, one over a changed set of
-    layers and a ``full`` one write every expert; a key the parent's view lacks is always
-    written."""
+    The first save of a lineage, one ``full_every`` or a ``full`` parent asks for, one over
+    a changed set of layers and a ``full`` one write every expert; a key the parent's view
+    lacks is always written."""
     sizes = layer_sizes(every)
     selected: set[Unit] = set()
     fields = None
@@ -152,7 +154,7 @@ def plan_save(root: str, name: str, step: int, every: Sequence[Mapping[str, Unit
             schedule.observe(counts)
         resumed = parent is not None and parent.schedule is not None \
             and list(parent.layers) == list(sizes)
-        full = full or not resumed or schedule.is_full_by_period()
+        full = full or not resumed or parent.full or schedule.is_full_by_period()
         _, persist_sel = schedule.choose(full, persist=True)
         selected = {(layer, e) for layer, sel in zip(sizes, persist_sel) for e in sel}
         fields = schedule.meta_fields()

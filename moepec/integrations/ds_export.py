@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,14 +87,15 @@ def read_latest(save_dir: str) -> str | None:
 def resolve_tag(save_dir: str, tag: str | None) -> tuple[str, str, str]:
     """(DeepSpeed tag, moepec root, moepec folder) of ``save_dir``'s ``tag``, by default
     the one ``latest`` names; a Hugging Face Trainer's output folder means its newest
-    committed ``checkpoint-<N>``. Raises CheckpointError naming what is missing, or a
+    committed ``checkpoint-<N>``, a Lightning ``ModelCheckpoint`` folder its newest
+    ``<name>.ckpt``. Raises CheckpointError naming what is missing, or a
     tag that is not a plain folder name of ``save_dir`` (``latest`` read as
     :func:`read_latest` reads it)."""
     save_dir = os.path.abspath(save_dir)
     newest = FlatFrontEnd.newest(save_dir) \
         if not os.path.lexists(os.path.join(save_dir, "latest")) else None
-    if newest is not None and HF_CHECKPOINT.match(newest):  # a Trainer's output folder
-        save_dir = os.path.join(save_dir, newest)
+    if newest is not None and (HF_CHECKPOINT.match(newest) or newest.endswith(".ckpt")):
+        save_dir = os.path.join(save_dir, newest)  # a Trainer's or Lightning's folders
     if tag is None:
         tag = read_latest(save_dir)
         if tag is None:
@@ -182,8 +184,8 @@ def export_model(save_dir: str, out: str, tag: str | None = None) -> tuple[str, 
             continue  # optimizer partitions: `moepec materialize` writes those
         if name.startswith("zero_pp_rank_"):
             raise CheckpointError(f"{os.path.join(save_dir, tag)} is a ZeRO-3 save: its model "
-                                  f"files hold no weights; `moepec materialize` it and run "
-                                  f"DeepSpeed's zero_to_fp32.py on the result")
+                                  f"files hold no weights; export its fp32 masters with "
+                                  f"`moepec export --fp32`")
         sd = join_file(name, front.read(root, folder, file_keys(name, view)))
         part = sd.get("module", sd) if isinstance(sd, dict) else {}
         model |= {k: v.contiguous() for k, v in part.items() if isinstance(v, torch.Tensor)}
@@ -196,13 +198,14 @@ _EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
 
 
 def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, int]:
-    """Write the fp32 master weights of ``save_dir``'s tag (ZeRO-1/2) as one safetensors
+    """Write the fp32 master weights of ``save_dir``'s tag (ZeRO-1/2/3) as one safetensors
     file, each parameter under its model name (experts by their global index): what
     DeepSpeed's ``zero_to_fp32.py`` gives, which fails on MoE tags (DeepSpeed #4497).
     Each parameter is joined from its fragments in every rank's partition (rank order
     within its group: all ranks for non-expert groups, the expert-data-parallel ranks of
-    its expert-parallel rank for expert groups; DeepSpeed's group layout). Raises
-    CheckpointError for a tag without ZeRO partitions or a fragment that does not fit."""
+    its expert-parallel rank for expert groups; DeepSpeed's group layout; at ZeRO-3
+    :func:`_zero3`). Raises CheckpointError for a tag without ZeRO partitions or a
+    fragment that does not fit."""
     from safetensors.torch import save_file
 
     tag, root, folder = resolve_tag(save_dir, tag)
@@ -211,12 +214,19 @@ def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, i
     names = _file_names(view, os.path.join(root, folder))
     optim = {int(m[1]): n for n in names if (m := _OPTIM_FILE.match(n)) and m[2] == "00"}
     model_file = next((n for n in names if n.startswith("mp_rank_00_")), None)
+    z3_file = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    if optim and z3_file in names:
+        def read(name: str) -> Any:
+            return join_file(name, front.read(root, folder, file_keys(name, view)))
+        model = _zero3(read(z3_file)["param_shapes"],
+                       [read(optim[r])["optimizer_state_dict"]["fp32_flat_groups"]
+                        for r in sorted(optim)], os.path.join(save_dir, tag))
+        save_file(model, out)
+        return tag, len(model)
     if not optim or model_file is None:
-        raise CheckpointError(f"{os.path.join(save_dir, tag)} has no ZeRO-1/2 optimizer "
-                              f"partitions to join (a ZeRO-0 or ZeRO-3 save): at ZeRO-0 "
-                              f"export it without --fp32 (its module weights); at either, "
-                              f"`moepec materialize` it (at ZeRO-3 then run DeepSpeed's "
-                              f"zero_to_fp32.py on the result)")
+        raise CheckpointError(f"{os.path.join(save_dir, tag)} has no ZeRO-1/2/3 optimizer "
+                              f"partitions to join (a ZeRO-0 save): export it without "
+                              f"--fp32 (its module weights), or `moepec materialize` it")
     shapes = join_file(model_file, front.read(root, folder, file_keys(model_file, view)))
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     shape_of: dict[str, tuple[int, ...]] = {}
@@ -227,6 +237,27 @@ def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, i
     model = {pname: _joined(pname, parts, shape_of[pname]) for pname, parts in pieces.items()}
     save_file(model, out)
     return tag, len(model)
+
+
+def _zero3(param_shapes: list, flats: list[list[torch.Tensor]],
+           where: str) -> dict[str, torch.Tensor]:
+    """ZeRO-3's fp32 masters joined: in each optimizer sub-group, each parameter (in
+    ``param_shapes`` order) holds ceil(numel / ranks) values of every rank's flat fp32
+    partition ``flats[rank][group]``, at the same offset on every rank; the parameter is
+    those runs in rank order, its padding (at the end) cut off."""
+    ranks, model = len(flats), {}
+    for g, shapes in enumerate(param_shapes):
+        at = 0
+        for pname, shape in shapes.items():
+            numel = int(torch.Size(shape).numel())
+            part = -(-numel // ranks)
+            if any(g >= len(f) or at + part > f[g].numel() for f in flats):
+                raise CheckpointError(f"{where}: {pname}'s fp32 partition does not fit "
+                                      f"its ranks' flat groups (a damaged save?)")
+            joined = torch.cat([f[g][at:at + part].float() for f in flats])
+            model[pname] = joined[:numel].view(tuple(shape)).contiguous()
+            at += part
+    return model
 
 
 def _fragments(osd: dict, param_shapes: list, rank: int, world: int,

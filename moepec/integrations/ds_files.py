@@ -45,6 +45,8 @@ from moepec.flat import Unit, decode_object, encode_object
 HF_CHECKPOINT = re.compile(r"^checkpoint[-_]\d+$")
 """A checkpoint folder of the Hugging Face Trainer (``checkpoint-<N>``) or of Accelerate's
 automatic naming (``checkpoint_<i>``): one DeepSpeed tag inside each."""
+LIGHTNING_TAG = "checkpoint"
+"""The tag Lightning's ``DeepSpeedStrategy.save_checkpoint`` always gives."""
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_\d+_model_states\.pt$")
 DS_FILE = re.compile(
     r"(?:mp_rank_[0-9]+_model_states"                              # _get_ckpt_name
@@ -75,10 +77,12 @@ def location(save_dir: str, tag: str) -> tuple[str, str]:
     directory named ``checkpoint-<N>`` (the Hugging Face Trainer's, one tag each) or
     ``checkpoint_<i>`` (Accelerate's ``save_state``, its tag always ``pytorch_model``) is
     itself the folder, its parent the root, so that those checkpoints are one lineage and
-    a checkpoint folder deleted takes its experts' copies with it."""
+    a checkpoint folder deleted takes its experts' copies with it. So is a Lightning
+    checkpoint (``DeepSpeedStrategy``: a folder ``<name>.ckpt`` holding the tag
+    ``checkpoint``; ``ModelCheckpoint`` names them so)."""
     save_dir = os.path.abspath(save_dir)
     parent, base = os.path.split(save_dir)
-    if HF_CHECKPOINT.match(base):
+    if HF_CHECKPOINT.match(base) or (str(tag) == LIGHTNING_TAG and base.endswith(".ckpt")):
         return parent, base
     return save_dir, str(tag)
 

@@ -58,8 +58,9 @@ key, the experts by (layer, expert)) where the manager's manifest has its meta."
 LEGACY_FORMAT = "moepec-flat/2"
 """What flat folders were committed with before the two manifest formats became one:
 still read (the fields are the same), never written."""
-FOLDER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
-"""A checkpoint folder is a plain name inside the save directory."""
+FOLDER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,127}\Z")
+"""A checkpoint folder is a plain name inside the save directory (``=`` for Lightning's
+``epoch=0-step=2.ckpt``)."""
 MAX_KEY = 1024
 _UID = re.compile(r"[0-9a-f]{0,32}")
 
@@ -226,7 +227,7 @@ def split_folder(checkpoint_dir: str | os.PathLike) -> tuple[str, str]:
     root, name = os.path.split(path)
     if not FOLDER_RE.match(name):
         raise CheckpointError(f"{checkpoint_dir}: the checkpoint folder name must be a plain "
-                              f"name (letters, digits, '_', '.', '-')")
+                              f"name (letters, digits, '_', '.', '-', '=')")
     return root, name
 
 
