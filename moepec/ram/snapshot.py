@@ -42,6 +42,7 @@ import torch
 from moepec.errors import CheckpointError
 from moepec.hooks import FaultHooks
 from moepec.ram.shm import Slot, SlotHeader, SlotStore
+from moepec.state.bytecopy import copy_into
 from moepec.store.checksum import tensor_checksum
 from moepec.store.meta import CheckpointMeta
 
@@ -235,9 +236,10 @@ class Snapshotter:
                         snap.tensors[key].copy_(src.detach(), non_blocking=True)
                 self._stream.synchronize()
             else:
-                with torch.no_grad():
-                    for key, src in sources.items():
-                        snap.tensors[key].copy_(src.detach())
+                # One memmove per tensor on this thread (moepec.state.bytecopy): no
+                # parallel region of torch's pool, which the training thread keeps busy.
+                for key, src in sources.items():
+                    copy_into(snap.tensors[key], src.detach())
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
             snap.error = exc
         t1 = time.perf_counter()
@@ -263,7 +265,7 @@ class Snapshotter:
         layout = {k: (tuple(t.shape), t.dtype) for k, t in {**sources, **extras}.items()}
         views = self.slots.prepare(snap.slot, layout)
         for key, t in extras.items():
-            views[key].copy_(t)
+            copy_into(views[key], t)
         snap.tensors = views
 
     def _seal(self, snap: Snapshot) -> None:

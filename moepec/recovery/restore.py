@@ -41,6 +41,7 @@ from moepec.recovery.outcome import RestoreContext, RestoreOutcome
 from moepec.recovery.records import lost_since, read_recoveries
 from moepec.recovery.stitch import Recovered, Source, Tier, lost_tokens, recover
 from moepec.recovery.views import StoredViews, same_runs, usable_manifests
+from moepec.state.bytecopy import copy_into
 from moepec.state.experts import structure_mismatches
 from moepec.store.committed import Committed
 from moepec.store.items import Item
@@ -295,7 +296,7 @@ def _ram_source(name: str, meta: CheckpointMeta, values: dict[str, torch.Tensor]
 
     def read(targets: dict[str, torch.Tensor]) -> None:
         for k, t in targets.items():
-            t.copy_(values[k])
+            copy_into(t, values[k])
 
     return Source(name=name, tier=Tier.RAM, meta=meta, keys=keys, read=read,
                   complete=complete)

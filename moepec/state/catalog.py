@@ -31,6 +31,7 @@ from torch import nn
 from moepec.errors import ConfigError, StructureMismatchError
 from moepec.keys import EXPERT_PREFIX, OBJECT_PREFIX, chunk_key, expert_key, parse_key, split_chunk
 from moepec.state import chunks
+from moepec.state.bytecopy import copy_into
 from moepec.state.chunks import Block, Layout
 from moepec.state.experts import ExpertMap, canonical_expert_name, expert_slice
 from moepec.state.object_state import ObjectState
@@ -398,13 +399,13 @@ class StateCatalog:
         with torch.no_grad():
             for live, value in plain:
                 if live.data_ptr() != value.data_ptr() or live.shape != value.shape:
-                    live.copy_(value)  # not read in place already
+                    copy_into(live, value)  # not read in place already
             for live, block, parts in pieces:
                 for region, value, origin in parts:
                     dst = chunks.narrow(live, block[0], region)
                     src = chunks.narrow(value, origin, region)
                     if dst.data_ptr() != src.data_ptr():
-                        dst.copy_(src)
+                        copy_into(dst, src)
         for key, obj in objects.items():
             self.objects.apply(key, obj)
 

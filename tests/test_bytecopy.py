@@ -1,0 +1,38 @@
+"""copy_into: the memmove path copies exactly what copy_ copies, and anything it cannot
+take (a cast, a strided view, a broadcast) goes to torch's own copy."""
+
+import pytest
+import torch
+
+from moepec.state.bytecopy import copy_into
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_contiguous_copy_is_exact(dtype):
+    src = (torch.randn(3, 5, 7) * 100).to(dtype)
+    dst = torch.zeros_like(src)
+    copy_into(dst, src)
+    assert torch.equal(dst, src)
+    assert dst.data_ptr() != src.data_ptr()
+
+
+def test_slices_of_a_stacked_tensor():
+    stacked = torch.zeros(4, 8, 16)
+    parts = [torch.full((8, 16), float(e)) for e in range(4)]
+    for e, p in enumerate(parts):
+        copy_into(stacked[e], p)
+    assert torch.equal(stacked, torch.stack(parts))
+
+
+def test_what_memmove_cannot_take_goes_to_copy_():
+    dst = torch.zeros(6, 4)
+    copy_into(dst.t(), torch.arange(24.0).view(4, 6))  # strided target
+    assert torch.equal(dst.t(), torch.arange(24.0).view(4, 6))
+    half = torch.zeros(3, dtype=torch.float16)
+    copy_into(half, torch.tensor([1.5, 2.5, 3.5]))  # a cast
+    assert half.tolist() == [1.5, 2.5, 3.5]
+    row = torch.zeros(2, 3)
+    copy_into(row, torch.tensor([1.0, 2.0, 3.0]))  # a broadcast
+    assert torch.equal(row, torch.tensor([[1.0, 2.0, 3.0]] * 2))
+    empty = torch.empty(0)
+    copy_into(empty, torch.empty(0))
