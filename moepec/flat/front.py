@@ -195,9 +195,7 @@ class FlatFrontEnd(FinalSaves):
         if dist.get_rank() == 0:
             try:  # whatever happens, the other ranks must hear of it (they wait below)
                 box[0] = without_gone(root, self._read_parent(root, name), self._uids,
-                                      rotating=root in self._rotating)
-                if isinstance(box[0], Parent) and box[0].full:
-                    self._rotating.add(root)
+                                      self._rotating)
             except (OSError, MoepecError) as exc:
                 box[0] = f"{root} cannot be read ({exc})"
         dist.broadcast_object_list(box, src=0)

@@ -66,7 +66,7 @@ def folder_uid(root: str, name: str, cache: dict[str, tuple[tuple, str]]) -> str
 
 def without_gone(root: str, parent: Parent | str | None,
                  cache: dict[str, tuple[tuple, str]] | None = None,
-                 rotating: bool = False) -> Parent | str | None:
+                 rotating: set[str] | None = None) -> Parent | str | None:
     """``parent`` with the keys its view reads from folders that no longer hold the save
     its lineage names (deleted by hand or by a framework's rotation, such as the
     Trainer's ``save_total_limit``, or written again under the same name) dropped from
@@ -75,12 +75,14 @@ def without_gone(root: str, parent: Parent | str | None,
 
     A framework that keeps only the newest folders deletes, right after each save, the
     older ones it reads other experts from, so that the newest would not load alone: once
-    a folder is found deleted (or ``rotating``: the caller saw one in ``root`` before),
-    the parent comes back marked ``full`` (the save writes every expert), said once (when
-    not ``rotating``); the caller keeps saving full into ``root`` from then on."""
+    a folder is found deleted, the parent comes back marked ``full`` (the save writes
+    every expert), said once, and ``root`` joins ``rotating`` (the caller's set of roots
+    seen rotating): every later save into it is marked ``full`` too."""
     if not isinstance(parent, Parent):
         return parent
     cache = {} if cache is None else cache
+    seen = rotating if rotating is not None else set()
+    was_rotating = root in seen
     named = dict(parent.ancestors)
     gone = {}
     for f in set(parent.view.values()) - {parent.name}:
@@ -90,19 +92,21 @@ def without_gone(root: str, parent: Parent | str | None,
         elif named.get(f) and uid != named[f]:
             gone[f] = REWRITTEN
     if not gone:
-        return dataclasses.replace(parent, full=True) if rotating else parent
+        return dataclasses.replace(parent, full=True) if was_rotating else parent
     view = {k: f for k, f in parent.view.items() if f not in gone}
     log.warning("moepec: %s: %s; this save writes again the %d key(s) whose newest copies "
                 "were there", root, "; ".join(f"{f} {why}" for f, why in sorted(gone.items())),
                 len(parent.view) - len(view))
     deleted = GONE in gone.values()
-    if deleted and not rotating:
+    if deleted and not was_rotating:
         log.warning("moepec: %s: checkpoint folders this lineage reads experts from are "
                     "being deleted (a rotation: Lightning's ModelCheckpoint save_top_k, the "
                     "Trainer's save_total_limit, Accelerate's total_limit), so every save "
                     "into it is written full from now on, each loadable alone; keep the "
                     "folders (save_top_k=-1, no limit) to save K experts per layer", root)
-    return dataclasses.replace(parent, view=view, full=deleted or rotating)
+    if deleted:
+        seen.add(root)
+    return dataclasses.replace(parent, view=view, full=deleted or was_rotating)
 
 
 def older_copies(root: str, head: FlatManifest, manifests: dict[str, FlatManifest],
