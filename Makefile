@@ -46,7 +46,7 @@ lint: $(STAMP)
 # Two pytest-xdist workers, a test file at a time each (tests/conftest.py: longest first).
 # A serial run (`$(PY) -m pytest`) runs the same tests.
 test: lint
-	$(PY) -m pytest -q -ra --durations=30 -n 2 --dist loadfile
+	$(PY) -m pytest -q -ra --durations=30 -n 2 --dist loadfile --no-loadscope-reorder
 
 # The suite beside two CPU-bound busy processes (tests/busy.py): it must stay green on a
 # loaded machine.

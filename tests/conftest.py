@@ -54,16 +54,18 @@ def one_rank(tmp_path: Path):
 
 # `make test` runs the suite on two pytest-xdist workers, one test file at a time per worker
 # (`--dist loadfile`: a file's module fixtures, such as one torchrun launch shared by its
-# tests, run once). A worker takes the next file in collection order when it is free, so
+# tests, run once). A worker takes the next file in collection order when it is free
+# (`--no-loadscope-reorder`: else xdist orders files by their number of tests), so
 # the files that take longest go first (longest first: the two workers end close
-# together, not one of them alone with the slowest end-to-end file). Seconds from a
-# serial run on this 2-core machine; the order is all that matters, files not named keep
-# theirs, after these.
+# together, not one of them alone with the slowest end-to-end file). Ordered by their
+# seconds in a serial run on this 2-core machine (`--durations`); files not named keep
+# their order, after these.
 LONGEST_FIRST = (
     "test_megatron.py", "test_ft.py", "test_demo.py", "test_deepspeed_hf.py",
     "test_planned_stop.py", "test_exit.py", "test_fsdp.py", "test_torchtitan.py",
     "test_megatron_ram.py", "test_deepspeed.py", "test_chaos.py", "test_fencing.py",
-    "test_ram_torchrun.py", "test_deepspeed_ram.py", "test_hf.py", "test_ft_hang.py",
+    "test_ram_torchrun.py", "test_deepspeed_ram.py", "test_lightning.py", "test_hf.py",
+    "test_ft_hang.py",
     "test_report.py", "test_recovery.py", "test_fuzz.py", "test_striped.py",
     "test_torchtitan_door.py", "test_train.py", "test_ep.py", "test_spare.py",
 )

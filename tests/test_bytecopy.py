@@ -36,3 +36,18 @@ def test_what_memmove_cannot_take_goes_to_copy_():
     assert torch.equal(row, torch.tensor([[1.0, 2.0, 3.0]] * 2))
     empty = torch.empty(0)
     copy_into(empty, torch.empty(0))
+
+
+def test_autograd_sees_the_copy_as_it_sees_copy_():
+    """The version counter moves (a saved tensor of a graph is known to be changed), and a
+    leaf that requires grad refuses the copy outside no_grad, as ``copy_`` does."""
+    dst, src = torch.zeros(1024), torch.randn(1024)
+    version = dst._version
+    copy_into(dst, src)
+    assert torch.equal(dst, src) and dst._version > version
+    leaf = torch.nn.Parameter(torch.zeros(1024))
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        copy_into(leaf, src)
+    with torch.no_grad():
+        copy_into(leaf, src)
+    assert torch.equal(leaf.detach(), src)

@@ -30,8 +30,14 @@ class FinalSaves:
         is enough; calling it on every rank is the same. A RAM snapshot does not take it."""
         self._final_asked = True
 
-    def final_agreed(self, gathered: Sequence[Sequence[Any]]) -> bool:
+    def take_final_mark(self) -> bool:
+        """In ``plan_save``, before its gather: this rank's mark, cleared (a mark set while
+        the save is planned is the next save's, never lost between the two)."""
+        asked, self._final_asked = self._final_asked, False
+        return asked
+
+    @staticmethod
+    def final_agreed(gathered: Sequence[Sequence[Any]]) -> bool:
         """All ranks, in ``plan_save`` after its gather (each rank's tuple ends with its
-        mark): whether any rank asked for a complete save; clears this rank's mark."""
-        self._final_asked = False
+        :meth:`take_final_mark`): whether any rank asked for a complete save."""
         return any(bool(g[-1]) for g in gathered)

@@ -174,7 +174,7 @@ class FlatFrontEnd(FinalSaves):
         self._read_cache = None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (dict(units), error, os.urandom(8).hex(),
-                                          self._final_asked))
+                                          self.take_final_mark()))
         failed = [f"rank {r}: {e}" for r, (_, e, *_) in enumerate(gathered) if e is not None]
         if failed:
             raise CheckpointError(f"{root}/{name} not saved; {'; '.join(failed)}")

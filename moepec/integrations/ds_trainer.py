@@ -20,6 +20,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from moepec.errors import ConfigError
 from moepec.integrations.ds_final import complete_next_save
 
 
@@ -29,6 +30,13 @@ class FinalSave(TrainerCallback):
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         """The Trainer: its ``model_wrapped`` is the engine once training started."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Refused here, not at the last step: a run must not end without its final save.
+        if getattr(self.trainer.model_wrapped, "_moepec_door", None) is None:
+            raise ConfigError("FinalSave needs the Trainer on a DeepSpeed engine with the "
+                              "moepec door: pass deepspeed= a config with a \"moepec\" "
+                              "section (and import moepec.integrations.deepspeed first)")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer's own flow (DefaultFlowCallback, first in the list) has decided

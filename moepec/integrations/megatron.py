@@ -352,7 +352,8 @@ def register(**fields: Any) -> None:
     a folder, or None: in the process) to turn the RAM level on (:func:`snapshot`; loads
     of the newest folder take RAM when newer). Called at import with the defaults (K = 1,
     sequential, no RAM level). Raises moepec.ConfigError for a bad or foreign field."""
-    front = FlatFrontEnd(**_ram.configure(fields))
+    front = FlatFrontEnd(**{k: v for k, v in fields.items() if k not in ("ram_dir", "hooks")})
+    _ram.configure(fields)  # after every field is checked: a refusal changes nothing
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
                               MoepecSaveStrategy(front))
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION,

@@ -100,6 +100,7 @@ class RamLevel:
                               f"or None for in-process snapshots (got {ram_dir!r})")
         self.close(unlink=False)
         self.on, self.ram_dir, self.hooks = on, ram_dir, rest.pop("hooks", None)
+        self.report = None
         return rest
 
     def ram(self, root: str) -> FlatRam:

@@ -19,17 +19,22 @@ import torch
 
 
 def _plain(t: torch.Tensor) -> bool:
-    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    """A dense CPU tensor whose bytes are its values in order (no wrapper subclass)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided
+            and t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and not t.is_quantized)
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``: one ``memmove`` on this thread when both are contiguous CPU
     tensors of one dtype and shape, else torch's own copy (another device, a cast, a
-    broadcast, a strided view). Any thread; blocks until the bytes are copied."""
+    broadcast, a strided view, a copy autograd records). Any thread; blocks until the
+    bytes are copied. Bumps ``dst``'s version counter, as ``copy_`` does."""
     if (dst.dtype == src.dtype and dst.shape == src.shape and _plain(dst) and _plain(src)
-            and not dst.is_quantized and not src.is_quantized):
+            and not (dst.requires_grad and torch.is_grad_enabled())):
         n = dst.numel() * dst.element_size()
         if n:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+            torch.autograd.graph.increment_version(dst)
         return
     dst.copy_(src)
