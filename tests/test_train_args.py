@@ -128,8 +128,8 @@ def test_faults_that_can_fire_pass_the_check():
 def test_demo_moves_its_default_faults_to_the_run_it_makes():
     assert DemoSettings().planned_faults() == (DEFAULT_FAULTS, None)
     faults, note = DemoSettings(steps=40).planned_faults()
-    assert note and "placed for 400 steps" in note
-    assert [f.step for f in FaultPlan.parse(faults).faults] == [11, 18, 24, 33]
+    assert note and "placed for 300 steps" in note
+    assert [f.step for f in FaultPlan.parse(faults).faults] == [10, 18, 24, 32]
     faults, note = DemoSettings(steps=8, ranks=1).planned_faults()
     plan = FaultPlan.parse(faults)
     assert plan.faults and all(f.step < 8 and f.rank == 0 for f in plan.faults)
