@@ -205,7 +205,8 @@ class FlatFrontEnd(FinalSaves):
 
     def _read_parent(self, root: str, name: str) -> Parent | str | None:
         if os.path.exists(os.path.join(root, name, MANIFEST_NAME)):
-            return f"{root}/{name} is a committed checkpoint; save into a new folder"
+            return f"{root}/{name} is a committed checkpoint; save into a new folder" + (
+                " (Lightning: ModelCheckpoint(save_last=False))" * name.endswith(".ckpt"))
         if self._pending is not None and self._pending.root == root:
             p = self._pending
             return Parent(p.name, p.seq, p.view, p.layers, p.schedule, uid=p.uid,
