@@ -52,7 +52,7 @@ def test_make_demo_then_test_then_demo_installs_each_set_once(tmp_path):
     assert lines[1:] == ["PIP torch==2.13.0", "PIP -e .[ft]"]
     full = make(".moepec-installed")  # make test after make demo: the rest only
     assert "torch==2.13.0" not in full
-    assert "PIP -e .[dev,hf,ft,megatron,titan-deps,deepspeed]" in full
+    assert "PIP -e .[dev,hf,ft,megatron,titan-deps,deepspeed,lightning]" in full
     assert "torchtitan==0.3.0" in full and "megatron-core==0.16.1" in full
     assert make(".moepec-demo-installed") == ""  # make demo after make test: nothing
     assert make(".moepec-installed") == ""

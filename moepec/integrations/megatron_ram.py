@@ -170,10 +170,15 @@ class RamLevel:
 
     def _newest(self, root: str, name: str, reads: Sequence[str]
                 ) -> tuple[int, Mapping[str, torch.Tensor]] | None:
-        if not self.on or self._front().newest(root) != name:
+        if not self.on:
             return None
-        ram = self.ram(root)
-        found = ram.newest(ram.head(name), lambda key: key)  # each rank holds its own
+        ram, box = self.ram(root), [None]
+        if dist.get_rank() == 0 and self._front().newest(root) == name:
+            box[0] = (ram.head(name),)
+        dist.broadcast_object_list(box, src=0)  # rank 0's view of the folders: one path
+        if box[0] is None:
+            return None
+        found = ram.newest(box[0][0], lambda key: key)  # each rank holds its own
         if found is None:
             return None
         missing: list[Any] = [None] * dist.get_world_size()
