@@ -5,16 +5,11 @@ its docstring), shared by the tests below."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.ram_attempts import run_attempts
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -25,28 +20,7 @@ WORKER = REPO / "tests" / "megatron_ram_worker.py"
 
 @pytest.fixture(scope="module")
 def attempts(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron_ram")
-    ram = tempfile.mkdtemp(prefix="moepec-test-", dir="/dev/shm")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", "--max-restarts", "3", str(WORKER), str(out), ram]
-    try:
-        with subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) as proc:
-            try:
-                stdout, stderr = proc.communicate(timeout=500)
-            except subprocess.TimeoutExpired:  # the ranks too, not only torchrun
-                os.killpg(proc.pid, signal.SIGKILL)
-                stdout, stderr = proc.communicate()
-        left = sorted(p.name for p in Path(ram).glob("*/rank*/slot*"))
-    finally:
-        shutil.rmtree(ram, ignore_errors=True)
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
-    assert left == [], left  # the clean end of the last attempt removed its slots
-    return [[json.loads((out / f"attempt{a}_{r}.json").read_text()) for r in (0, 1)]
-            for a in range(4)]
+    return run_attempts(WORKER, tmp_path_factory.mktemp("megatron_ram"), 4)
 
 
 def test_a_killed_worker_resumes_from_ram_at_the_newest_snapshot_bit_for_bit(attempts):

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from moepec.train.metrics import read_jsonl
 from moepec.train.replicas import STALL_S
 
 __all__ = ["FtBenchSettings", "format_result", "main", "run_bench", "run_demo_ft",
@@ -86,18 +87,6 @@ def _torchrun(nproc: int, restarts: int) -> list[str]:
             str(nproc), "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return out
-
-
 def _events(records: list[dict], name: str) -> list[dict]:
     return [r for r in records if r.get("event") == name]
 
@@ -127,21 +116,21 @@ def run_replica_groups(s: FtBenchSettings, out: Path, say=print) -> dict[str, An
                 "--ft-timeout", "5", "--ram-dir", "none", "--ft-spares", str(s.spares)]
             log = open(out / f"group{g}.log", "ab")
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env()))
-        _wait_for(lambda: any("loss" in r for r in _records(metrics[1])), 300, "group 1 training")
+        _wait_for(lambda: any("loss" in r for r in read_jsonl(metrics[1])), 300, "group 1 training")
         for k in range(s.kills):
-            heals = len(_events(_records(metrics[1]), "heal"))
+            heals = len(_events(read_jsonl(metrics[1]), "heal"))
             time.sleep(s.gap_s)
             if procs[0].poll() is not None:
                 say(f"the run ended after {k} kills; use more --steps")
                 break
-            join = _events(_records(metrics[1]), "ft_join")[-1]
+            join = _events(read_jsonl(metrics[1]), "ft_join")[-1]
             pids = join.get("pids") or [join["pid"]]
             rank = pick.randrange(len(pids))
             t_kill = time.time()
             os.kill(pids[rank], signal.SIGKILL)
             kills.append(t_kill)
             say(f"  kill {k + 1}/{s.kills}: SIGKILL group 1's rank {rank} (pid {pids[rank]})")
-            _wait_for(lambda h=heals: len(_events(_records(metrics[1]), "heal")) > h, 300,
+            _wait_for(lambda h=heals: len(_events(read_jsonl(metrics[1]), "heal")) > h, 300,
                       f"the heal after kill {k + 1}")
         codes = [p.wait(timeout=1800) for p in procs]
     finally:
@@ -149,7 +138,7 @@ def run_replica_groups(s: FtBenchSettings, out: Path, say=print) -> dict[str, An
             if p.poll() is None:
                 p.kill()
         lighthouse.shutdown()
-    return _replica_rows(kills, [_records(m) for m in metrics], codes)
+    return _replica_rows(kills, [read_jsonl(m) for m in metrics], codes)
 
 
 def _replica_rows(kills: list[float], records: list[list[dict]], codes: list[int]
@@ -195,8 +184,8 @@ def run_restart_all(s: FtBenchSettings, out: Path, say=print) -> dict[str, Any]:
     with open(out / "train.log", "ab") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
                               timeout=1800).returncode
-    records = _records(out / "metrics.jsonl")
-    faults_fired = _events(_records(out / "faults.jsonl"), "fault")
+    records = read_jsonl(out / "metrics.jsonl")
+    faults_fired = _events(read_jsonl(out / "faults.jsonl"), "fault")
     recoveries = _events(records, "recovery")
     from moepec.models import get_config
 

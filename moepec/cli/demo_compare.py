@@ -11,7 +11,6 @@ side by side (:func:`compare_table`, :func:`restart_all_row`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -21,23 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from moepec.errors import ConfigError, MoepecError
+from moepec.train.metrics import read_jsonl
 
 __all__ = ["compare_table", "planned_stop_row", "replica_group_row", "restart_all_row",
            "stop_settings"]
 
 log = logging.getLogger(__name__)
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return out
 
 
 def restart_all_row(faults: list[dict[str, Any]], iter_s: float) -> dict[str, Any] | None:
@@ -96,19 +84,23 @@ def planned_stop_row(s, out: Path, cmd_of, env: dict[str, str], say=print) -> di
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
         try:
             deadline = time.monotonic() + 600
-            while not any("loss" in r and r.get("step", -1) >= at for r in _records(metrics)):
+            while not any("loss" in r and r.get("step", -1) >= at for r in read_jsonl(metrics)):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise MoepecError(f"the planned-stop run ended (exit {proc.returncode}) "
                                       f"or stalled before step {at}; see {out}/train.log")
                 time.sleep(0.05)
             t_signal = time.time()
             proc.send_signal(signal.SIGTERM)
-            code = proc.wait(timeout=300)
+            try:
+                code = proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                raise MoepecError(f"the planned-stop run did not exit within 300 s of its "
+                                  f"SIGTERM; see {out}/train.log") from None
         finally:
             if proc.poll() is None:
                 proc.kill()
         t_exit = time.time()
-        stops = [r for r in _records(metrics) if r.get("event") == "stop"]
+        stops = [r for r in read_jsonl(metrics) if r.get("event") == "stop"]
         # torchrun itself exits non-zero on SIGTERM (its workers exit 0, so its agent
         # restarts none): the stop record says whether the stop worked
         if not stops or not stops[-1]["committed"]:
@@ -119,12 +111,16 @@ def planned_stop_row(s, out: Path, cmd_of, env: dict[str, str], say=print) -> di
             f"complete checkpoint committed {stop['signal_to_commit_s']:.2f}s after the "
             f"signal, exit {t_exit - t_signal:.2f}s after it; the same command again ...")
         t_rerun = time.time()
-        code = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                              timeout=600).returncode
+        try:
+            code = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                  timeout=600).returncode
+        except subprocess.TimeoutExpired:
+            raise MoepecError(f"the rerun after the planned stop ran past 600 s; see "
+                              f"{out}/train.log") from None
     if code != 0:
         raise MoepecError(f"the rerun after the planned stop failed (exit {code}); see "
                           f"{out}/train.log")
-    recs = [r for r in _records(metrics)
+    recs = [r for r in read_jsonl(metrics)
             if r.get("event") == "recovery" and r["time"] >= t_rerun]
     if not recs:
         raise MoepecError(f"the rerun after the planned stop did not resume; see {out}/train.log")

@@ -218,23 +218,7 @@ def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, i
     if optim and z3_file in names:
         def read(name: str) -> Any:
             return join_file(name, front.read(root, folder, file_keys(name, view)))
-        where, states = os.path.join(save_dir, tag), read(z3_file)
-        if not isinstance(states, dict) or sorted(optim) != list(range(len(optim))):
-            raise CheckpointError(f"{where}: its ZeRO-3 files are not DeepSpeed's "
-                                  f"(a damaged or foreign save?)")
-        if states.get("frozen_param_shapes"):
-            raise CheckpointError(f"{where} has frozen parameters, which --fp32 does not "
-                                  f"join at ZeRO-3: `moepec materialize` the tag and run "
-                                  f"DeepSpeed's zero_to_fp32.py on the copy")
-        try:
-            model = _zero3(states["param_shapes"],
-                           [read(optim[r])["optimizer_state_dict"]["fp32_flat_groups"]
-                            for r in sorted(optim)], where)
-            for name, holder in (states.get("shared_params") or {}).items():
-                model[name] = model[holder].clone()  # tied: saved once, as zero_to_fp32
-        except (KeyError, TypeError) as exc:
-            raise CheckpointError(f"{where}: its ZeRO-3 files lack DeepSpeed's {exc} (a "
-                                  f"damaged or foreign save?)") from None
+        model = _zero3_masters(read, z3_file, optim, os.path.join(save_dir, tag))
         save_file(model, out)
         return tag, len(model)
     if not optim or model_file is None:
@@ -251,6 +235,32 @@ def export_fp32(save_dir: str, out: str, tag: str | None = None) -> tuple[str, i
     model = {pname: _joined(pname, parts, shape_of[pname]) for pname, parts in pieces.items()}
     save_file(model, out)
     return tag, len(model)
+
+
+def _zero3_masters(read: Any, z3_file: str, optim: dict[int, str],
+                   where: str) -> dict[str, torch.Tensor]:
+    """The fp32 masters of a ZeRO-3 tag: ``read(name)`` one of its files (stitched),
+    ``optim`` rank -> its optimizer file. Tied parameters under both names, as
+    ``zero_to_fp32``; raises CheckpointError for frozen ones and for files that are not
+    DeepSpeed's."""
+    states = read(z3_file)
+    if not isinstance(states, dict) or sorted(optim) != list(range(len(optim))):
+        raise CheckpointError(f"{where}: its ZeRO-3 files are not DeepSpeed's "
+                              f"(a damaged or foreign save?)")
+    if states.get("frozen_param_shapes"):
+        raise CheckpointError(f"{where} has frozen parameters, which --fp32 does not "
+                              f"join at ZeRO-3: `moepec materialize` the tag and run "
+                              f"DeepSpeed's zero_to_fp32.py on the copy")
+    try:
+        model = _zero3(states["param_shapes"],
+                       [read(optim[r])["optimizer_state_dict"]["fp32_flat_groups"]
+                        for r in sorted(optim)], where)
+        for name, holder in (states.get("shared_params") or {}).items():
+            model[name] = model[holder].clone()  # tied: saved once, as zero_to_fp32
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"{where}: its ZeRO-3 files lack DeepSpeed's {exc} (a "
+                              f"damaged or foreign save?)") from None
+    return model
 
 
 def _zero3(param_shapes: list, flats: list[list[torch.Tensor]],

@@ -91,3 +91,17 @@ def stop_record(stop) -> dict[str, Any]:
     return {"event": "stop", "time": time.time(), "step": stop.step, "signal": stop.signal,
             "checkpoint": stop.checkpoint, "committed": stop.committed, "bytes": stop.bytes,
             "save_seconds": stop.save_seconds, "signal_to_commit_s": stop.signal_to_commit_s}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file a run is writing (metrics, faults): [] before it
+    exists; a line not yet whole (being written) is left out."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
