@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 
-from moepec import CheckpointConfig, CheckpointManager, ConfigError, FaultHooks
+from moepec import CheckpointConfig, CheckpointManager, ConfigError, FaultHooks, PersistError
 from moepec.cli.main import main
 from moepec.ram import pinning, shm
 from moepec.ram.jobs import job_name
@@ -96,7 +96,15 @@ def test_restarted_worker_restores_from_shared_memory_and_persists_what_was_only
                      if where == "before_commit" and "-step00000007-" in name else None)
     mgr, parts = manager(tmp_path, hooks=die)
     saved = {}
-    train(mgr, parts, 8, saved)
+    model, opt, sched, counter = parts
+    run_loop(mgr, model, opt, sched, counter, torch.Generator().manual_seed(1), 0, 8,
+             lambda s: saved.__setitem__(s, full_state(model, opt)))
+    # the failed persist surfaces once, on whichever call comes after it ends
+    with pytest.raises(PersistError, match="last committed checkpoint is intact"):
+        mgr.wait_for_snapshot()
+        mgr._persister.wait_idle()
+        mgr._persister.check()
+    mgr._persister.wait_idle()
     storage = Storage(str(tmp_path / "ckpt"))
     assert [storage.read_manifest(n).step for n in storage.committed()] == [1, 3, 5]
     snap_experts = [list(e) for e in mgr._ram_tier.newest.snapshot_experts]
