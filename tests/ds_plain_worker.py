@@ -47,7 +47,12 @@ def raw(engine) -> dict[str, torch.Tensor]:
 
 if __name__ == "__main__":
     import deepspeed
+    import deepspeed.ops
     from safetensors.torch import save_file
+
+    # as tests/ds_worker.py: gloo serves the collectives; DeepSpeed's CPU shared-memory
+    # op would JIT-compile first (minutes of g++ on a fresh machine)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     out, save_dir = sys.argv[1], sys.argv[2]
     net = qwen2(11)
