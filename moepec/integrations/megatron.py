@@ -47,9 +47,9 @@ step; a load of the newest folder takes it when newer (:mod:`.megatron_ram`).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -94,7 +94,6 @@ from moepec.integrations.megatron_ram import shards as _shards
 from moepec.integrations.megatron_ram import value as _value
 from moepec.integrations.megatron_switch import answer, answering, restore
 
-log = logging.getLogger(__name__)
 
 BACKEND = "moepec"
 VERSION = 1
@@ -209,14 +208,20 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
                             preload_fn=functools.partial(_stage, tensors))
 
     def _no_experts(self, root: str) -> None:
-        """Never full in silence: rank 0 says once that no shard is an expert's."""
+        """Never full in silence: rank 0 says once that no shard is an expert's.
+
+        A ``UserWarning`` (shown on stderr by default), not a log record: the caller can
+        act on it (the logging HOWTO's rule for ``warnings.warn``), as Megatron's own
+        ``torch_dist`` strategy warns, and a stock save logs nothing, which Megatron's
+        tests assert (``caplog.text == ''`` around a save and its loads)."""
         if not self.told_no_experts and dist.get_rank() == 0:
-            log.warning(
-                "moepec: no expert shards in the sharded state dict saved to %s (looked for "
-                "keys with an 'experts.' part: MoELayer's '...experts.experts.*' and "
-                "'...experts.<e>.*' with singleton_local_shards); every save writes "
-                "everything: build the MoE layers with Megatron's MoELayer (its experts "
-                "under '.experts'), or save a dense model with torch_dist", root)
+            warnings.warn(
+                f"moepec: no expert shards in the sharded state dict saved to {root} "
+                f"(looked for keys with an 'experts.' part: MoELayer's "
+                f"'...experts.experts.*' and '...experts.<e>.*' with "
+                f"singleton_local_shards); every save writes everything: build the MoE "
+                f"layers with Megatron's MoELayer (its experts under '.experts'), or save a "
+                f"dense model with torch_dist", UserWarning, stacklevel=2)
         self.told_no_experts = True
 
     def _finalize(self, plan: FlatPlan) -> None:
