@@ -47,6 +47,8 @@ if __name__ == "__main__":
     from torch.distributed.checkpoint.api import CheckpointException
 
     import moepec.integrations.megatron  # noqa: F401  (registers ("moepec", 1))
+    import moepec.store.flat as flat_store
+    from moepec.keys import MANIFEST_NAME
 
 RANK = WORLD = 0
 
@@ -289,7 +291,7 @@ class Heard(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(f"{record.levelname} {record.name}: {record.getMessage():.200}")
 
-    def __enter__(self) -> "Heard":
+    def __enter__(self) -> Heard:
         self.loggers = [logging.getLogger()] + [
             lg for lg in logging.Logger.manager.loggerDict.values()
             if isinstance(lg, logging.Logger) and not lg.propagate]
@@ -324,6 +326,30 @@ def quiet(root: str) -> str:
     return pec
 
 
+def reads_once(folder: str) -> None:
+    """A load reads the folder's manifest once per rank (it read it three times: for the
+    shapes, the keys and the load); one whose StrictHandling mode checks the folder's keys
+    once more, in Megatron's own call of load_sharded_metadata. Counted by wrapping the
+    function that reads the file, which still reads it."""
+    real, heads = flat_store.read_small, []
+
+    def counted(path, *args, **kwargs):
+        if os.path.basename(path) == MANIFEST_NAME:
+            heads.append(os.path.relpath(path, os.path.dirname(folder)))
+        return real(path, *args, **kwargs)
+
+    for mode, reads in ((StrictHandling.ASSUME_OK_UNEXPECTED, 1), (StrictHandling.RAISE_ALL, 2)):
+        heads.clear()
+        flat_store.read_small = counted
+        try:
+            loaded = dist_checkpointing.load(base(), folder, strict=mode)
+        finally:
+            flat_store.read_small = real
+        assert same(loaded, dist_checkpointing.load(base(), folder)), mode
+        assert heads == [os.path.join(os.path.basename(folder), MANIFEST_NAME)] * reads, \
+            (mode, heads)
+
+
 def make(folder: str) -> str:
     if RANK == 0:
         os.makedirs(folder)
@@ -339,6 +365,7 @@ def main() -> None:
     ref = make(os.path.join(root, "torch_dist", "iter_0000001"))
     dist_checkpointing.save(base(), ref, sharded_strategy=("torch_dist", 1))
     pec = quiet(root)
+    reads_once(pec)
     cases: dict[str, tuple[Callable[[], dict], StrictHandling, bool]] = {}
     for width in (14, 18):  # global (2, 28) and (2, 36) where (2, 32) was saved
         for flexible in (False, True):

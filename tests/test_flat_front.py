@@ -405,13 +405,13 @@ def _two_ranks_load(rank: int, world: int, root: str, interfere: str) -> None:
             return out
         FlatFrontEnd.read = reading
     if interfere == "choice" and rank == 0:  # say when this rank has chosen its copies
-        choose = FlatFrontEnd._manifests
+        choose = FlatFrontEnd.folder
 
         def noting(*args, **kwargs):
             out = choose(*args, **kwargs)
             chosen.touch()
             return out
-        FlatFrontEnd._manifests = staticmethod(noting)
+        FlatFrontEnd.folder = staticmethod(noting)
     if interfere == "choice" and rank == 1:  # a folder the view needs goes before it chose
         while not chosen.exists():
             time.sleep(0.01)

@@ -18,10 +18,11 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from moepec.errors import CheckpointError, MoepecError
+from moepec.errors import CheckpointError, CorruptCheckpointError, MoepecError
 from moepec.flat.plan import Parent, Unit
 from moepec.keys import MANIFEST_NAME
 from moepec.store.flat import FlatManifest, read_manifest
+from moepec.store.items import Item
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -158,6 +159,35 @@ Choice = tuple[FlatManifest, dict[str, FlatManifest]]
 """A load's head (its view: the folder each key is read from) and the manifests read."""
 
 
+def choose_copies(root: str, name: str, warnings: list[str] | None = None) -> Choice:
+    """Folder ``name``'s manifest and those of the folders its view reads, each read once.
+    When one of those is gone or unreadable, each expert whose newest copy it held is
+    read from its newest older copy in the lineage (the manifest's ancestors): the head
+    is returned with that view, and a line per expert goes to ``warnings``. Any rank, no
+    collective; raises as :func:`moepec.store.flat.read_manifest` for the head."""
+    head = read_manifest(root, name)
+    manifests = {name: head}
+    gone: dict[str, str] = {}
+    uids = dict(head.ancestors)
+    for n in head.needs():
+        if not os.path.isdir(os.path.join(root, n)):
+            gone[n] = GONE
+            continue
+        try:
+            m = read_manifest(root, n)
+        except MoepecError as exc:
+            gone[n] = f"cannot be read ({exc})"
+            continue
+        if uids.get(n) and m.uid != uids[n]:
+            gone[n] = REWRITTEN
+        else:
+            manifests[n] = m
+    if gone:
+        head = older_copies(root, head, manifests, gone,
+                            warnings if warnings is not None else [])
+    return head, manifests
+
+
 def agreed(choose: Callable[[], Choice], where: str) -> Choice:
     """``choose()`` on every rank, checked to be the same choice on all (collective on
     the default group when it has several ranks). A folder deleted or written again
@@ -212,3 +242,15 @@ def _on_every_rank(work: Callable[[], tuple[T, str | None]], where: str, *, own_
     if failed:
         raise CheckpointError(f"{where} not loaded; {'; '.join(failed)}") from error
     return done, [d for _, d in every]
+
+
+def item_in(root: str, name: str, manifests: Mapping[str, FlatManifest], folder: str,
+            key: str) -> Item:
+    """The item of ``key`` in ``folder``, where folder ``name``'s view says it is.
+    Raises CorruptCheckpointError when that folder does not hold it."""
+    m = manifests.get(folder)
+    if m is None or key not in m.items:
+        raise CorruptCheckpointError(f"{root}/{name}: {key!r:.160} is not in {folder}, "
+                                     f"where its view says it is; run `moepec verify "
+                                     f"{root}`")
+    return m.items[key]
