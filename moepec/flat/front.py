@@ -108,7 +108,7 @@ class FlatFrontEnd(FinalSaves):
         self._head: _Known | None = None
         self._loaded: _Known | None = None
         self._report: RestoreReport | None = None
-        self._read_cache: tuple[str, str, Any] | None = None  # the last load's, for its files
+        self._read_cache: tuple[str, str, Choice] | None = None  # the last load's, for its files
         self._pinned: tuple[str, str, Choice] | None = None  # inside reading()
         self._uids: dict[str, tuple[tuple, str]] = {}  # folder_uid's reads (rank 0 saves)
         self._rotating: set[str] = set()  # roots whose old folders get deleted: saves full
@@ -292,17 +292,17 @@ class FlatFrontEnd(FinalSaves):
         shards it reads is allocated. The next save continues this folder's lineage.
         ``known``: this folder's :meth:`folder`, already read (else read here)."""
         started = time.monotonic()
-        warnings: list[str] = []
         known = self._known(root, name, known)
         def choose():
-            return known if known is not None else self.folder(root, name, warnings)
-        head, manifests = agreed(choose, f"{root}/{name}") if agree else choose()
-        self._read_cache = (root, name, (head, manifests))
+            return known if known is not None else self.folder(root, name)
+        choice = agreed(choose, f"{root}/{name}") if agree else choose()
+        head, manifests = choice.head, choice.manifests
+        self._read_cache = (root, name, choice)
         def read():
-            return self.read(root, name, keys, (head, manifests))
+            return self.read(root, name, keys, choice)
         out = settled(read, f"{root}/{name}") if agree else read()
         report, ledger = self._report_of(head, manifests, time.monotonic() - started)
-        report.warnings.extend(warnings)
+        report.warnings.extend(choice.warnings)
         self._loaded = _Known(root, _parent_of(
             head, ledger.state_dict() if ledger is not None else None), head.committed_at)
         self._pending = self._head = None
@@ -310,12 +310,13 @@ class FlatFrontEnd(FinalSaves):
         return out, report
 
     @staticmethod
-    def folder(root: str, name: str, warnings: list[str] | None = None) -> Choice:
+    def folder(root: str, name: str) -> Choice:
         """Any rank, no collective: folder ``name``'s manifests, its own and those its view
-        reads (:func:`moepec.flat.lineage.choose_copies`). Read once per load: :meth:`keys`,
+        reads, and a line per expert read from an older copy (lineage's
+        :func:`~moepec.flat.lineage.choose_copies`). Read once per load: :meth:`keys`,
         :meth:`shapes`, :meth:`load`, :meth:`read` take it as ``known`` (or inside
         :meth:`reading`). Raises as :meth:`load`."""
-        return choose_copies(root, name, warnings)
+        return choose_copies(root, name)
 
     @contextlib.contextmanager
     def reading(self, root: str, name: str, known: Choice) -> Iterator[None]:
@@ -342,8 +343,8 @@ class FlatFrontEnd(FinalSaves):
              known: Choice | None = None) -> dict[str, torch.Tensor]:
         """As :meth:`load`, without the report and without changing the lineage the
         next save continues: more keys of a folder already loaded."""
-        known = self._known(root, name, known, last_load=True)
-        head, manifests = known if known is not None else self.folder(root, name)
+        choice = self._known(root, name, known, last_load=True) or self.folder(root, name)
+        head, manifests = choice.head, choice.manifests
         cut = {k: parse_shard_key(k) for k in keys if k not in head.view}
         if any(r is None for r in cut.values()):
             k = next(k for k, r in cut.items() if r is None)
@@ -379,7 +380,7 @@ class FlatFrontEnd(FinalSaves):
     def keys(root: str, name: str, known: Choice | None = None) -> list[str]:
         """Any rank: every key of folder ``name``'s view (all ranks' shards); from
         ``known`` (its :meth:`folder`) when given, else its manifest is read."""
-        return list((known[0] if known is not None else read_manifest(root, name)).view)
+        return list((known.head if known is not None else read_manifest(root, name)).view)
 
     def shapes(self, root: str, name: str, known: Choice | None = None
                ) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -388,7 +389,8 @@ class FlatFrontEnd(FinalSaves):
         its :meth:`folder`, when given). Raises CorruptCheckpointError naming the folder
         for a damaged shard key (one whose item is of another size, or shards whose keys
         claim more than they hold)."""
-        head, manifests = known if known is not None else self.folder(root, name)
+        choice = known if known is not None else self.folder(root, name)
+        head, manifests = choice.head, choice.manifests
         shards = {key: item_in(root, name, manifests, folder, key)
                   for key, folder in head.view.items() if "#" in key}
         with _naming(root, name):

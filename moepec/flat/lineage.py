@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch.distributed as dist
 
@@ -155,16 +155,23 @@ def older_copies(root: str, head: FlatManifest, manifests: dict[str, FlatManifes
     return dataclasses.replace(head, view=view)
 
 
-Choice = tuple[FlatManifest, dict[str, FlatManifest]]
-"""A load's head (its view: the folder each key is read from) and the manifests read."""
+class Choice(NamedTuple):
+    """A load's choice of copies, from one read of the manifests."""
+
+    head: FlatManifest
+    """The folder's manifest, its view (the folder each key is read from) as loaded."""
+    manifests: dict[str, FlatManifest]
+    """The manifests read: the folder's and those of the folders its view reads."""
+    warnings: tuple[str, ...] = ()
+    """A line per expert read from an older copy than the one its view names."""
 
 
-def choose_copies(root: str, name: str, warnings: list[str] | None = None) -> Choice:
+def choose_copies(root: str, name: str) -> Choice:
     """Folder ``name``'s manifest and those of the folders its view reads, each read once.
     When one of those is gone or unreadable, each expert whose newest copy it held is
     read from its newest older copy in the lineage (the manifest's ancestors): the head
-    is returned with that view, and a line per expert goes to ``warnings``. Any rank, no
-    collective; raises as :func:`moepec.store.flat.read_manifest` for the head."""
+    is returned with that view, and a line per expert goes to its ``warnings``. Any rank,
+    no collective; raises as :func:`moepec.store.flat.read_manifest` for the head."""
     head = read_manifest(root, name)
     manifests = {name: head}
     gone: dict[str, str] = {}
@@ -182,10 +189,10 @@ def choose_copies(root: str, name: str, warnings: list[str] | None = None) -> Ch
             gone[n] = REWRITTEN
         else:
             manifests[n] = m
+    warnings: list[str] = []
     if gone:
-        head = older_copies(root, head, manifests, gone,
-                            warnings if warnings is not None else [])
-    return head, manifests
+        head = older_copies(root, head, manifests, gone, warnings)
+    return Choice(head, manifests, tuple(warnings))
 
 
 def agreed(choose: Callable[[], Choice], where: str) -> Choice:
@@ -195,7 +202,8 @@ def agreed(choose: Callable[[], Choice], where: str) -> Choice:
     then, and when any rank's choice failed, every rank raises (never a load that mixes
     copies, never a rank left waiting in the framework's next collective)."""
     def digest_of_choice() -> tuple[Choice, str]:
-        head, manifests = choice = choose()
+        choice = choose()
+        head, manifests = choice.head, choice.manifests
         return choice, hashlib.sha256(json.dumps(
             [sorted(head.view.items()), sorted((n, m.uid) for n, m in manifests.items())]
         ).encode()).hexdigest()
