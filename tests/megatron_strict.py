@@ -11,7 +11,8 @@ each under every ``StrictHandling`` mode. An outcome is: raised (and whether as
 Megatron's CheckpointingException and as DCP's CheckpointException, as torch_dist
 raises), or the loaded values (bit for bit), the returned missing and unexpected keys and
 the keys named in Megatron's warnings. Also: the moepec saves of a state without experts
-warn once, on rank 0, that they found none. Prints ``rank R STRICT OK N``.
+warn once, on rank 0, that they found none (a UserWarning), and the saves and exact loads
+log nothing (Megatron's test_exact_load_handling). Prints ``rank R STRICT OK N``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 
 if __name__ == "__main__":
@@ -28,6 +30,7 @@ if __name__ == "__main__":
     # again (as __mp_main__); without torch and Megatron to import it starts in a moment.
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
     sys.path.insert(0, os.path.dirname(__file__))
     import megatron_shims
@@ -44,6 +47,8 @@ if __name__ == "__main__":
     from torch.distributed.checkpoint.api import CheckpointException
 
     import moepec.integrations.megatron  # noqa: F401  (registers ("moepec", 1))
+    import moepec.store.flat as flat_store
+    from moepec.keys import MANIFEST_NAME
 
 RANK = WORLD = 0
 
@@ -273,6 +278,78 @@ def switch(root: str, ref: str) -> None:
                 {k: v.data for k, v in moe(3).items()})
 
 
+class Heard(logging.Handler):
+    """Every record that pytest's ``caplog`` holds: a handler of no level on the root
+    logger and on each logger that does not propagate (pytest attaches to those too, DCP's
+    ``c10d-...-dcp_logger`` at DEBUG among them), no logger's level changed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.lines: list[str] = []
+        self.loggers: list[logging.Logger] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage():.200}")
+
+    def __enter__(self) -> Heard:
+        self.loggers = [logging.getLogger()] + [
+            lg for lg in logging.Logger.manager.loggerDict.values()
+            if isinstance(lg, logging.Logger) and not lg.propagate]
+        for lg in self.loggers:
+            lg.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for lg in self.loggers:
+            lg.removeHandler(self)
+
+
+def quiet(root: str) -> str:
+    """Megatron's test_exact_load_handling: its saves and exact loads, in every
+    StrictHandling mode, log nothing (it asserts ``caplog.text == ''`` over all of them).
+    The saves of a state without experts say so once, on rank 0, as a UserWarning. A
+    user's own DCP save is still traced (the capture sees it). Returns the last folder."""
+    with warnings.catch_warnings(record=True) as told, Heard() as heard:
+        warnings.simplefilter("always")
+        for i in (1, 2):
+            pec = make(os.path.join(root, "moepec", f"iter_{i:07d}"))
+            dist_checkpointing.save(base(), pec, sharded_strategy=("moepec", 1))
+        for mode in StrictHandling:
+            dist_checkpointing.load(base(), pec, strict=mode)
+    assert heard.lines == [], f"{len(heard.lines)} records: {heard.lines[:4]}"
+    said = [str(w.message) for w in told if "no expert shards" in str(w.message)]
+    assert len(said) == (1 if RANK == 0 else 0), [str(w.message) for w in told]
+    with Heard() as probe:
+        dcp.save({"x": torch.zeros(2)}, checkpoint_id=os.path.join(root, f"own{RANK}"),
+                 no_dist=True)
+    assert any("dcp_logger" in line for line in probe.lines), probe.lines
+    return pec
+
+
+def reads_once(folder: str) -> None:
+    """A load reads the folder's manifest once per rank (it read it three times: for the
+    shapes, the keys and the load); one whose StrictHandling mode checks the folder's keys
+    once more, in Megatron's own call of load_sharded_metadata. Counted by wrapping the
+    function that reads the file, which still reads it."""
+    real, heads = flat_store.read_small, []
+
+    def counted(path, *args, **kwargs):
+        if os.path.basename(path) == MANIFEST_NAME:
+            heads.append(os.path.relpath(path, os.path.dirname(folder)))
+        return real(path, *args, **kwargs)
+
+    for mode, reads in ((StrictHandling.ASSUME_OK_UNEXPECTED, 1), (StrictHandling.RAISE_ALL, 2)):
+        heads.clear()
+        flat_store.read_small = counted
+        try:
+            loaded = dist_checkpointing.load(base(), folder, strict=mode)
+        finally:
+            flat_store.read_small = real
+        assert same(loaded, dist_checkpointing.load(base(), folder)), mode
+        assert heads == [os.path.join(os.path.basename(folder), MANIFEST_NAME)] * reads, \
+            (mode, heads)
+
+
 def make(folder: str) -> str:
     if RANK == 0:
         os.makedirs(folder)
@@ -285,15 +362,10 @@ def main() -> None:
     root = sys.argv[1]
     dist.init_process_group("gloo")
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
-    said = Lines()
-    logging.getLogger("moepec").addHandler(said)
     ref = make(os.path.join(root, "torch_dist", "iter_0000001"))
     dist_checkpointing.save(base(), ref, sharded_strategy=("torch_dist", 1))
-    for i in (1, 2):
-        pec = make(os.path.join(root, "moepec", f"iter_{i:07d}"))
-        dist_checkpointing.save(base(), pec, sharded_strategy=("moepec", 1))
-    told = [line for line in said.lines if "no expert shards" in line]
-    assert len(told) == (1 if RANK == 0 else 0), said.lines
+    pec = quiet(root)
+    reads_once(pec)
     cases: dict[str, tuple[Callable[[], dict], StrictHandling, bool]] = {}
     for width in (14, 18):  # global (2, 28) and (2, 36) where (2, 32) was saved
         for flexible in (False, True):

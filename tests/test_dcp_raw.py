@@ -269,3 +269,49 @@ def test_one_process_save_restore_and_export_warn_nothing(tmp_path, async_persis
         export_view(str(tmp_path / "c"), str(tmp_path / "out"), "dcp")
     assert report is not None and report.step == 3
     assert [str(w.message) for w in caught] == []
+
+
+def test_own_one_process_dcp_calls_leave_no_trace_records_others_still_do(tmp_path):
+    """DCP's method logger (DEBUG, propagating nowhere; pytest's caplog attaches to it)
+    gets no record of a save inside ``single_process_dcp`` (Megatron's tests assert an
+    empty capture around a save), while a save of another thread at the same time is
+    traced as before, and so is this thread's once it has left."""
+    import logging
+    import threading
+
+    from torch.distributed.checkpoint.logger import _dcp_logger
+
+    from moepec.store.storage import single_process_dcp
+
+    heard: list[int] = []
+
+    class Heard(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            heard.append(record.thread)
+
+    def save(name: str) -> None:
+        dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / name), no_dist=True)
+
+    me, theirs, inside = threading.get_ident(), [], threading.Event()
+
+    def other() -> None:
+        inside.wait(60)
+        theirs.append(threading.get_ident())
+        save("theirs")
+
+    handler = Heard()
+    _dcp_logger.addHandler(handler)
+    try:
+        thread = threading.Thread(target=other)
+        thread.start()
+        with single_process_dcp():
+            inside.set()
+            save("ours")
+            thread.join(60)
+        ours_inside = heard.count(me)
+        save("after")
+    finally:
+        _dcp_logger.removeHandler(handler)
+    assert not thread.is_alive() and theirs
+    assert ours_inside == 0, heard
+    assert heard.count(theirs[0]) > 0 and heard.count(me) > 0, heard

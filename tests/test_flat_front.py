@@ -317,9 +317,16 @@ def test_a_folder_deleted_while_a_save_is_written_does_not_fail_its_commit(tmp_p
     write_rank(str(tmp_path / plan.name), {k: vals[k] for k in plan.written}, 0)
     shutil.rmtree(tmp_path / "iter_0000010")  # needed by the view of 20
     front.finish_save(plan)  # committed all the same
-    _, report = FlatFrontEnd().load(str(tmp_path), "iter_0000020", list(UNITS))
+    first, report = FlatFrontEnd().load(str(tmp_path), "iter_0000020", list(UNITS))
     assert len(report.warnings) == 2 and all("iter_0000010 is gone" in w
                                              for w in report.warnings)
+    # a door's load from the manifests it read for its checks says the same
+    door = FlatFrontEnd()
+    known = door.folder(str(tmp_path), "iter_0000020")
+    with door.reading(str(tmp_path), "iter_0000020", known):
+        got, again = door.load(str(tmp_path), "iter_0000020", list(UNITS))
+    assert again.warnings == report.warnings and again.sources == report.sources
+    assert all(torch.equal(got[k], v) for k, v in first.items())
     after = save(front, tmp_path, 30)
     assert "iter_0000010" not in after.view.values()
 
@@ -405,13 +412,13 @@ def _two_ranks_load(rank: int, world: int, root: str, interfere: str) -> None:
             return out
         FlatFrontEnd.read = reading
     if interfere == "choice" and rank == 0:  # say when this rank has chosen its copies
-        choose = FlatFrontEnd._manifests
+        choose = FlatFrontEnd.folder
 
         def noting(*args, **kwargs):
             out = choose(*args, **kwargs)
             chosen.touch()
             return out
-        FlatFrontEnd._manifests = staticmethod(noting)
+        FlatFrontEnd.folder = staticmethod(noting)
     if interfere == "choice" and rank == 1:  # a folder the view needs goes before it chose
         while not chosen.exists():
             time.sleep(0.01)

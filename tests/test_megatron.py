@@ -189,7 +189,9 @@ def test_loads_torch_dist_refuses_or_reports_the_same_with_moepec(tmp_path):
     shapes; allow_shape_mismatch: the same values, zeros past the saved tensor), and
     unexpected, missing and exact keys under every StrictHandling mode (the same
     exception, or the same values, returned keys and warnings). A save without experts
-    warns once, on rank 0. The torch_dist switch (use_for_torch_dist): Megatron's default
+    warns once, on rank 0 (a UserWarning); those saves and their exact loads log nothing,
+    DCP's DEBUG trace included (Megatron's test_exact_load_handling asserts an empty
+    caplog over them). The torch_dist switch (use_for_torch_dist): Megatron's default
     save, as Megatron-LM's save_checkpoint asks for it (with the fully parallel and
     constant-structure wrappers, sync and async), writes a moepec folder of K = 1 of 4
     experts that a load without a strategy stitches back bit for bit; switched off, the

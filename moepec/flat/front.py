@@ -33,15 +33,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moepec.errors import CheckpointError, ConfigError, CorruptCheckpointError, MoepecError
+from moepec.errors import CheckpointError, ConfigError, MoepecError
 from moepec.flat.final import FinalSaves
 from moepec.flat.lineage import (
-    GONE,
-    REWRITTEN,
+    Choice,
     agreed,
+    choose_copies,
     committed,
+    item_in,
     manifest_or_none,
-    older_copies,
     settled,
     without_gone,
 )
@@ -74,7 +74,6 @@ from moepec.store.flat import (
     record_name,
     scan,
 )
-from moepec.store.items import Item
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +108,8 @@ class FlatFrontEnd(FinalSaves):
         self._head: _Known | None = None
         self._loaded: _Known | None = None
         self._report: RestoreReport | None = None
-        self._read_cache: tuple[str, str, Any] | None = None  # the last load's, for its files
+        self._read_cache: tuple[str, str, Choice] | None = None  # the last load's, for its files
+        self._pinned: tuple[str, str, Choice] | None = None  # inside reading()
         self._uids: dict[str, tuple[tuple, str]] = {}  # folder_uid's reads (rank 0 saves)
         self._rotating: set[str] = set()  # roots whose old folders get deleted: saves full
 
@@ -278,8 +278,8 @@ class FlatFrontEnd(FinalSaves):
             self._head = _Known(p.root, _parent_of(m), m.committed_at)
 
     # -- loading ---------------------------------------------------------------------
-    def load(self, root: str, name: str, keys: Sequence[str], *, agree: bool = False
-             ) -> tuple[dict[str, torch.Tensor], RestoreReport]:
+    def load(self, root: str, name: str, keys: Sequence[str], *, agree: bool = False,
+             known: Choice | None = None) -> tuple[dict[str, torch.Tensor], RestoreReport]:
         """Any rank, no collective unless ``agree`` (a door: every rank loads; checks all
         ranks chose the same copies, as :func:`moepec.flat.lineage.agreed`, and that all
         read them, as :func:`moepec.flat.lineage.settled`): ``keys`` of folder ``name``,
@@ -289,18 +289,20 @@ class FlatFrontEnd(FinalSaves):
         overlap it. Raises CheckpointError for a key the saved shards do not cover, a
         damaged item or a missing folder; CorruptCheckpointError naming the folder for a
         damaged shard key (:mod:`moepec.flat.regions`), before anything larger than the
-        shards it reads is allocated. The next save continues this folder's lineage."""
+        shards it reads is allocated. The next save continues this folder's lineage.
+        ``known``: this folder's :meth:`folder`, already read (else read here)."""
         started = time.monotonic()
-        warnings: list[str] = []
+        known = self._known(root, name, known)
         def choose():
-            return self._manifests(root, name, warnings)
-        head, manifests = agreed(choose, f"{root}/{name}") if agree else choose()
-        self._read_cache = (root, name, (head, manifests))
+            return known if known is not None else self.folder(root, name)
+        choice = agreed(choose, f"{root}/{name}") if agree else choose()
+        head, manifests = choice.head, choice.manifests
+        self._read_cache = (root, name, choice)
         def read():
-            return self.read(root, name, keys, (head, manifests))
+            return self.read(root, name, keys, choice)
         out = settled(read, f"{root}/{name}") if agree else read()
         report, ledger = self._report_of(head, manifests, time.monotonic() - started)
-        report.warnings.extend(warnings)
+        report.warnings.extend(choice.warnings)
         self._loaded = _Known(root, _parent_of(
             head, ledger.state_dict() if ledger is not None else None), head.committed_at)
         self._pending = self._head = None
@@ -308,43 +310,41 @@ class FlatFrontEnd(FinalSaves):
         return out, report
 
     @staticmethod
-    def _manifests(root: str, name: str, warnings: list[str] | None = None
-                   ) -> tuple[FlatManifest, dict[str, FlatManifest]]:
-        """Folder ``name``'s manifest and those of the folders its view reads. When one
-        of those is gone or unreadable, each expert whose newest copy it held is read
-        from its newest older copy in the lineage (the manifest's ancestors): the head
-        is returned with that view, and a line per expert goes to ``warnings``."""
-        head = read_manifest(root, name)
-        manifests = {name: head}
-        gone: dict[str, str] = {}
-        uids = dict(head.ancestors)
-        for n in head.needs():
-            if not os.path.isdir(os.path.join(root, n)):
-                gone[n] = GONE
-                continue
-            try:
-                m = read_manifest(root, n)
-            except MoepecError as exc:
-                gone[n] = f"cannot be read ({exc})"
-                continue
-            if uids.get(n) and m.uid != uids[n]:
-                gone[n] = REWRITTEN
-            else:
-                manifests[n] = m
-        if gone:
-            head = older_copies(root, head, manifests, gone,
-                                 warnings if warnings is not None else [])
-        return head, manifests
+    def folder(root: str, name: str) -> Choice:
+        """Any rank, no collective: folder ``name``'s manifests, its own and those its view
+        reads, and a line per expert read from an older copy (lineage's
+        :func:`~moepec.flat.lineage.choose_copies`). Read once per load: :meth:`keys`,
+        :meth:`shapes`, :meth:`load`, :meth:`read` take it as ``known`` (or inside
+        :meth:`reading`). Raises as :meth:`load`."""
+        return choose_copies(root, name)
+
+    @contextlib.contextmanager
+    def reading(self, root: str, name: str, known: Choice) -> Iterator[None]:
+        """Inside, a :meth:`load` or :meth:`read` of folder ``name`` given no ``known``
+        uses ``known`` (from :meth:`folder`), not a new read of the manifests: a door's
+        load that read them for its checks and reaches :meth:`load` through another
+        layer. Only for that one load (a folder may be written again later)."""
+        self._pinned = (root, name, known)
+        try:
+            yield
+        finally:
+            self._pinned = None
+
+    def _known(self, root: str, name: str, known: Choice | None, last_load: bool = False
+               ) -> Choice | None:
+        """``known``, else what :meth:`reading` holds for this folder, else (``last_load``)
+        the last load's own choice of older copies for it, else None (read them)."""
+        for held in (self._pinned, self._read_cache if last_load else None):
+            if known is None and held is not None and held[:2] == (root, name):
+                known = held[2]
+        return known
 
     def read(self, root: str, name: str, keys: Sequence[str],
-             known: tuple[FlatManifest, Mapping[str, FlatManifest]] | None = None
-             ) -> dict[str, torch.Tensor]:
+             known: Choice | None = None) -> dict[str, torch.Tensor]:
         """As :meth:`load`, without the report and without changing the lineage the
         next save continues: more keys of a folder already loaded."""
-        if known is None and self._read_cache is not None \
-                and self._read_cache[:2] == (root, name):
-            known = self._read_cache[2]  # the load's own choice of older copies
-        head, manifests = known if known is not None else self._manifests(root, name)
+        choice = self._known(root, name, known, last_load=True) or self.folder(root, name)
+        head, manifests = choice.head, choice.manifests
         cut = {k: parse_shard_key(k) for k in keys if k not in head.view}
         if any(r is None for r in cut.values()):
             k = next(k for k, r in cut.items() if r is None)
@@ -354,7 +354,7 @@ class FlatFrontEnd(FinalSaves):
         direct = [k for k in keys if k in head.view]
         wanted = direct + sorted({k for ps in pieces.values() for _, k in ps})
         sources = {k: head.view[k] for k in wanted}
-        items = {k: _item(root, name, manifests, sources[k], k) for k in wanted}
+        items = {k: item_in(root, name, manifests, sources[k], k) for k in wanted}
         with _naming(root, name):  # a shard read as saved holds what its key says
             for k in direct:
                 if "#" in k:
@@ -376,17 +376,22 @@ class FlatFrontEnd(FinalSaves):
         head = scan(root).head
         return None if head is None else head.name
 
-    def keys(self, root: str, name: str) -> list[str]:
-        """Any rank: every key of folder ``name``'s view (all ranks' shards)."""
-        return list(read_manifest(root, name).view)
+    @staticmethod
+    def keys(root: str, name: str, known: Choice | None = None) -> list[str]:
+        """Any rank: every key of folder ``name``'s view (all ranks' shards); from
+        ``known`` (its :meth:`folder`) when given, else its manifest is read."""
+        return list((known.head if known is not None else read_manifest(root, name)).view)
 
-    def shapes(self, root: str, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    def shapes(self, root: str, name: str, known: Choice | None = None
+               ) -> dict[str, tuple[tuple[int, ...], str]]:
         """Any rank: every tensor of folder ``name`` by its key (the part of a shard key
-        before ``#``) -> (global shape, dtype name), from the manifests alone. Raises
-        CorruptCheckpointError naming the folder for a damaged shard key (one whose item
-        is of another size, or shards whose keys claim more than they hold)."""
-        head, manifests = self._manifests(root, name)
-        shards = {key: _item(root, name, manifests, folder, key)
+        before ``#``) -> (global shape, dtype name), from the manifests alone (``known``,
+        its :meth:`folder`, when given). Raises CorruptCheckpointError naming the folder
+        for a damaged shard key (one whose item is of another size, or shards whose keys
+        claim more than they hold)."""
+        choice = known if known is not None else self.folder(root, name)
+        head, manifests = choice.head, choice.manifests
+        shards = {key: item_in(root, name, manifests, folder, key)
                   for key, folder in head.view.items() if "#" in key}
         with _naming(root, name):
             return global_shapes((k, math.prod(i.shape), i.dtype) for k, i in shards.items())
@@ -406,18 +411,6 @@ class FlatFrontEnd(FinalSaves):
     def last_load_report(self) -> RestoreReport | None:
         """What the last :meth:`load` in this process restored, or None."""
         return self._report
-
-
-def _item(root: str, name: str, manifests: Mapping[str, FlatManifest], folder: str,
-          key: str) -> Item:
-    """The item of ``key`` in ``folder``, where folder ``name``'s view says it is.
-    Raises CorruptCheckpointError when that folder does not hold it."""
-    m = manifests.get(folder)
-    if m is None or key not in m.items:
-        raise CorruptCheckpointError(f"{root}/{name}: {key!r:.160} is not in {folder}, "
-                                     f"where its view says it is; run `moepec verify "
-                                     f"{root}`")
-    return m.items[key]
 
 
 @contextlib.contextmanager

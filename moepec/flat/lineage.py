@@ -14,14 +14,15 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch.distributed as dist
 
-from moepec.errors import CheckpointError, MoepecError
+from moepec.errors import CheckpointError, CorruptCheckpointError, MoepecError
 from moepec.flat.plan import Parent, Unit
 from moepec.keys import MANIFEST_NAME
 from moepec.store.flat import FlatManifest, read_manifest
+from moepec.store.items import Item
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -154,8 +155,44 @@ def older_copies(root: str, head: FlatManifest, manifests: dict[str, FlatManifes
     return dataclasses.replace(head, view=view)
 
 
-Choice = tuple[FlatManifest, dict[str, FlatManifest]]
-"""A load's head (its view: the folder each key is read from) and the manifests read."""
+class Choice(NamedTuple):
+    """A load's choice of copies, from one read of the manifests."""
+
+    head: FlatManifest
+    """The folder's manifest, its view (the folder each key is read from) as loaded."""
+    manifests: dict[str, FlatManifest]
+    """The manifests read: the folder's and those of the folders its view reads."""
+    warnings: tuple[str, ...] = ()
+    """A line per expert read from an older copy than the one its view names."""
+
+
+def choose_copies(root: str, name: str) -> Choice:
+    """Folder ``name``'s manifest and those of the folders its view reads, each read once.
+    When one of those is gone or unreadable, each expert whose newest copy it held is
+    read from its newest older copy in the lineage (the manifest's ancestors): the head
+    is returned with that view, and a line per expert goes to its ``warnings``. Any rank,
+    no collective; raises as :func:`moepec.store.flat.read_manifest` for the head."""
+    head = read_manifest(root, name)
+    manifests = {name: head}
+    gone: dict[str, str] = {}
+    uids = dict(head.ancestors)
+    for n in head.needs():
+        if not os.path.isdir(os.path.join(root, n)):
+            gone[n] = GONE
+            continue
+        try:
+            m = read_manifest(root, n)
+        except MoepecError as exc:
+            gone[n] = f"cannot be read ({exc})"
+            continue
+        if uids.get(n) and m.uid != uids[n]:
+            gone[n] = REWRITTEN
+        else:
+            manifests[n] = m
+    warnings: list[str] = []
+    if gone:
+        head = older_copies(root, head, manifests, gone, warnings)
+    return Choice(head, manifests, tuple(warnings))
 
 
 def agreed(choose: Callable[[], Choice], where: str) -> Choice:
@@ -165,7 +202,8 @@ def agreed(choose: Callable[[], Choice], where: str) -> Choice:
     then, and when any rank's choice failed, every rank raises (never a load that mixes
     copies, never a rank left waiting in the framework's next collective)."""
     def digest_of_choice() -> tuple[Choice, str]:
-        head, manifests = choice = choose()
+        choice = choose()
+        head, manifests = choice.head, choice.manifests
         return choice, hashlib.sha256(json.dumps(
             [sorted(head.view.items()), sorted((n, m.uid) for n, m in manifests.items())]
         ).encode()).hexdigest()
@@ -212,3 +250,15 @@ def _on_every_rank(work: Callable[[], tuple[T, str | None]], where: str, *, own_
     if failed:
         raise CheckpointError(f"{where} not loaded; {'; '.join(failed)}") from error
     return done, [d for _, d in every]
+
+
+def item_in(root: str, name: str, manifests: Mapping[str, FlatManifest], folder: str,
+            key: str) -> Item:
+    """The item of ``key`` in ``folder``, where folder ``name``'s view says it is.
+    Raises CorruptCheckpointError when that folder does not hold it."""
+    m = manifests.get(folder)
+    if m is None or key not in m.items:
+        raise CorruptCheckpointError(f"{root}/{name}: {key!r:.160} is not in {folder}, "
+                                     f"where its view says it is; run `moepec verify "
+                                     f"{root}`")
+    return m.items[key]

@@ -47,9 +47,9 @@ step; a load of the newest folder takes it when newer (:mod:`.megatron_ram`).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,8 +93,6 @@ from moepec.integrations.megatron_ram import empty as _empty
 from moepec.integrations.megatron_ram import shards as _shards
 from moepec.integrations.megatron_ram import value as _value
 from moepec.integrations.megatron_switch import answer, answering, restore
-
-log = logging.getLogger(__name__)
 
 BACKEND = "moepec"
 VERSION = 1
@@ -209,14 +207,20 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
                             preload_fn=functools.partial(_stage, tensors))
 
     def _no_experts(self, root: str) -> None:
-        """Never full in silence: rank 0 says once that no shard is an expert's."""
+        """Never full in silence: rank 0 says once that no shard is an expert's.
+
+        A ``UserWarning`` (shown on stderr by default), not a log record: the caller can
+        act on it (the logging HOWTO's rule for ``warnings.warn``), as Megatron's own
+        ``torch_dist`` strategy warns, and a stock save logs nothing, which Megatron's
+        tests assert (``caplog.text == ''`` around a save and its loads)."""
         if not self.told_no_experts and dist.get_rank() == 0:
-            log.warning(
-                "moepec: no expert shards in the sharded state dict saved to %s (looked for "
-                "keys with an 'experts.' part: MoELayer's '...experts.experts.*' and "
-                "'...experts.<e>.*' with singleton_local_shards); every save writes "
-                "everything: build the MoE layers with Megatron's MoELayer (its experts "
-                "under '.experts'), or save a dense model with torch_dist", root)
+            warnings.warn(
+                f"moepec: no expert shards in the sharded state dict saved to {root} "
+                f"(looked for keys with an 'experts.' part: MoELayer's "
+                f"'...experts.experts.*' and '...experts.<e>.*' with "
+                f"singleton_local_shards); every save writes everything: build the MoE "
+                f"layers with Megatron's MoELayer (its experts under '.experts'), or save a "
+                f"dense model with torch_dist", UserWarning, stacklevel=2)
         self.told_no_experts = True
 
     def _finalize(self, plan: FlatPlan) -> None:
@@ -259,17 +263,21 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         root, name = split_folder(checkpoint_dir)
         shards = _shards(sharded_state_dict)
         saved: dict[str, tuple[tuple[int, ...], str]] = {}
-        try:
-            saved = self.front.shapes(root, name)
-            objects = [k for k in self.front.keys(root, name) if k.startswith(OBJECT)]
+        known = None
+        try:  # the folder's manifests, read once for the checks and the load
+            known = self.front.folder(root, name)
+            saved = self.front.shapes(root, name, known)
+            objects = [k for k in self.front.keys(root, name, known) if k.startswith(OBJECT)]
             reasons = refusals(shards, saved, objects)
         except moepec.MoepecError as exc:
             reasons = [str(exc)]
         refuse_on_every_rank(reasons, f"{root}/{name}")
+        assert known is not None  # else every rank refused
         reads = {k: _to_read(k, sh, saved) for k, sh in shards.items()}
         try:
-            targets = _ram.load(root, name, list(dict.fromkeys(  # RAM when newer
-                r for r in reads.values() if r is not None)))
+            with self.front.reading(root, name, known):
+                targets = _ram.load(root, name, list(dict.fromkeys(  # RAM when newer
+                    r for r in reads.values() if r is not None)))
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
         loaded = {id(sh): _loaded(sh, k, reads[k], targets, saved, name)
@@ -282,24 +290,25 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         """Every tensor of the folder as a ShardedTensor without data or sharding (its
         global shape and dtype), by its key: what ``load_plain_tensors`` and Megatron's
         tools read first. From moepec's manifests; reads no tensor."""
+        return self._metadata(checkpoint_dir)[0]
+
+    def _metadata(self, checkpoint_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
+        """The tensors' metadata and every key, from one read of the manifests."""
         root, name = split_folder(checkpoint_dir)
         try:
-            shapes = self.front.shapes(root, name)
+            known = self.front.folder(root, name)
+            shapes = self.front.shapes(root, name, known)
+            keys = self.front.keys(root, name, known)
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
         return {key: ShardedTensor.from_rank_offsets(
                     key, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
-                ).without_data() for key, (shape, dtype) in shapes.items()}
+                ).without_data() for key, (shape, dtype) in shapes.items()}, keys
 
     def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike) -> Any:
         """:meth:`load_tensors_metadata` and the folder's sharded objects (without
-        data), by sharded key."""
-        root, name = split_folder(checkpoint_dir)
-        out = self.load_tensors_metadata(checkpoint_dir)
-        try:
-            keys = self.front.keys(root, name)
-        except moepec.MoepecError as exc:
-            raise CheckpointingException(f"moepec: {exc}") from exc
+        data), by sharded key; one read of the manifests."""
+        out, keys = self._metadata(checkpoint_dir)
         for key in keys:
             if key.startswith(OBJECT):
                 obj = ShardedObject.empty_from_unique_key(key.removeprefix(OBJECT))

@@ -52,10 +52,11 @@ def materialize(path: str, out: str) -> Materialized:
     if os.path.exists(out):
         raise CheckpointError(f"{out} exists; materialize into a new folder")
     front = FlatFrontEnd()
-    shapes = front.shapes(root, name)
-    objects = [k for k in front.keys(root, name) if k.startswith(OBJECT)]
+    known = front.folder(root, name)  # the manifests, read once
+    shapes = front.shapes(root, name, known)
+    objects = [k for k in front.keys(root, name, known) if k.startswith(OBJECT)]
     whole = {key: shard_key(key, [0] * len(shape), shape) for key, (shape, _) in shapes.items()}
-    values = front.read(root, name, [*whole.values(), *objects])
+    values = front.read(root, name, [*whole.values(), *objects], known)
     folder = os.path.join(root, name)
     state: dict = dict(_common(folder))
     for key, flat in whole.items():
