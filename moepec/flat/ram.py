@@ -57,6 +57,13 @@ def _meta(step: int, parent_uid: str, world_size: int) -> CheckpointMeta:
         run_id=parent_uid, runs=[])
 
 
+def check_ram_dir(ram_dir: object) -> None:
+    """Raise ConfigError, in one line, unless ``ram_dir`` is ``"auto"``, a folder or None."""
+    if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
+        raise ConfigError(f"ram_dir must be 'auto', a folder path (e.g. /dev/shm/moepec) "
+                          f"or None (null in JSON) for in-process snapshots (got {ram_dir!r})")
+
+
 class FlatRam:
     """One door's RAM tier in this process, for one save directory (its slots are found
     again by a restarted worker of the same rank under the same directory)."""
@@ -68,9 +75,7 @@ class FlatRam:
         ``CheckpointConfig.ram_dir`` (``"auto"``, a folder, or None: in the process).
         ``hooks``: fault-injection seams of the snapshots (``moepec.hooks``, for tests).
         Opens nothing: the first collective call does."""
-        if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
-            raise ConfigError(f"ram_dir must be 'auto', a folder path (e.g. /dev/shm/moepec) "
-                              f"or None for in-process snapshots (got {ram_dir!r})")
+        check_ram_dir(ram_dir)
         self.root = os.path.abspath(root)
         self.ram_dir = ram_dir
         self.budget_bytes = budget_bytes
