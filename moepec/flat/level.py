@@ -121,10 +121,22 @@ class RamLevel:
         return self.report
 
     @staticmethod
-    def copies(found: RamFound, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Copies of ``keys`` of ``found``: its slot is reused by later snapshots, and
-        the framework keeps what it loads."""
-        return {k: found.tensors[k].clone() for k in keys}
+    def copies(found: RamFound, keys: Sequence[str],
+               into: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """Copies of ``keys`` of ``found`` (its slot is reused by later snapshots, and the
+        framework keeps what it loads): a key's tensor of ``into`` of the same shape and
+        dtype (the framework's own, which it would copy the value into) filled in place
+        and returned, one copy instead of two; else a clone."""
+        out: dict[str, torch.Tensor] = {}
+        for k in keys:
+            src, dst = found.tensors[k], (into or {}).get(k)
+            if isinstance(dst, torch.Tensor) and dst.shape == src.shape \
+                    and dst.dtype == src.dtype:
+                with torch.no_grad():
+                    out[k] = dst.copy_(src)
+            else:
+                out[k] = src.clone()
+        return out
 
     def settle(self, root: str, step: int | None) -> None:
         """All ranks, after a load of ``root`` (when the level is on): keep the snapshot

@@ -269,7 +269,8 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         reads = {k: _to_read(k, sh, saved) for k, sh in shards.items()}
         try:
             targets = _ram.load(root, name, list(dict.fromkeys(  # RAM when newer
-                r for r in reads.values() if r is not None)))
+                r for r in reads.values() if r is not None)), into={  # one copy, not two
+                k: sh.data for k, sh in shards.items() if reads[k] == k})
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
         loaded = {id(sh): _loaded(sh, k, reads[k], targets, saved, name)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -168,12 +168,14 @@ class MegatronRam:
                 "values plain data, or move them into sharded objects")} if common else {})
         return self.level.snapshot(checkpoint_dir, iteration, tensors)
 
-    def load(self, root: str, name: str, reads: Sequence[str]) -> dict[str, torch.Tensor]:
+    def load(self, root: str, name: str, reads: Sequence[str],
+             into: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """All ranks, the door's load of ``reads`` (flat keys) of folder ``name``: from the
         newest RAM snapshot when ``name`` is the newest committed folder, the snapshot is
         newer and of its lineage, and every rank's snapshot holds every key it reads;
         else from storage. Afterwards the slots newer than what was loaded are
-        invalidated. Returns copies by key; raises as ``FlatFrontEnd.load``."""
+        invalidated. Returns copies by key (from RAM, a key's tensor of ``into`` of the
+        same shape and dtype filled in place); raises as ``FlatFrontEnd.load``."""
         found = self._newest(root, name, reads)
         (folder, common), self._common = self._common or (None, None), None
         self.level.report = None
@@ -181,7 +183,7 @@ class MegatronRam:
             targets, _ = self._front().load(root, name, reads, agree=True)
         else:
             self.level.take(found)
-            targets = self.level.copies(found, reads)
+            targets = self.level.copies(found, reads, into)
             if COMMON in found.tensors and folder == (root, name):
                 _overlay(common, decode_object(found.tensors[COMMON], COMMON))
             elif COMMON in found.tensors:
