@@ -132,9 +132,9 @@ class FlatRam:
     def newest(self, head: FlatManifest | None, group_of: Callable[[str], str]
                ) -> tuple[int, dict[str, torch.Tensor]] | None:
         """All ranks, before a load of the newest checkpoint whose storage head is
-        ``head`` (:meth:`head`; None: no storage save): (step, this rank's tensors, views of the slot: copy them) of the newest
-        snapshot every rank holds intact, continuing ``head``'s lineage and newer than
-        it; else None on every rank. A rank's tensors are completed from the other
+        ``head`` (:meth:`head`; None: no storage save): (step, this rank's tensors:
+        views of the slot, copy them) of the newest snapshot every rank holds intact,
+        continuing ``head``'s lineage and newer than it; else None on every rank. A rank's tensors are completed from the other
         ranks' snapshots: each key of a group (``group_of(key)``, e.g. a file) of which
         this rank holds a key (a framework that writes a shared file on one rank
         alone)."""

@@ -1,12 +1,12 @@
 """The Megatron-Core door's RAM level, and what a shard of its sharded state dict is to
 moepec (its flat key, the tensor written for it).
 
-:meth:`RamLevel.snapshot` (``moepec.integrations.megatron.snapshot``), next to the
+:meth:`MegatronRam.snapshot` (``moepec.integrations.megatron.snapshot``), next to the
 training step, copies this rank's shards into the flat front end's RAM tier
 (:class:`moepec.flat.RamLevel`: node-local shared memory that outlives the worker); a
 ``dist_checkpointing.load`` of the newest committed folder of a save directory (the one
 Megatron-LM's ``--load`` picks) reads them back when the snapshot is newer than that
-folder and of its lineage (:meth:`RamLevel.load`, called by the door's load strategy).
+folder and of its lineage (:meth:`MegatronRam.load`, called by the door's load strategy).
 A load of any other folder reads that folder, never RAM, and abandons the later
 snapshots.
 
