@@ -44,8 +44,16 @@ def newest(save_dir: str) -> str:
                if os.path.exists(os.path.join(save_dir, n, "metadata.json")))
 
 
+def adam_step(opt) -> float:
+    """Adam's step count (which Megatron keeps in the common state, as ``common_step``)."""
+    steps = {float(s["step"]) for s in opt.optimizer.state.values() if "step" in s}
+    assert len(steps) == 1, steps
+    return steps.pop()
+
+
 def record(out: str, it: int, model, opt) -> None:
-    torch.save(snapshot(model, opt), os.path.join(out, f"state_{it}_{dist.get_rank()}.pt"))
+    torch.save({**snapshot(model, opt), "adam_step": torch.tensor(adam_step(opt))},
+               os.path.join(out, f"state_{it}_{dist.get_rank()}.pt"))
 
 
 def expected(out: str, it: int) -> dict:
@@ -54,8 +62,9 @@ def expected(out: str, it: int) -> dict:
 
 
 def load(model, opt, path: str, out: str) -> dict:
-    """A plain dist_checkpointing.load of ``path``; the report, and every weight and Adam
-    moment that differs from its value at the step the report names for it."""
+    """A plain dist_checkpointing.load of ``path``; the report, every weight and Adam
+    moment that differs from its value at the step the report names for it, and Adam's
+    step count with its value at the report's step."""
     model_sd = model.sharded_state_dict()
     state = dist_checkpointing.load({"model": model_sd, "optimizer": opt.sharded_state_dict(
         model_sd, is_loading=True)}, path)
@@ -69,7 +78,9 @@ def load(model, opt, path: str, out: str) -> dict:
         bad += [f"{key}@{step}"] if not torch.equal(v, expected(out, step)[key]) else []
     return {"tier": r.tier, "step": r.step, "checkpoint": r.checkpoint, "bad": bad,
             "checked": len(got), "units_from": r.units_from,
-            "sources": sorted({s["step"] for s in r.sources.values()})}
+            "sources": sorted({s["step"] for s in r.sources.values()}),
+            "adam_step": adam_step(opt),
+            "adam_step_then": float(expected(out, r.step)["adam_step"])}
 
 
 def run(model, opt, save_dir: str, out: str, start: int, until: int) -> None:

@@ -54,6 +54,16 @@ def test_a_kill_during_a_snapshot_leaves_the_previous_one(attempts):
         assert (r["tier"], r["step"], r["bad"]) == ("ram", 9, [])
 
 
+def test_adam_step_count_after_a_load_is_the_uninterrupted_runs(attempts):
+    # Megatron keeps it in the common state (common.pt, read before the door runs): a
+    # load from RAM sets the snapshot's (6, 9), not the storage folder's (4, 8).
+    loads = [got[c] for a in (1, 2, 3) for got in attempts[a]
+             for c in ("newest", "named", "after_named") if c in got]
+    assert [r["tier"] for r in loads].count("ram") == 4
+    for r in loads:
+        assert r["adam_step"] == r["adam_step_then"] == r["step"], r
+
+
 def test_snapshot_refuses_without_the_ram_level_or_with_iteration_in_the_common_state(
         tmp_path):
     import torch

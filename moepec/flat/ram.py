@@ -57,6 +57,13 @@ def _meta(step: int, parent_uid: str, world_size: int) -> CheckpointMeta:
         run_id=parent_uid, runs=[])
 
 
+def check_ram_dir(ram_dir: object) -> None:
+    """Raise ConfigError, in one line, unless ``ram_dir`` is ``"auto"``, a folder or None."""
+    if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
+        raise ConfigError(f"ram_dir must be 'auto', a folder path (e.g. /dev/shm/moepec) "
+                          f"or None (null in JSON) for in-process snapshots (got {ram_dir!r})")
+
+
 class FlatRam:
     """One door's RAM tier in this process, for one save directory (its slots are found
     again by a restarted worker of the same rank under the same directory)."""
@@ -68,9 +75,7 @@ class FlatRam:
         ``CheckpointConfig.ram_dir`` (``"auto"``, a folder, or None: in the process).
         ``hooks``: fault-injection seams of the snapshots (``moepec.hooks``, for tests).
         Opens nothing: the first collective call does."""
-        if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
-            raise ConfigError(f"ram_dir must be 'auto', a folder path (e.g. /dev/shm/moepec) "
-                              f"or None for in-process snapshots (got {ram_dir!r})")
+        check_ram_dir(ram_dir)
         self.root = os.path.abspath(root)
         self.ram_dir = ram_dir
         self.budget_bytes = budget_bytes
@@ -127,9 +132,9 @@ class FlatRam:
     def newest(self, head: FlatManifest | None, group_of: Callable[[str], str]
                ) -> tuple[int, dict[str, torch.Tensor]] | None:
         """All ranks, before a load of the newest checkpoint whose storage head is
-        ``head`` (:meth:`head`; None: no storage save): (step, this rank's tensors, views of the slot: copy them) of the newest
-        snapshot every rank holds intact, continuing ``head``'s lineage and newer than
-        it; else None on every rank. A rank's tensors are completed from the other
+        ``head`` (:meth:`head`; None: no storage save): (step, this rank's tensors:
+        views of the slot, copy them) of the newest snapshot every rank holds intact,
+        continuing ``head``'s lineage and newer than it; else None on every rank. A rank's tensors are completed from the other
         ranks' snapshots: each key of a group (``group_of(key)``, e.g. a file) of which
         this rank holds a key (a framework that writes a shared file on one rank
         alone)."""

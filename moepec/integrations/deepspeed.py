@@ -78,7 +78,7 @@ from moepec.integrations.ds_files import (
 )
 from moepec.integrations.ds_final import complete_next_save as complete_next_save  # public
 from moepec.integrations.ds_ram import RNG as _RNG
-from moepec.integrations.ds_ram import RamLevel, check_ram_fields
+from moepec.integrations.ds_ram import RamFiles, check_ram_fields
 from moepec.integrations.ds_ram import snapshot as snapshot  # public: the RAM level
 from moepec.integrations.ds_tags import MANIFEST as _MANIFEST
 from moepec.integrations.ds_tags import TagChoice
@@ -182,7 +182,7 @@ def _door_of(engine: DeepSpeedEngine) -> PecCheckpointEngine | None:
     return door
 
 
-class PecCheckpointEngine(RamLevel, TagChoice, CheckpointEngine):
+class PecCheckpointEngine(RamFiles, TagChoice, CheckpointEngine):
     """The engine's checkpoint engine: gathers one save's files and commits them as one
     PEC folder; loads each file stitched from its keys."""
 

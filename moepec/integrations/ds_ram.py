@@ -1,6 +1,7 @@
-"""The DeepSpeed door's RAM level (:func:`moepec.integrations.deepspeed.snapshot`): a
-snapshot of the files a save would write into the flat front end's RAM tier
-(:mod:`moepec.flat.ram`), and a load of the newest state from it. Methods of
+"""The DeepSpeed door's part of the RAM level (:func:`moepec.integrations.deepspeed.snapshot`):
+the files a save would write, snapshotted as flat keys through the flat front end's RAM
+level (:class:`moepec.flat.RamLevel`, which does the rest), and the tag DeepSpeed is handed
+for a load of the newest state from it. Methods of
 :class:`~moepec.integrations.deepspeed.PecCheckpointEngine` (this class is one of its
 bases, which sets the fields they use: ``fields``, ``front``, ``_engine``, ``_loading``,
 ``_rng``, ``experts()``)."""
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 import moepec
 from moepec.errors import CheckpointError, ConfigError
-from moepec.flat import FlatRam, ram_report
+from moepec.flat import RamFound, RamLevel, check_ram_dir
 from moepec.integrations.ds_experts import module_replica, optimizer_index, zero3_fragments
 from moepec.integrations.ds_export import read_latest
 from moepec.integrations.ds_files import file_keys, join_file, location, split_file
@@ -59,14 +60,11 @@ def check_ram_fields(fields: dict[str, Any]) -> None:
     if not isinstance(every, int) or isinstance(every, bool) or every < 0:
         raise ConfigError(f"snapshot_every must be a whole number of steps >= 0 (got "
                           f"{every!r}); 0 (the default) turns the RAM tier off")
-    ram_dir = fields.get("ram_dir", "auto")
-    if ram_dir is not None and (not isinstance(ram_dir, str) or not ram_dir):
-        raise ConfigError(f'ram_dir must be "auto", a folder path (e.g. /dev/shm/moepec) '
-                          f"or null for in-process snapshots (got {ram_dir!r})")
+    check_ram_dir(fields.get("ram_dir", "auto"))
 
 
-class RamLevel:
-    """The RAM level's state and methods of a door."""
+class RamFiles:
+    """The RAM level's state and methods of the door: DeepSpeed's files as flat keys."""
 
     fields: dict[str, Any]
     front: Any
@@ -80,43 +78,29 @@ class RamLevel:
     def _init_ram(self) -> None:
         self.snapshotting: str | None = None
         """Inside :func:`snapshot`: its save directory (files go to RAM, not storage)."""
-        self._rams: dict[str, FlatRam] = {}
-        self._said_first = False
-        self._from_ram: tuple[str, str, int, dict[str, torch.Tensor]] | None = None
-        """The load in progress from RAM: (root, tag of the storage head, step, tensors)."""
+        self.level = RamLevel(lambda: self.front)
+        self.level.configure(bool(self.fields.get("snapshot_every")),
+                             self.fields.get("ram_dir", "auto"))
+        self._from_ram: RamFound | None = None
+        """The load in progress from RAM."""
 
     def close_ram(self, unlink: bool) -> None:
         """Drop the RAM tiers' mappings; with ``unlink`` remove this rank's slots."""
-        rams, self._rams = self._rams, {}
-        for ram in rams.values():
-            ram.close(unlink)
-
-    def ram(self, save_dir: str) -> FlatRam:
-        """The RAM tier of save directory ``save_dir`` (opened at its first use)."""
-        root = os.path.abspath(save_dir)
-        if root not in self._rams:
-            self._rams[root] = FlatRam(root, ram_dir=self.fields.get("ram_dir", "auto"))
-        return self._rams[root]
+        self.level.close(unlink)
 
     def snapshot_files(self, info: Any, files: dict[str, Any]) -> bool:
         """All ranks, inside :func:`snapshot`: this rank's keys of ``files`` (every one it
         holds, not only those it would write) into a RAM slot."""
-        root = self.snapshotting
-        assert root is not None
-        parent = self.front.lineage_uid(root)
-        if not parent:  # nothing would name its lineage at a restart (flat.ram)
-            if not self._said_first and dist.get_rank() == 0:
-                log.info("moepec: RAM snapshots of %s start after its first save or load",
-                         root)
-            self._said_first = True
-            return True
-        tensors: dict[str, torch.Tensor] = {}
-        for name, sd in files.items():
-            tensors |= split_file(name, sd, self.experts(), optimizer_index(self._engine),
+        assert self.snapshotting is not None
+
+        def tensors() -> dict[str, torch.Tensor]:
+            out: dict[str, torch.Tensor] = {}
+            for name, sd in files.items():
+                out |= split_file(name, sd, self.experts(), optimizer_index(self._engine),
                                   zero3_fragments(self._engine)).tensors
-        tensors |= module_replica(self._engine, info, files, self.experts()).tensors
-        tensors[f"{RNG}/rank_{dist.get_rank()}/torch"] = torch.get_rng_state()
-        self.ram(root).snapshot(int(self._engine.global_steps), tensors, parent)
+            out |= module_replica(self._engine, info, files, self.experts()).tensors
+            return out | {f"{RNG}/rank_{dist.get_rank()}/torch": torch.get_rng_state()}
+        self.level.snapshot(self.snapshotting, int(self._engine.global_steps), tensors)
         return True
 
     def choose_ram(self, load_dir: str, tag: str | None) -> str | None:
@@ -124,43 +108,39 @@ class RamLevel:
         :meth:`committed_tag` chose, None for ``latest``): when every rank holds a RAM
         snapshot newer than that storage save (and of its lineage), the tag to
         hand DeepSpeed (that save's; its files are read from RAM), else None."""
-        if not self.fields.get("snapshot_every"):
-            return None  # no RAM tier
+        if not self.level.on:
+            return None
         named = tag if tag is not None else read_latest(load_dir)
         root, where = location(load_dir, named) if named is not None else (None, None)
-        ram = self.ram(load_dir)
+        ram = self.level.ram(load_dir)
         head = None if root is None or root != ram.root else ram.head(where)
-        if head is None:  # no moepec save: RAM is not read (nothing names its lineage)
-            named = None
-        found = ram.newest(head, lambda key: key.split("/", 1)[0])
-        if found is None or named is None:
+        found = self.level.newest(load_dir, where or "", head,
+                                  lambda key: key.split("/", 1)[0])
+        if found is None or head is None:  # no moepec save: RAM is not read
             return None
-        self._from_ram = (root, where, found[0], found[1])
+        self._from_ram = found
         return named
 
     def load_ram(self, name: str) -> tuple[Any, moepec.RestoreReport | None]:
         """File ``name`` of the load from RAM in progress, and at its first file the
         load's report (``ram``; the lineage of the storage head is taken over)."""
-        assert self._from_ram is not None
-        root, where, step, held = self._from_ram
+        found = self._from_ram
+        assert found is not None
         report = None
-        if self._loading != (root, where):
-            _, head = self.front.load(root, where, [], agree=True)
-            self._loading = (root, where)
-            report = ram_report(head, step)
+        if self._loading != found[:2]:
+            report = self.level.take(found)
+            self._loading = (found.root, found.name)
             rng = f"{RNG}/rank_{dist.get_rank()}/torch"
-            self._rng = held[rng].clone() if rng in held else None
-        keys = file_keys(name, held)
+            self._rng = found.tensors[rng].clone() if rng in found.tensors else None
+        keys = file_keys(name, found.tensors)
         if not keys:
-            raise CheckpointError(f"the RAM snapshot of step {step} has no {name} on this "
-                                  f"rank (another parallel layout?); load a tag explicitly: "
-                                  f"engine.load_checkpoint(dir, tag=...)")
-        # Copies: the slot is reused by later snapshots, the engine keeps what it loads.
-        return join_file(name, {k: held[k].clone() for k in keys}), report
+            raise CheckpointError(f"the RAM snapshot of step {found.step} has no {name} on "
+                                  f"this rank (another parallel layout?); load a tag "
+                                  f"explicitly: engine.load_checkpoint(dir, tag=...)")
+        return join_file(name, self.level.copies(found, keys)), report
 
     def settle_ram(self, load_dir: str) -> None:
         """All ranks, after a load: keep the RAM snapshot loaded (if any) and invalidate
         the slots of later steps (any, after a storage load: an abandoned future)."""
-        ram, self._from_ram = self._from_ram, None
-        if self.fields.get("snapshot_every"):
-            self.ram(load_dir).settle(None if ram is None else ram[2])
+        found, self._from_ram = self._from_ram, None
+        self.level.settle(load_dir, None if found is None else found.step)

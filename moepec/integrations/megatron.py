@@ -88,7 +88,7 @@ from moepec.integrations.megatron_checks import (
     refuse_on_every_rank,
 )
 from moepec.integrations.megatron_keys import expert_unit, object_unit
-from moepec.integrations.megatron_ram import RamLevel, Shard
+from moepec.integrations.megatron_ram import MegatronRam, Shard
 from moepec.integrations.megatron_ram import empty as _empty
 from moepec.integrations.megatron_ram import shards as _shards
 from moepec.integrations.megatron_ram import value as _value
@@ -99,7 +99,7 @@ VERSION = 1
 _BUCKETS = "optimizer.distributed."
 _ITER = re.compile(r"(\d+)$")
 _door: list[FlatFrontEnd] = []
-_ram = RamLevel(lambda: _door[-1])
+_ram = MegatronRam(lambda: _door[-1])
 snapshot = _ram.snapshot  # public: the RAM level (moepec.integrations.megatron_ram)
 close_ram = _ram.close  # public: at the clean end of a run, this rank's slots removed
 
@@ -277,7 +277,8 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         try:
             with self.front.reading(root, name, known):
                 targets = _ram.load(root, name, list(dict.fromkeys(  # RAM when newer
-                    r for r in reads.values() if r is not None)))
+                    r for r in reads.values() if r is not None)), into={  # one copy
+                    k: sh.data for k, sh in shards.items() if reads[k] == k})
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
         loaded = {id(sh): _loaded(sh, k, reads[k], targets, saved, name)
