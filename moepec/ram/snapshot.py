@@ -42,7 +42,7 @@ import torch
 from moepec.errors import CheckpointError
 from moepec.hooks import FaultHooks
 from moepec.ram.shm import Slot, SlotHeader, SlotStore
-from moepec.state.bytecopy import copy_into
+from moepec.state.bytecopy import copy_all
 from moepec.store.checksum import tensor_checksum
 from moepec.store.meta import CheckpointMeta
 
@@ -236,10 +236,10 @@ class Snapshotter:
                         snap.tensors[key].copy_(src.detach(), non_blocking=True)
                 self._stream.synchronize()
             else:
-                # One memmove per tensor on this thread (moepec.state.bytecopy): no
-                # parallel region of torch's pool, which the training thread keeps busy.
-                for key, src in sources.items():
-                    copy_into(snap.tensors[key], src.detach())
+                # On this thread, never in torch's pool (which the training thread keeps
+                # busy), and at little cost per tensor (moepec.state.bytecopy.copy_all).
+                tensors = snap.tensors
+                copy_all((tensors[key], src) for key, src in sources.items())
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
             snap.error = exc
         t1 = time.perf_counter()
@@ -264,8 +264,7 @@ class Snapshotter:
         extras = snap.tensors
         layout = {k: (tuple(t.shape), t.dtype) for k, t in {**sources, **extras}.items()}
         views = self.slots.prepare(snap.slot, layout)
-        for key, t in extras.items():
-            copy_into(views[key], t)
+        copy_all((views[key], t) for key, t in extras.items())
         snap.tensors = views
 
     def _seal(self, snap: Snapshot) -> None:
