@@ -443,7 +443,8 @@ def report(res: dict) -> None:
             print(f"  snapshot into {where}: {r['snapshot_Bps'] / 1e9:.2f} GB/s, "
                   f"{100 * r['snapshot_frac_memcpy']:.0f}% of the "
                   f"{r['memcpy_paired_Bps'] / 1e9:.2f} GB/s of a memcpy of the same bytes "
-                  f"right before it (medians over {len(r['snapshot_s'])} checkpoints; "
+                  f"right before it (medians over the {len(r['memcpy_s'])} checkpoints "
+                  f"paired with one; "
                   f"the mean, first use of its memory included: "
                   f"{r['snapshot_mean_Bps'] / 1e9:.2f} GB/s)")
         for name, r in (("raw", bw), ("torch_save", bw["torch_save"])):
