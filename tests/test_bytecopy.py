@@ -51,3 +51,20 @@ def test_autograd_sees_the_copy_as_it_sees_copy_():
     with torch.no_grad():
         copy_into(leaf, src)
     assert torch.equal(leaf.detach(), src)
+
+
+def test_copy_all_copies_small_and_large_alike():
+    """copy_all: the small tensors (one torch call) and the large ones (a memmove each),
+    a cast and a strided view among them, land as copy_ puts them, and autograd records
+    nothing on the buffers even from sources that require grad."""
+    from moepec.state.bytecopy import SERIAL_NUMEL, copy_all
+
+    big = torch.nn.Parameter(torch.randn(SERIAL_NUMEL + 3))
+    srcs = [torch.randn(5, requires_grad=True), big, torch.arange(12.0).view(3, 4),
+            torch.tensor([1.5, 2.5]), torch.randn(2, SERIAL_NUMEL)]
+    dsts = [torch.zeros(5), torch.zeros(SERIAL_NUMEL + 3), torch.zeros(4, 3).t(),
+            torch.zeros(2, dtype=torch.float16), torch.zeros(2, SERIAL_NUMEL)]
+    copy_all(zip(dsts, srcs, strict=True))
+    for d, s in zip(dsts, srcs, strict=True):
+        assert torch.equal(d, s.detach().to(d.dtype))
+        assert not d.requires_grad and d.grad_fn is None

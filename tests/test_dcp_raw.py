@@ -315,3 +315,49 @@ def test_own_one_process_dcp_calls_leave_no_trace_records_others_still_do(tmp_pa
     assert not thread.is_alive() and theirs
     assert ours_inside == 0, heard
     assert heard.count(theirs[0]) > 0 and heard.count(me) > 0, heard
+
+
+def test_write_all_goes_on_after_short_writes(tmp_path, monkeypatch):
+    """writev may write less than asked (and at most IOV_MAX buffers at a time): the
+    file still holds every buffer, whole and in order."""
+    import os
+
+    from moepec.store import dcp_raw
+
+    real = os.writev
+    monkeypatch.setattr(dcp_raw, "IOV_MAX", 3)
+    # at most 7 bytes per call: a prefix of what was asked, as a short write is
+    monkeypatch.setattr(dcp_raw.os, "writev", lambda fd, bufs: real(
+        fd, [b"".join(bytes(b) for b in bufs)[:7]]))
+    bufs = [memoryview(bytes([i]) * (i * 3)) for i in range(9)]
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        dcp_raw.write_all(fd, list(bufs))
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(bytes(b) for b in bufs)
+
+
+def test_overlapped_fsync_is_waited_for_and_its_error_raised(tmp_path, monkeypatch):
+    """overlap_sync: dcp.save returns while the data file's fsync may still run;
+    wait_synced joins it, and a failed fsync is raised there (the data is not durable)."""
+    from moepec.store import dcp_raw
+
+    state = _state()
+    writer = RawFileSystemWriter(str(tmp_path / "c"), overlap_sync=True)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    writer.wait_synced()
+    reader_targets = _targets(state)
+    dcp.load(reader_targets, storage_reader=RawFileSystemReader(str(tmp_path / "c")))
+    assert all(_equal_bits(reader_targets[k], state[k]) for k in state)
+
+    def failing_fsync(fd):
+        raise OSError(5, "fsync failed")
+
+    monkeypatch.setattr(dcp_raw.os, "fsync", failing_fsync)
+    writer = RawFileSystemWriter(str(tmp_path / "d"), overlap_sync=True, sync_files=True)
+    monkeypatch.setattr(writer, "finish", lambda *a, **k: None)  # .metadata: not fsync'd here
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    with pytest.raises(OSError, match="fsync failed"):
+        writer.wait_synced()

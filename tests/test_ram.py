@@ -371,3 +371,21 @@ def test_in_process_snapshots_are_hashed_once_by_their_seal(tmp_path, monkeypatc
     assert fresh.restore().step == 3  # every item verified against its checksum
     assert_state(model, opt, saved[3], [])
     fresh.close()
+
+
+def test_buffer_pool_take_all_reuses_given_buffers_and_allocates_the_rest():
+    """take_all: a buffer per key of the right shape and dtype; the ones given back are
+    reused (same memory), the missing ones allocated and counted."""
+    from moepec.ram.snapshot import BufferPool
+
+    pool = BufferPool()
+    like = {"a": torch.zeros(3, 4), "b": torch.zeros(3, 4), "c": torch.zeros(5, dtype=torch.int64)}
+    first = pool.take_all(like)
+    assert {k: (tuple(t.shape), t.dtype) for k, t in first.items()} == \
+        {k: (tuple(t.shape), t.dtype) for k, t in like.items()}
+    assert pool.allocated_bytes == 2 * 48 + 40
+    pool.give({"a": first["a"]})
+    second = pool.take_all(like)
+    assert second["a"].data_ptr() == first["a"].data_ptr()
+    assert second["b"].data_ptr() not in (first["a"].data_ptr(), first["b"].data_ptr())
+    assert pool.allocated_bytes == 2 * (2 * 48 + 40) - 48

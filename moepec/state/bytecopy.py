@@ -14,6 +14,7 @@ GIL while it runs (ctypes releases it around every foreign call).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 
 import torch
 
@@ -38,3 +39,33 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             torch.autograd.graph.increment_version(dst)
         return
     dst.copy_(src)
+
+
+SERIAL_NUMEL = 32768
+"""torch's intra-op grain size (``at::internal::GRAIN_SIZE``): a ``copy_`` of fewer
+elements runs on the calling thread, never as a parallel region of the pool."""
+
+
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair, as cheaply per pair as possible.
+
+    A snapshot is hundreds of copies (616 at K=1 on gpt-125m-8e/4), most of them a few kB
+    (norms, biases, routers) and a few holding nearly all the bytes (150 of them 99.5%).
+    Each ``copy_into`` costs ~4-5 us of Python around its bytes and lets go of the GIL
+    and takes it back, where a thread that runs Python meanwhile holds it until its
+    switch interval; at 616 copies that was 2-8 ms of a 10 ms memcpy. So the small ones
+    (under :data:`SERIAL_NUMEL` elements, serial in torch) go in one
+    ``torch._foreach_copy_`` call (one GIL release, ~0.5 us each), and the large ones
+    one ``memmove`` each (:func:`copy_into`). Copies under ``no_grad``: autograd records
+    nothing (the sources are live parameters; the copies are data). Any thread; blocks
+    until every byte is copied."""
+    small_dst, small_src = [], []
+    with torch.no_grad():
+        for dst, src in pairs:
+            if dst.numel() < SERIAL_NUMEL and dst.is_cpu and src.is_cpu:
+                small_dst.append(dst)
+                small_src.append(src)
+            else:
+                copy_into(dst, src)
+        if small_dst:
+            torch._foreach_copy_(small_dst, small_src)

@@ -246,6 +246,8 @@ class Storage(ABC):
                                 planner=KeySavePlanner(),
                                 process_group=process_group if distributed else None,
                                 no_dist=not distributed)
+        if isinstance(writer, dcp_raw.RawFileSystemWriter):
+            writer.wait_synced()  # its data file's fsync ran beside DCP's .metadata write
         keys = keys_of(metadata)
         return {keys[index]: Location(
             info.relative_path, info.offset, info.length,

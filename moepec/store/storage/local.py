@@ -96,8 +96,10 @@ class LocalStorage(Storage):
             return {}
 
     def writer(self, name: str, *, raw: bool) -> StorageWriter:
-        return (RawFileSystemWriter if raw else FileSystemWriter)(
-            self._full(name), sync_files=True, overwrite=True)
+        if raw:  # the data file's fsync overlaps .metadata's; Storage.write waits for it
+            return RawFileSystemWriter(self._full(name), sync_files=True, overwrite=True,
+                                       overlap_sync=True)
+        return FileSystemWriter(self._full(name), sync_files=True, overwrite=True)
 
     def read(self, name: str, targets: Mapping[str, torch.Tensor],
              items: Mapping[str, Item]) -> None:
