@@ -85,7 +85,7 @@ def main() -> None:
         if after >= AFTER:
             timed_out = False
             break
-        time.sleep(0.01)  # a training step of some length: checkpoints are not back to back
+        time.sleep(0.1)  # a training step of some length: checkpoints are not back to back
     try:
         mgr.close()
     except PersistError as exc:
