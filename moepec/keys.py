@@ -137,8 +137,11 @@ def checkpoint_name(seq: int, step: int, run: str) -> str:
     return f"ckpt-{seq:06d}-step{step:08d}-{run}"
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def parse_checkpoint_name(name: str) -> CheckpointName | None:
-    """(seq, step, run) of a checkpoint folder name, or None for any other name."""
+    """(seq, step, run) of a checkpoint folder name, or None for any other name. Cached
+    (an immutable result): a restore of E checkpoints checks every manifest's ancestors
+    and view sources, E names each."""
     m = _NAME_RE.match(name)
     return CheckpointName(int(m[1]), int(m[2]), m[3]) if m else None
 

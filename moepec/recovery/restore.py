@@ -126,6 +126,7 @@ class _Views:
         self.manifests = manifests
         self.ram = ram
         self.stored = StoredViews(ctx.storage, manifests)
+        self._required: dict[str, set[str]] = {}
         storage_bases = self.stored.bases
         # Newest first; a RAM snapshot before the committed copy of the same seq (it holds
         # K_snapshot experts), after any newer committed checkpoint.
@@ -178,12 +179,17 @@ class _Views:
         return same_runs(base, chain)
 
     def required_of(self, base: Source) -> set[str]:
-        if base.tier == Tier.RAM:
-            view = self.manifests[self.ram_head].view if self.ram_head else {}
-            keys = set(view) | set(base.keys)
-        else:
-            keys = self.stored.required_of(base)
-        return {k for k in keys if _mine(self.ctx, k)}
+        """The keys of ``base``'s view this rank restores (computed once per base: the
+        coverage check and the stitch both ask; callers only read the set)."""
+        required = self._required.get(base.name)
+        if required is None:
+            if base.tier == Tier.RAM:
+                view = self.manifests[self.ram_head].view if self.ram_head else {}
+                keys = set(view) | set(base.keys)
+            else:
+                keys = self.stored.required_of(base)
+            required = self._required[base.name] = {k for k in keys if _mine(self.ctx, k)}
+        return required
 
 
 # -- the RAM tier ---------------------------------------------------------------------

@@ -130,16 +130,10 @@ def read_verified(src: Source, keys: Sequence[str], verify: bool = True,
                   target: Target | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Read ``keys`` from ``src`` in one pass; return (good values, bad keys). A failed read
     is retried key by key to isolate the bad ones. Never raises for bad data."""
-    missing = [k for k in keys if not _listed(src, k)]
-    if missing:  # a view that names a source without the key (or a bad entry): bad keys
-        good, bad = read_verified(src, [k for k in keys if k not in missing], verify, target)
-        return good, bad + missing
-    if src.stored_bytes is not None:
-        too_big = [k for k in keys if src.keys[k].nbytes > src.stored_bytes()]
-        if too_big:  # claims more bytes than the checkpoint holds: never allocated
-            good, bad = read_verified(src, [k for k in keys if k not in too_big], verify,
-                                      target)
-            return good, bad + too_big
+    keys, unusable = _servable(src, keys)
+    if unusable:  # a view that names a source without the key (or a bad entry): bad keys
+        good, bad = read_verified(src, keys, verify, target) if keys else ({}, [])
+        return good, bad + unusable
     check = verify and src.tier == Tier.STORAGE
     try:
         targets, bad = _fetch(src, keys, target, check)
@@ -173,17 +167,33 @@ def _fetch(src: Source, keys: Sequence[str], target: Target | None, check: bool
     return targets, bad
 
 
-def _listed(src: Source, key: str) -> bool:
-    """``src`` lists ``key`` with a valid entry (a manifest's entries are checked on
-    first use: store.items.Items)."""
-    if key not in src.keys:
-        return False
-    try:
-        src.keys[key]
-    except ManifestError as exc:
-        log.warning("%s", exc)
-        return False
-    return True
+def _servable(src: Source, keys: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the keys ``src`` can serve, the others, each in ``keys``' order): one it does not
+    list, lists with a bad entry (a manifest's entries are checked on first use:
+    store.items.Items), or whose entry claims more bytes than the checkpoint holds (never
+    allocated). One lookup per key: a K=1 restore asks this of thousands."""
+    entries = src.keys
+    limit = None
+    ok: list[str] = []
+    bad: list[str] = []
+    for key in keys:
+        try:
+            item = entries[key]
+        except KeyError:
+            bad.append(key)
+            continue
+        except ManifestError as exc:
+            log.warning("%s", exc)
+            bad.append(key)
+            continue
+        if src.stored_bytes is not None:
+            if limit is None:
+                limit = src.stored_bytes()
+            if item.nbytes > limit:
+                bad.append(key)
+                continue
+        ok.append(key)
+    return ok, bad
 
 
 def _decodes(key: str, value: torch.Tensor) -> bool:
