@@ -1,6 +1,6 @@
 """A torchrun worker for tests/test_deepspeed_ram.py: the DeepSpeed door's two levels
 (RAM snapshots every 3 steps through ``snapshot(engine, dir)``, storage saves every 4)
-under ``torchrun --max-restarts 2``, 2 ranks, gloo, ZeRO-2, native MoE with 8 experts.
+under ``torchrun --max-restarts 3``, 2 ranks, gloo, ZeRO-2, native MoE with 8 experts.
 ``python ds_ram_worker.py OUT RAM_DIR``; each attempt writes JSON per rank in OUT:
 
 - attempt 0: steps 1-7 (saves at 4, snapshots at 3 and 6); the state at step 6 is
@@ -11,7 +11,10 @@ under ``torchrun --max-restarts 2``, 2 ranks, gloo, ZeRO-2, native MoE with 8 ex
   rank's slot files removed) and rank 1 SIGKILLs itself after step 10;
 - attempt 2: the load takes storage (step 8), compared with step 8's; step 9 (a
   snapshot); a load naming tag ``global_step8`` takes that tag, never RAM; a load of
-  the newest after it takes storage too (the snapshot of step 9 was an abandoned future).
+  the newest after it takes storage too (the snapshot of step 9 was an abandoned future);
+  steps 9-11 (a snapshot at 9, state recorded); at step 12 rank 1 SIGKILLs itself inside
+  its snapshot, its slot copied and not sealed (before the save of 12);
+- attempt 3: the load takes RAM at 9 (rank 1's slot of 12 is torn: never read).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from ds_worker import engine, state, train
 
 import moepec.integrations.deepspeed as door
+from moepec.hooks import FaultHooks
 
 
 def report(eng, out: str) -> dict:
@@ -80,6 +84,8 @@ def main(out: str, ram_dir: str) -> None:
     section = {"k_persist": 2, "snapshot_every": 3, "ram_dir": ram_dir,
                "async_persist": False}
     eng = engine(2, "fp32", 1, seed=10 + attempt, section=section)
+    hooks = FaultHooks()  # test-only fault points, read by the RAM tier this process makes
+    eng._moepec_door.level.hooks = hooks
     results: dict = {}
     if attempt == 0:
         run(eng, save_dir, out, 7)
@@ -98,6 +104,18 @@ def main(out: str, ram_dir: str) -> None:
         results["named"] = report(eng, out)
         eng.load_checkpoint(save_dir)
         results["after_named"] = report(eng, out)
+        run(eng, save_dir, out, 11)
+
+        def die(point: str, step: int) -> None:
+            if (point, step) == ("seal", 12) and rank == 1:  # copied, header not written
+                os.kill(os.getpid(), signal.SIGKILL)
+        hooks.on_snapshot = die
+        with open(os.path.join(out, f"attempt{attempt}_{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.barrier()  # both ranks hold the snapshot of 9 and wrote their results
+        train(eng, 1, seed=1)
+        door.snapshot(eng, save_dir)  # step 12: rank 1 dies at the seal
+        dist.barrier()  # rank 0 waits here until torchrun stops it
     with open(os.path.join(out, f"attempt{attempt}_{rank}.json"), "w") as f:
         json.dump(results, f)
     if attempt < 2:

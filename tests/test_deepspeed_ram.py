@@ -1,6 +1,6 @@
 """The DeepSpeed door's two levels (moepec.integrations.deepspeed.snapshot into the flat
 front end's RAM tier, moepec.flat.ram) under torchrun with real SIGKILLs: one launch,
-``--max-restarts 2``, three attempts of tests/ds_ram_worker.py (what each does is in its
+``--max-restarts 3``, four attempts of tests/ds_ram_worker.py (what each does is in its
 docstring), shared by the tests below."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ WORKER = REPO / "tests" / "ds_ram_worker.py"
 
 @pytest.fixture(scope="module")
 def attempts(tmp_path_factory):
-    return run_attempts(WORKER, tmp_path_factory.mktemp("deepspeed_ram"), 3, DS_ACCELERATOR="cpu")
+    return run_attempts(WORKER, tmp_path_factory.mktemp("deepspeed_ram"), 4, DS_ACCELERATOR="cpu")
 
 
 def test_a_killed_worker_resumes_from_ram_at_the_newest_snapshot_bit_for_bit(attempts):
@@ -47,3 +47,13 @@ def test_a_named_tag_loads_that_tag_never_ram_and_abandons_later_snapshots(attem
             r = got[case]
             assert (r["tier"], r["step"], r["checkpoint"]) == ("storage", 8, "global_step8")
             assert r["bad"] == []
+
+
+def test_a_kill_during_a_snapshot_leaves_the_previous_one(attempts):
+    # Rank 1 died inside its snapshot of step 12 (copied, not sealed), before the save of
+    # 12: storage holds 8, and every rank takes its intact snapshot of 9, bit for bit.
+    for got in attempts[3]:
+        r = got["newest"]
+        assert (r["tier"], r["step"], r["checkpoint"], r["global_steps"]) == \
+            ("ram", 9, "ram:9", 9)
+        assert r["bad"] == [] and r["checked"] > 80 and r["rng"]

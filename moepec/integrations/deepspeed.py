@@ -410,6 +410,7 @@ def _load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = Non
         out = _ORIGINAL["load_checkpoint"](self, load_dir, tag, *args, **kwargs)
     finally:
         if door is not None:
+            door.last_save = None  # a state loaded: the next save of a step is new again
             door.after_load(load_dir)
     return out
 
