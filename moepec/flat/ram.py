@@ -148,20 +148,18 @@ class FlatRam:
             if not common:
                 return None
             step = max(common)
-            ok = self._intact(mine[step][0])
-            intact = torch.tensor([int(ok)])
+            held = self._tensors(mine[step][0])
+            intact = torch.tensor([int(held is not None)])
             dist.all_reduce(intact, op=dist.ReduceOp.MIN)
-            if intact.item():
-                break
-            if not ok:  # the next slot of that step, if any, else the step is gone here
+            if held is not None and intact.item():
+                return step, held | _completed(held, group_of)
+            if held is None:  # the next slot of that step, if any, else the step is gone
                 mine[step] = mine[step][1:]
                 mine = {s: snaps for s, snaps in mine.items() if snaps}
-        held = dict(mine[step][0].tensors)
-        return step, held | _completed(held, group_of)
 
     def _candidates(self, head: FlatManifest | None) -> dict[int, list[Snapshot]]:
         """This rank's snapshots by step (newest first) that continue ``head``'s lineage
-        and are newer than it, checksums not yet checked (:meth:`_intact`: only those a
+        and are newer than it, checksums not yet checked (:meth:`_tensors`: only those a
         load takes)."""
         mine: dict[int, list[Snapshot]] = {}
         if head is not None and self._tier is None:
@@ -176,12 +174,14 @@ class FlatRam:
                     mine.setdefault(snap.step, []).append(snap)
         return mine
 
-    def _intact(self, snap: Snapshot) -> bool:
-        """Whether ``snap``'s data matches its checksums (a slot left by an earlier worker
-        is checked here, once per load that takes it; this process's own is sealed)."""
+    def _tensors(self, snap: Snapshot) -> dict[str, torch.Tensor] | None:
+        """``snap``'s tensors (views), or None when its slot is torn: a slot an earlier
+        worker left is mapped and checked against its checksums here, by the load that
+        takes it (this process's own snapshot was sealed by it)."""
         slots = self._tier.slots if self._tier is not None else None
-        return snap.verified or snap.slot is None or slots is None \
-            or slots.intact(snap.slot, snap.tensors)
+        if snap.verified or snap.slot is None or slots is None:
+            return dict(snap.tensors)
+        return slots.intact(snap.slot)
 
     def settle(self, step: int | None) -> None:
         """All ranks, after a load: keep the snapshot of ``step`` (the load's source;

@@ -311,14 +311,15 @@ class SlotStore:
     def load(self, verify: bool = True) -> list[tuple[Slot, SlotHeader, dict[str, torch.Tensor]]]:
         """Every free slot whose header and checksums are intact, newest first, mapped.
         The caller marks the ones it keeps with ``hold``; a torn slot is skipped (logged).
-        Without ``verify`` the checksums are not checked: the caller checks a slot's
-        with :meth:`intact` before it uses its data (a load that takes one slot of three)."""
+        Without ``verify`` only the headers are read (no tensors, nothing mapped): the
+        caller maps the one it takes with :meth:`intact` (a load that takes one of three)."""
         out = []
         for slot in self.slots:
             if slot.in_use:
                 continue
             header = self._header(slot)
-            tensors = None if header is None else self._verified(slot, header, verify)
+            tensors = None if header is None else \
+                self._verified(slot, header.entries, header.seq) if verify else {}
             if tensors is None:
                 if header is not None:
                     slot.header_path.unlink(missing_ok=True)
@@ -332,17 +333,16 @@ class SlotStore:
         with self._lock:
             slot.in_use = True
 
-    def intact(self, slot: Slot, tensors: Mapping[str, torch.Tensor]) -> bool:
-        """Whether ``tensors`` (a slot :meth:`load` mapped without ``verify``) match the
-        checksums of its header; a torn slot's header is removed (never read again)."""
-        bad = torn_key(tensors, slot.entries)
-        if bad is not None:
-            log.warning("ignoring torn RAM slot %s (seq %d): %s does not match its "
-                        "checksum", slot.header_path, slot.seq, bad)
+    def intact(self, slot: Slot) -> dict[str, torch.Tensor] | None:
+        """The tensors of a slot :meth:`load` found without ``verify``, mapped, once its
+        data file fits its header and matches its checksums; else None (a torn slot: its
+        header is removed, it is never read again)."""
+        tensors = self._verified(slot, slot.entries, slot.seq)
+        if tensors is None:
             slot.header_path.unlink(missing_ok=True)
-        return bad is None
+        return tensors
 
-    def _verified(self, slot: Slot, header: SlotHeader, verify: bool = True
+    def _verified(self, slot: Slot, entries: Mapping[str, Mapping[str, Any]], seq: int
                   ) -> dict[str, torch.Tensor] | None:
         where = str(slot.header_path)
         try:
@@ -350,7 +350,7 @@ class SlotStore:
             if not stat.S_ISREG(st.st_mode):
                 raise ManifestError(_not_a_slot_file(slot.data_path, st))
             size = st.st_size
-            for key, e in header.entries.items():
+            for key, e in entries.items():
                 # The typed reader of stored tensors checks shape, dtype and size (the
                 # slot's entries are items without a file: the slot's data file holds them).
                 item = Item.from_json(e, f"entry {key!r}")
@@ -358,13 +358,13 @@ class SlotStore:
                 if type(offset) is not int or offset < 0 or offset + item.nbytes > size:
                     raise ManifestError(f"entry {key!r} does not fit the data file")
             self._map(slot, max(size, 1))
-            tensors = {key: self._view(slot, e) for key, e in header.entries.items()}
-            bad = torn_key(tensors, header.entries) if verify else None
+            tensors = {key: self._view(slot, e) for key, e in entries.items()}
+            bad = torn_key(tensors, entries)
             if bad is not None:
                 raise ManifestError(f"{bad} does not match its checksum")
             return tensors
         except (OSError, ManifestError, RuntimeError, ValueError) as exc:
-            log.warning("ignoring torn RAM slot %s (seq %d): %s", where, header.seq, exc)
+            log.warning("ignoring torn RAM slot %s (seq %d): %s", where, seq, exc)
             return None
 
     def close(self, unlink: bool) -> None:

@@ -123,7 +123,8 @@ class Snapshot:
     """``process`` (taken by this process) or ``shm`` (loaded from a slot a previous
     worker committed)."""
     verified: bool = True
-    """False for a slot recovered with its checksums unchecked (``recovered(verify=False)``)."""
+    """False for a slot recovered unchecked (``recovered(verify=False)``): no tensors
+    yet; ``SlotStore.intact`` maps and checks them."""
 
     @property
     def seq(self) -> int:
@@ -383,8 +384,8 @@ class RamTier:
         """The snapshots a restore may use, newest first: this process's newest when it
         has one; otherwise, with shared-memory slots, every intact committed slot of this
         rank that ``accept`` admits (held until ``settle``); without ``verify``, their
-        checksums unchecked (``verified`` False: ``SlotStore.intact`` before use). Training
-        thread."""
+        headers alone (``verified`` False: ``SlotStore.intact`` gives the tensors).
+        Training thread."""
         usable = self.usable()
         if usable is not None or self.slots is None:
             return [usable] if usable is not None else []
