@@ -323,8 +323,7 @@ def test_a_folder_deleted_while_a_save_is_written_does_not_fail_its_commit(tmp_p
     # a door's load from the manifests it read for its checks says the same
     door = FlatFrontEnd()
     known = door.folder(str(tmp_path), "iter_0000020")
-    with door.reading(str(tmp_path), "iter_0000020", known):
-        got, again = door.load(str(tmp_path), "iter_0000020", list(UNITS))
+    got, again = door.load(str(tmp_path), "iter_0000020", list(UNITS), known=known)
     assert again.warnings == report.warnings and again.sources == report.sources
     assert all(torch.equal(got[k], v) for k, v in first.items())
     after = save(front, tmp_path, 30)

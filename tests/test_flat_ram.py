@@ -81,6 +81,31 @@ def test_a_damaged_slot_is_never_read_the_previous_snapshot_is(ram):
     again.close(unlink=True)
 
 
+def test_a_load_checks_only_the_slot_it_takes_and_never_reads_a_torn_one(ram, monkeypatch):
+    root, folder = ram
+    first = FlatRam(root, ram_dir=folder)
+    older = first.snapshot(6, state(6), "U1")
+    newest = first.snapshot(9, state(9), "U1")
+    first.close()
+    with open(older.slot.data_path, "r+b") as f:
+        f.write(b"\xff" * 16)
+    import moepec.ram.header as header
+    checked: list[torch.Tensor] = []
+    real = header.checksum_matches
+    monkeypatch.setattr(header, "checksum_matches",
+                        lambda t, c: checked.append(t) or real(t, c))
+    again = FlatRam(root, ram_dir=folder)
+    step, got = again.newest(head("U1", 4), group)
+    assert step == 9 and all(torch.equal(got[k], v) for k, v in state(9).items())
+    assert len(checked) == len(state(9))  # the older slot's data was not hashed
+    again.close()
+    with open(newest.slot.data_path, "r+b") as f:
+        f.write(b"\xff" * 16)
+    last = FlatRam(root, ram_dir=folder)
+    assert last.newest(head("U1", 4), group) is None  # both torn: storage serves
+    last.close(unlink=True)
+
+
 def test_ram_is_not_read_when_storage_is_as_new_or_of_another_lineage(ram):
     root, folder = ram
     first = FlatRam(root, ram_dir=folder)

@@ -109,7 +109,6 @@ class FlatFrontEnd(FinalSaves):
         self._loaded: _Known | None = None
         self._report: RestoreReport | None = None
         self._read_cache: tuple[str, str, Choice] | None = None  # the last load's, for its files
-        self._pinned: tuple[str, str, Choice] | None = None  # inside reading()
         self._uids: dict[str, tuple[tuple, str]] = {}  # folder_uid's reads (rank 0 saves)
         self._rotating: set[str] = set()  # roots whose old folders get deleted: saves full
 
@@ -314,29 +313,17 @@ class FlatFrontEnd(FinalSaves):
         """Any rank, no collective: folder ``name``'s manifests, its own and those its view
         reads, and a line per expert read from an older copy (lineage's
         :func:`~moepec.flat.lineage.choose_copies`). Read once per load: :meth:`keys`,
-        :meth:`shapes`, :meth:`load`, :meth:`read` take it as ``known`` (or inside
-        :meth:`reading`). Raises as :meth:`load`."""
+        :meth:`shapes`, :meth:`load`, :meth:`read` take it as ``known``. Raises as
+        :meth:`load`."""
         return choose_copies(root, name)
-
-    @contextlib.contextmanager
-    def reading(self, root: str, name: str, known: Choice) -> Iterator[None]:
-        """Inside, a :meth:`load` or :meth:`read` of folder ``name`` given no ``known``
-        uses ``known`` (from :meth:`folder`), not a new read of the manifests: a door's
-        load that read them for its checks and reaches :meth:`load` through another
-        layer. Only for that one load (a folder may be written again later)."""
-        self._pinned = (root, name, known)
-        try:
-            yield
-        finally:
-            self._pinned = None
 
     def _known(self, root: str, name: str, known: Choice | None, last_load: bool = False
                ) -> Choice | None:
-        """``known``, else what :meth:`reading` holds for this folder, else (``last_load``)
-        the last load's own choice of older copies for it, else None (read them)."""
-        for held in (self._pinned, self._read_cache if last_load else None):
-            if known is None and held is not None and held[:2] == (root, name):
-                known = held[2]
+        """``known``, else (``last_load``) the last load's own choice of older copies for
+        this folder, else None (read them)."""
+        held = self._read_cache if last_load else None
+        if known is None and held is not None and held[:2] == (root, name):
+            known = held[2]
         return known
 
     def read(self, root: str, name: str, keys: Sequence[str],
@@ -371,9 +358,10 @@ class FlatFrontEnd(FinalSaves):
         return out
 
     @staticmethod
-    def newest(root: str) -> str | None:
-        """The newest committed folder of save directory ``root``, or None."""
-        head = scan(root).head
+    def newest(root: str, known: Choice | None = None) -> str | None:
+        """The newest committed folder of save directory ``root``, or None; the manifests
+        of ``known`` (a load's :meth:`folder` of a folder of ``root``) are not read again."""
+        head = scan(root, None if known is None else known.manifests).head
         return None if head is None else head.name
 
     @staticmethod

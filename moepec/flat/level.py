@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moepec.flat.front import FlatFrontEnd
+from moepec.flat.lineage import Choice
 from moepec.flat.ram import FlatRam, check_ram_dir, ram_report
 from moepec.hooks import FaultHooks
 from moepec.ram import placement
@@ -109,11 +110,12 @@ class RamLevel:
         found = self.ram(root).newest(head, group_of)
         return None if found is None else RamFound(os.path.abspath(root), name, *found)
 
-    def take(self, found: RamFound) -> RestoreReport:
+    def take(self, found: RamFound, known: Choice | None = None) -> RestoreReport:
         """All ranks, at the start of the load from ``found``: the load of its storage
-        head (nothing read; the run takes over its lineage) and the load's report (also
-        kept in :attr:`report`)."""
-        _, head = self._front().load(found.root, found.name, [], agree=True)
+        head (nothing read; the run takes over its lineage; ``known``: the head's
+        :meth:`FlatFrontEnd.folder`, when read already) and the load's report (also kept
+        in :attr:`report`)."""
+        _, head = self._front().load(found.root, found.name, [], agree=True, known=known)
         self.report = ram_report(head, found.step)
         if dist.get_rank() == 0:
             log.info("moepec: loaded the RAM snapshot of step %d (newer than %s)",

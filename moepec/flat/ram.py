@@ -134,28 +134,54 @@ class FlatRam:
         """All ranks, before a load of the newest checkpoint whose storage head is
         ``head`` (:meth:`head`; None: no storage save): (step, this rank's tensors:
         views of the slot, copy them) of the newest snapshot every rank holds intact,
-        continuing ``head``'s lineage and newer than it; else None on every rank. A rank's tensors are completed from the other
+        continuing ``head``'s lineage and newer than it; else None on every rank. Only
+        the slots chosen are checked against their checksums (a torn one: the next older
+        step every rank holds is chosen). A rank's tensors are completed from the other
         ranks' snapshots: each key of a group (``group_of(key)``, e.g. a file) of which
         this rank holds a key (a framework that writes a shared file on one rank
         alone)."""
-        mine: dict[int, Snapshot] = {}
+        mine = self._candidates(head)
+        while True:  # a torn slot a rank finds drops that step; the ranks choose again
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, sorted(mine))
+            common = set(every[0]).intersection(*map(set, every[1:]))
+            if not common:
+                return None
+            step = max(common)
+            held = self._tensors(mine[step][0])
+            intact = torch.tensor([int(held is not None)])
+            dist.all_reduce(intact, op=dist.ReduceOp.MIN)
+            if held is not None and intact.item():
+                return step, held | _completed(held, group_of)
+            if held is None:  # the next slot of that step, if any, else the step is gone
+                mine[step] = mine[step][1:]
+                mine = {s: snaps for s, snaps in mine.items() if snaps}
+
+    def _candidates(self, head: FlatManifest | None) -> dict[int, list[Snapshot]]:
+        """This rank's snapshots by step (newest first) that continue ``head``'s lineage
+        and are newer than it, checksums not yet checked (:meth:`_tensors`: only those a
+        load takes)."""
+        mine: dict[int, list[Snapshot]] = {}
         if head is not None and self._tier is None:
             self._open(0)
         if head is not None and self._tier is not None:
             lineage = {head.uid} | {uid for _, uid in head.ancestors}
             lineage.discard("")
-            for snap in self._tier.recovered(lambda meta: meta.run_id in lineage):
+            for snap in self._tier.recovered(lambda meta: meta.run_id in lineage,
+                                             verify=False):
                 if snap.step > head.step and snap.origin != "replica" \
                         and snap.meta.run_id in lineage:
-                    mine.setdefault(snap.step, snap)
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, sorted(mine))
-        common = set(every[0]).intersection(*map(set, every[1:]))
-        if not common:
-            return None
-        step = max(common)
-        held = dict(mine[step].tensors)
-        return step, held | _completed(held, group_of)
+                    mine.setdefault(snap.step, []).append(snap)
+        return mine
+
+    def _tensors(self, snap: Snapshot) -> dict[str, torch.Tensor] | None:
+        """``snap``'s tensors (views), or None when its slot is torn: a slot an earlier
+        worker left is mapped and checked against its checksums here, by the load that
+        takes it (this process's own snapshot was sealed by it)."""
+        slots = self._tier.slots if self._tier is not None else None
+        if snap.verified or snap.slot is None or slots is None:
+            return dict(snap.tensors)
+        return slots.intact(snap.slot)
 
     def settle(self, step: int | None) -> None:
         """All ranks, after a load: keep the snapshot of ``step`` (the load's source;

@@ -275,10 +275,9 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         assert known is not None  # else every rank refused
         reads = {k: _to_read(k, sh, saved) for k, sh in shards.items()}
         try:
-            with self.front.reading(root, name, known):
-                targets = _ram.load(root, name, list(dict.fromkeys(  # RAM when newer
-                    r for r in reads.values() if r is not None)), into={  # one copy
-                    k: sh.data for k, sh in shards.items() if reads[k] == k})
+            targets = _ram.load(root, name, list(dict.fromkeys(  # RAM when newer
+                r for r in reads.values() if r is not None)), into={  # one copy
+                k: sh.data for k, sh in shards.items() if reads[k] == k}, known=known)
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
         loaded = {id(sh): _loaded(sh, k, reads[k], targets, saved, name)

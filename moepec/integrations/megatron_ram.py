@@ -41,7 +41,15 @@ from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadSt
 
 import moepec
 from moepec.errors import ConfigError
-from moepec.flat import FlatFrontEnd, RamFound, RamLevel, decode_object, encode_object, split_folder
+from moepec.flat import (
+    Choice,
+    FlatFrontEnd,
+    RamFound,
+    RamLevel,
+    decode_object,
+    encode_object,
+    split_folder,
+)
 from moepec.integrations.megatron_checks import OBJECT
 from moepec.integrations.megatron_keys import flat_key
 
@@ -169,20 +177,23 @@ class MegatronRam:
         return self.level.snapshot(checkpoint_dir, iteration, tensors)
 
     def load(self, root: str, name: str, reads: Sequence[str],
-             into: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+             into: Mapping[str, Any] | None = None, known: Choice | None = None
+             ) -> dict[str, torch.Tensor]:
         """All ranks, the door's load of ``reads`` (flat keys) of folder ``name``: from the
         newest RAM snapshot when ``name`` is the newest committed folder, the snapshot is
         newer and of its lineage, and every rank's snapshot holds every key it reads;
         else from storage. Afterwards the slots newer than what was loaded are
         invalidated. Returns copies by key (from RAM, a key's tensor of ``into`` of the
-        same shape and dtype filled in place); raises as ``FlatFrontEnd.load``."""
-        found = self._newest(root, name, reads)
+        same shape and dtype filled in place); raises as ``FlatFrontEnd.load``.
+        ``known``: the folder's ``FlatFrontEnd.folder``, when the door read it already
+        (its manifests are then read once in all)."""
+        found = self._newest(root, name, reads, known)
         (folder, common), self._common = self._common or (None, None), None
         self.level.report = None
         if found is None:
-            targets, _ = self._front().load(root, name, reads, agree=True)
+            targets, _ = self._front().load(root, name, reads, agree=True, known=known)
         else:
-            self.level.take(found)
+            self.level.take(found, known)
             targets = self.level.copies(found, reads, into)
             if COMMON in found.tensors and folder == (root, name):
                 _overlay(common, decode_object(found.tensors[COMMON], COMMON))
@@ -193,12 +204,14 @@ class MegatronRam:
         self.level.settle(root, None if found is None else found.step)
         return targets
 
-    def _newest(self, root: str, name: str, reads: Sequence[str]) -> RamFound | None:
+    def _newest(self, root: str, name: str, reads: Sequence[str], known: Choice | None
+                ) -> RamFound | None:
         if not self.level.on:
             return None
         box: list[Any] = [None]
-        if dist.get_rank() == 0 and self._front().newest(root) == name:
-            box[0] = (self.level.head(root, name),)
+        if dist.get_rank() == 0 and self._front().newest(root, known) == name:
+            box[0] = (self.level.head(root, name) if known is None
+                      else known.manifests[name],)
         dist.broadcast_object_list(box, src=0)  # rank 0's view of the folders: one path
         if box[0] is None:
             return None

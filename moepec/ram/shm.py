@@ -43,9 +43,9 @@ import torch
 
 from moepec.errors import ConfigError, CorruptCheckpointError, ManifestError
 from moepec.ram import pinning
-from moepec.ram.header import SlotHeader
+from moepec.ram.header import SlotHeader, torn_key
 from moepec.ram.jobs import job_name, own_folder, read_header
-from moepec.store.checksum import checksum_matches, stored_checksum
+from moepec.store.checksum import stored_checksum
 from moepec.store.items import Item
 from moepec.store.meta import CheckpointMeta
 
@@ -308,20 +308,21 @@ class SlotStore:
             return None
         return header
 
-    def load(self) -> list[tuple[Slot, SlotHeader, dict[str, torch.Tensor]]]:
+    def load(self, verify: bool = True) -> list[tuple[Slot, SlotHeader, dict[str, torch.Tensor]]]:
         """Every free slot whose header and checksums are intact, newest first, mapped.
-        The caller marks the ones it keeps with ``hold``; a torn slot is skipped (logged)."""
+        The caller marks the ones it keeps with ``hold``; a torn slot is skipped (logged).
+        Without ``verify`` only the headers are read (no tensors, nothing mapped): the
+        caller maps the one it takes with :meth:`intact` (a load that takes one of three)."""
         out = []
         for slot in self.slots:
             if slot.in_use:
                 continue
             header = self._header(slot)
-            if header is None:
-                slot.seq = -1
-                continue
-            tensors = self._verified(slot, header)
+            tensors = None if header is None else \
+                self._verified(slot, header.entries, header.seq) if verify else {}
             if tensors is None:
-                slot.header_path.unlink(missing_ok=True)
+                if header is not None:
+                    slot.header_path.unlink(missing_ok=True)
                 slot.seq = -1
                 continue
             slot.entries, slot.seq = header.entries, header.seq
@@ -332,14 +333,24 @@ class SlotStore:
         with self._lock:
             slot.in_use = True
 
-    def _verified(self, slot: Slot, header: SlotHeader) -> dict[str, torch.Tensor] | None:
+    def intact(self, slot: Slot) -> dict[str, torch.Tensor] | None:
+        """The tensors of a slot :meth:`load` found without ``verify``, mapped, once its
+        data file fits its header and matches its checksums; else None (a torn slot: its
+        header is removed, it is never read again)."""
+        tensors = self._verified(slot, slot.entries, slot.seq)
+        if tensors is None:
+            slot.header_path.unlink(missing_ok=True)
+        return tensors
+
+    def _verified(self, slot: Slot, entries: Mapping[str, Mapping[str, Any]], seq: int
+                  ) -> dict[str, torch.Tensor] | None:
         where = str(slot.header_path)
         try:
             st = os.lstat(slot.data_path)  # (a link to identical bytes is not this slot)
             if not stat.S_ISREG(st.st_mode):
                 raise ManifestError(_not_a_slot_file(slot.data_path, st))
             size = st.st_size
-            for key, e in header.entries.items():
+            for key, e in entries.items():
                 # The typed reader of stored tensors checks shape, dtype and size (the
                 # slot's entries are items without a file: the slot's data file holds them).
                 item = Item.from_json(e, f"entry {key!r}")
@@ -347,15 +358,13 @@ class SlotStore:
                 if type(offset) is not int or offset < 0 or offset + item.nbytes > size:
                     raise ManifestError(f"entry {key!r} does not fit the data file")
             self._map(slot, max(size, 1))
-            tensors = {}
-            for key, e in header.entries.items():
-                t = self._view(slot, e)
-                if not checksum_matches(t, e.get("checksum")):
-                    raise ManifestError(f"{key} does not match its checksum")
-                tensors[key] = t
+            tensors = {key: self._view(slot, e) for key, e in entries.items()}
+            bad = torn_key(tensors, entries)
+            if bad is not None:
+                raise ManifestError(f"{bad} does not match its checksum")
             return tensors
         except (OSError, ManifestError, RuntimeError, ValueError) as exc:
-            log.warning("ignoring torn RAM slot %s (seq %d): %s", where, header.seq, exc)
+            log.warning("ignoring torn RAM slot %s (seq %d): %s", where, seq, exc)
             return None
 
     def close(self, unlink: bool) -> None:

@@ -122,6 +122,9 @@ class Snapshot:
     origin: str = "process"
     """``process`` (taken by this process) or ``shm`` (loaded from a slot a previous
     worker committed)."""
+    verified: bool = True
+    """False for a slot recovered unchecked (``recovered(verify=False)``): no tensors
+    yet; ``SlotStore.intact`` maps and checks them."""
 
     @property
     def seq(self) -> int:
@@ -376,20 +379,22 @@ class RamTier:
                 snap.pooled = {}
 
     # -- snapshots a previous worker left in shared memory -------------------------
-    def recovered(self, accept: Callable[[CheckpointMeta], bool] | None = None
-                  ) -> list[Snapshot]:
+    def recovered(self, accept: Callable[[CheckpointMeta], bool] | None = None,
+                  verify: bool = True) -> list[Snapshot]:
         """The snapshots a restore may use, newest first: this process's newest when it
         has one; otherwise, with shared-memory slots, every intact committed slot of this
-        rank that ``accept`` admits (held until ``settle``). Training thread."""
+        rank that ``accept`` admits (held until ``settle``); without ``verify``, their
+        headers alone (``verified`` False: ``SlotStore.intact`` gives the tensors).
+        Training thread."""
         usable = self.usable()
         if usable is not None or self.slots is None:
             return [usable] if usable is not None else []
         if not self._loaded:
             found = [(slot, header, tensors, "shm") for slot, header, tensors
-                     in self.slots.load()]
+                     in self.slots.load(verify)]
             if self.replicas is not None:
                 found += [(slot, header, tensors, "replica") for slot, header, tensors
-                          in self.replicas.load()]
+                          in self.replicas.load(verify)]
             for slot, header, tensors, origin in found:
                 if accept is not None and not accept(header.meta):
                     log.warning("not reading RAM slot seq %d: written by run %s, which is "
@@ -400,7 +405,8 @@ class RamTier:
                 snap = Snapshot(tensors=tensors, persist_keys=frozenset(header.persist_keys),
                                 meta=header.meta, persist=header.persist_experts is not None,
                                 all_keys=list(header.all_keys), slot=slot, origin=origin,
-                                checksums={k: e["checksum"] for k, e in header.entries.items()})
+                                checksums={k: e["checksum"] for k, e in header.entries.items()},
+                                verified=verify)
                 snap.copied.set()
                 snap.done.set()
                 self._loaded.append(snap)

@@ -355,13 +355,14 @@ def _moepec_folders(root: str) -> list[str]:
                  or os.path.exists(os.path.join(e.path, record_name(0))))]
 
 
-def scan(root: str) -> FlatRoot:
+def scan(root: str, read: Mapping[str, FlatManifest] | None = None) -> FlatRoot:
     """Read and validate every flat manifest under ``root``; never raises for a damaged
-    one (listed in ``damaged``). Folders moepec did not write are ignored."""
+    one (listed in ``damaged``). Folders moepec did not write are ignored. ``read``:
+    manifests of ``root`` this caller read a moment ago (a load's), not read again."""
     out = FlatRoot(manifests={}, damaged={}, uncommitted=[])
     for name in _moepec_folders(root):
         try:
-            out.manifests[name] = read_manifest(root, name)
+            out.manifests[name] = (read or {}).get(name) or read_manifest(root, name)
         except ManifestError as exc:
             out.damaged[name] = str(exc)
         except CheckpointError:
