@@ -22,6 +22,7 @@ def _section(md: str, title: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~60 s of CPU in this process: 300 s ran out at load 10
 def test_report_quick_end_to_end(tmp_path: Path) -> None:
     result = main(["--quick", "--out", str(tmp_path)])
     md = (tmp_path / "results.md").read_text()
