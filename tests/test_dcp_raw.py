@@ -305,6 +305,8 @@ def test_own_one_process_dcp_calls_leave_no_trace_records_others_still_do(tmp_pa
         thread = threading.Thread(target=other)
         thread.start()
         with single_process_dcp():
+            with single_process_dcp():  # a nested use leaves the outer one in force
+                pass
             inside.set()
             save("ours")
             thread.join(60)

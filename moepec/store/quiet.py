@@ -5,6 +5,7 @@ our own one-process saves and loads (:func:`single_process_dcp`). Any thread.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import logging
@@ -41,7 +42,8 @@ class _OwnCalls(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.threads: set[int] = set()
+        self.threads: collections.Counter[int] = collections.Counter()
+        """Threads inside, each with its depth (a nested use keeps the outer one's)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= logging.WARNING or record.thread not in self.threads
@@ -87,13 +89,15 @@ def single_process_dcp() -> Iterator[None]:
             if (dcp_log := _dcp_logger()) is not None:
                 dcp_log.addFilter(_OWN_CALLS)
         _quiet_users[0] += 1
-        _OWN_CALLS.threads.add(thread)
+        _OWN_CALLS.threads[thread] += 1
     try:
         yield
     finally:
         with _quiet_lock:
             _quiet_users[0] -= 1
-            _OWN_CALLS.threads.discard(thread)
+            _OWN_CALLS.threads[thread] -= 1
+            if _OWN_CALLS.threads[thread] <= 0:
+                del _OWN_CALLS.threads[thread]
             if _quiet_users[0] == 0:
                 if (dcp_log := _dcp_logger()) is not None:
                     dcp_log.removeFilter(_OWN_CALLS)
