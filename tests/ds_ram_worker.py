@@ -19,7 +19,6 @@ under ``torchrun --max-restarts 3``, 2 ranks, gloo, ZeRO-2, native MoE with 8 ex
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -29,6 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 from ds_worker import engine, state, train
+from ram_attempts import die_inside_snapshot, write_results
 
 import moepec.integrations.deepspeed as door
 from moepec.hooks import FaultHooks
@@ -104,20 +104,13 @@ def main(out: str, ram_dir: str) -> None:
         results["named"] = report(eng, out)
         eng.load_checkpoint(save_dir)
         results["after_named"] = report(eng, out)
-        run(eng, save_dir, out, 11)
+        run(eng, save_dir, out, 11)  # a snapshot at 9
 
-        def die(point: str, step: int) -> None:
-            if (point, step) == ("seal", 12) and rank == 1:  # copied, header not written
-                os.kill(os.getpid(), signal.SIGKILL)
-        hooks.on_snapshot = die
-        with open(os.path.join(out, f"attempt{attempt}_{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.barrier()  # both ranks hold the snapshot of 9 and wrote their results
-        train(eng, 1, seed=1)
-        door.snapshot(eng, save_dir)  # step 12: rank 1 dies at the seal
-        dist.barrier()  # rank 0 waits here until torchrun stops it
-    with open(os.path.join(out, f"attempt{attempt}_{rank}.json"), "w") as f:
-        json.dump(results, f)
+        def step_12() -> None:
+            train(eng, 1, seed=1)
+            door.snapshot(eng, save_dir)  # rank 1 dies at its seal
+        die_inside_snapshot(hooks, 12, out, attempt, results, step_12)
+    write_results(out, attempt, results)
     if attempt < 2:
         dist.barrier()  # both ranks wrote their results; then the fault
         if rank == 1:

@@ -16,7 +16,6 @@ every 4) under ``torchrun --max-restarts 3``, 2 ranks, gloo, EP 2, K = 1 of 4 ex
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -29,6 +28,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron_model import build, sharded, snapshot
 from megatron_worker import expert_of, make_folder, train_a_bit
+from ram_attempts import die_inside_snapshot, write_results
 
 import moepec.integrations.megatron as pec
 from moepec.hooks import FaultHooks
@@ -120,20 +120,13 @@ def main(out: str, ram_dir: str) -> None:
         run(model, opt, save_dir, out, 8, 9)
         results["named"] = load(model, opt, folder(save_dir, 4), out)
         results["after_named"] = load(model, opt, folder(save_dir, 8), out)
-        run(model, opt, save_dir, out, 8, 9)
+        run(model, opt, save_dir, out, 8, 9)  # a snapshot at 9
 
-        def die(point: str, step: int) -> None:
-            if (point, step) == ("seal", 10) and rank == 1:  # copied, header not written
-                os.kill(os.getpid(), signal.SIGKILL)
-        hooks.on_snapshot = die
-        with open(os.path.join(out, f"attempt{attempt}_{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.barrier()  # both ranks hold the snapshot of 9 and wrote their results
-        train_a_bit(model, opt, seed=10)
-        pec.snapshot(sharded(model, opt), 10, save_dir)
-        dist.barrier()  # rank 0 waits here until torchrun stops it
-    with open(os.path.join(out, f"attempt{attempt}_{rank}.json"), "w") as f:
-        json.dump(results, f)
+        def iteration_10() -> None:
+            train_a_bit(model, opt, seed=10)
+            pec.snapshot(sharded(model, opt), 10, save_dir)  # rank 1 dies at its seal
+        die_inside_snapshot(hooks, 10, out, attempt, results, iteration_10)
+    write_results(out, attempt, results)
     if attempt < 2:
         dist.barrier()  # both ranks wrote their results; then the fault
         if rank == 1:

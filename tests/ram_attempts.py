@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +44,29 @@ def run_attempts(worker: Path, out: Path, attempts: int, **env: str) -> list[lis
     assert left == [], left  # the clean end of the last attempt removed its slots
     return [[json.loads((out / f"attempt{a}_{r}.json").read_text()) for r in (0, 1)]
             for a in range(attempts)]
+
+
+def write_results(out: str, attempt: int, results: dict) -> None:
+    """In a worker: this rank's results of this attempt, as ``attempt<a>_<rank>.json``."""
+    import torch.distributed as dist
+
+    with open(os.path.join(out, f"attempt{attempt}_{dist.get_rank()}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def die_inside_snapshot(hooks: Any, step: int, out: str, attempt: int, results: dict,
+                        snapshot: Callable[[], object]) -> None:
+    """In a worker, every rank: write this attempt's results, then take the snapshot of
+    ``step`` (``snapshot()``), inside which rank 1 SIGKILLs itself at the ``seal`` fault
+    point (its slot copied, its header not written); rank 0 waits for torchrun to stop
+    it. ``hooks``: the door's ``FaultHooks``."""
+    import torch.distributed as dist
+
+    def die(point: str, at: int) -> None:
+        if (point, at) == ("seal", step) and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    hooks.on_snapshot = die
+    write_results(out, attempt, results)
+    dist.barrier()  # every rank holds its earlier snapshots and wrote its results
+    snapshot()
+    dist.barrier()  # rank 0 waits here until torchrun stops it
