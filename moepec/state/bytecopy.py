@@ -50,22 +50,36 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dst.copy_(src)`` for every ``(dst, src)`` pair, as cheaply per pair as possible.
 
     A snapshot is hundreds of copies (616 at K=1 on gpt-125m-8e/4), most of them a few kB
-    (norms, biases, routers) and a few holding nearly all the bytes (150 of them 99.5%).
-    Each ``copy_into`` costs ~4-5 us of Python around its bytes and lets go of the GIL
-    and takes it back, where a thread that runs Python meanwhile holds it until its
-    switch interval; at 616 copies that was 2-8 ms of a 10 ms memcpy. So the small ones
-    (under :data:`SERIAL_NUMEL` elements, serial in torch) go in one
-    ``torch._foreach_copy_`` call (one GIL release, ~0.5 us each), and the large ones
-    one ``memmove`` each (:func:`copy_into`). Copies under ``no_grad``: autograd records
-    nothing (the sources are live parameters; the copies are data). Any thread; blocks
-    until every byte is copied."""
-    small_dst, small_src = [], []
+    (norms, biases, routers, Adam's step counts) and a few holding nearly all the bytes
+    (150 of them 99.5%). What a pair costs beside its bytes is reading its tensors'
+    metadata, and after tens of MB of streaming copies that metadata is out of the CPU's
+    caches: ~8 us a pair where a warm check costs ~3 us (docs/results.md, section 3,
+    issue 50's fifth pass). So the metadata is read in one pass first, while it is warm
+    from the caller's building of ``pairs``: the small pairs (under
+    :data:`SERIAL_NUMEL` elements, serial in torch) go to one ``torch._foreach_copy_``
+    call (one GIL release, ~0.5 us each), made next, and each large one becomes three
+    integers (addresses and length) for a ``memmove`` loop that touches nothing else.
+    Pairs :func:`copy_into` would hand to torch go to ``copy_`` last. Copies under
+    ``no_grad``: autograd records nothing (the sources are live parameters; the copies
+    are data). Any thread; blocks until every byte is copied; bumps each ``dst``'s
+    version counter."""
+    small_dst, small_src, moves, other = [], [], [], []
     with torch.no_grad():
         for dst, src in pairs:
             if dst.numel() < SERIAL_NUMEL and dst.is_cpu and src.is_cpu:
                 small_dst.append(dst)
                 small_src.append(src)
+            elif (dst.dtype == src.dtype and dst.shape == src.shape and _plain(dst)
+                  and _plain(src) and not (dst.requires_grad and torch.is_grad_enabled())):
+                if n := dst.nbytes:
+                    moves.append((dst.data_ptr(), src.data_ptr(), n))
+                    torch.autograd.graph.increment_version(dst)
             else:
-                copy_into(dst, src)
+                other.append((dst, src))
         if small_dst:
             torch._foreach_copy_(small_dst, small_src)
+        memmove = ctypes.memmove
+        for to, frm, n in moves:
+            memmove(to, frm, n)
+        for dst, src in other:
+            dst.copy_(src)
