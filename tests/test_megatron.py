@@ -93,6 +93,19 @@ def test_expert_identity_from_the_sharded_state_dict():
         (1, 1, 4), prepend_axis_num=1)
     with pytest.raises(CheckpointingException, match="several experts in one shard"):
         mg.expert_unit(grouped)
+    # GroupedMLP's real keys are SequentialMLP's; its expert axis is the first local one
+    real = ShardedTensor.from_rank_offsets(  # [layers] + [local experts, out, in]
+        "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight",
+        torch.zeros(1, 8, 16), (0, 1, 2), (1, 3, 4), prepend_axis_num=1)
+    assert mg.expert_unit(real) == ("decoder.layers.mlp@(1,)", 3)
+    real_extra = ShardedObject("decoder.layers.mlp.experts.experts.linear_fc1._extra_state",
+                               None, (2, 4), (1, 3))
+    assert mg.object_unit(real_extra) == mg.expert_unit(real)
+    stacked = ShardedTensor.from_rank_offsets(  # two local experts in the shard
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight", torch.zeros(2, 16, 8),
+        (0, 1, 2), (1, 1, 2), prepend_axis_num=1)
+    with pytest.raises(CheckpointingException, match="singleton_local_shards"):
+        mg.expert_unit(stacked)
     extra = ShardedObject("decoder.layers.mlp.experts.experts.linear_fc1._extra_state", None,
                           (2, 4), (1, 3))
     attn = ShardedObject("decoder.layers.self_attention.linear_proj._extra_state", None,

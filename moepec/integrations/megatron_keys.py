@@ -1,8 +1,9 @@
 """Which (MoE layer, expert) a Megatron-Core shard belongs to, and its flat key: read from
 the sharded state dict alone (:mod:`moepec.integrations.megatron`).
 
-SequentialMLP's (and GroupedMLP's factories') ``...experts.experts.*`` shards carry the
-expert on a prepended axis; ``metadata={'singleton_local_shards': True}`` puts it in the
+SequentialMLP's ``...experts.experts.*`` shards carry the expert on a prepended axis;
+GroupedMLP's factories give the same keys with the expert on the first local axis (3 local
+axes: the stacked weights); ``metadata={'singleton_local_shards': True}`` puts it in the
 key (``...experts.<e>.*``); optimizer state keyed by the parameter's key
 (``optimizer.state.<name>.<param key>``) goes with its expert. Pure.
 """
@@ -23,6 +24,9 @@ _OPTIM_PREFIX = re.compile(r"^optimizer\.state\.[^.]+\.")
 _SEQUENTIAL = re.compile(r"^(.*?)(?:^|\.)experts\.experts\.")
 _SINGLETON = re.compile(r"^(.*?)(?:^|\.)experts\.(\d+)\.")
 _GROUPED = re.compile(r"^(.*?)(?:^|\.)experts\.")
+_GROUPED_NDIM = 3
+"""GroupedMLP's weights, ``[local experts, out, in]`` (its factories' shards); an
+expert's own weight (SequentialMLP, TEGroupedMLP) has 2 local axes, a bias 1."""
 
 
 def flat_key(sh: ShardedTensor) -> str:
@@ -44,7 +48,9 @@ def expert_unit(sh: ShardedTensor) -> Unit | None:
         return f"{m[1]}@{offsets[:sh.prepend_axis_num]}", int(m[2])
     if m := _SEQUENTIAL.match(key):  # SequentialMLP: the expert axis is prepended last
         axis = sh.prepend_axis_num - 1
-    elif m := _GROUPED.match(key):  # GroupedMLP's factories: the first local axis
+        if len(sh.local_shape) == _GROUPED_NDIM:  # GroupedMLP's keys are the same
+            axis = sh.prepend_axis_num
+    elif m := _GROUPED.match(key):  # a GroupedMLP outside a MoELayer: the first local axis
         axis = sh.prepend_axis_num
         if _standalone_sequential(sh, m[1]):
             axis = sh.prepend_axis_num - 1
