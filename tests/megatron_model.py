@@ -1,5 +1,5 @@
 """The Megatron-Core model of the Megatron tests (tests/megatron_worker.py,
-tests/megatron_stock.py): a GPTModel with SequentialMLP experts and Megatron's
+tests/megatron_stock.py): a GPTModel with SequentialMLP (or grouped) experts and Megatron's
 FP32Optimizer around Adam, built on the CPU. Imports no moepec (megatron_stock.py loads
 with stock Megatron alone). Call megatron_shims.install() before building."""
 
@@ -19,20 +19,23 @@ from megatron.core.transformer import TransformerConfig
 N_EXPERTS, N_LAYERS = 4, 2
 
 
-def build(seed: int, te_grouped: bool = False):
-    """``te_grouped``: the experts are Transformer Engine's TEGroupedMLP with swiglu, as
-    Megatron-LM builds them for ``--moe-grouped-gemm --swiglu`` (needs a
-    ``transformer_engine``: tests/te_standin.py)."""
+def build(seed: int, grouped: str | None = None):
+    """``grouped``: None for SequentialMLP experts; ``"te"`` for Transformer Engine's
+    TEGroupedMLP with swiglu, as Megatron-LM builds them for ``--moe-grouped-gemm
+    --swiglu`` (needs a ``transformer_engine``: tests/te_standin.py); ``"legacy"`` for
+    Megatron's legacy GroupedMLP with swiglu, what the local spec builds for
+    ``moe_grouped_gemm`` (needs ``grouped_gemm``: tests/grouped_gemm_standin.py)."""
     torch.manual_seed(seed)
     glu = {"moe_grouped_gemm": True, "gated_linear_unit": True,
-           "activation_func": torch.nn.functional.silu} if te_grouped else {}
+           "activation_func": torch.nn.functional.silu} if grouped else {}
     cfg = TransformerConfig(
         num_layers=N_LAYERS, hidden_size=16, num_attention_heads=2,
         num_moe_experts=N_EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=8,
         ffn_hidden_size=32, moe_token_dispatcher_type="allgather",
         use_cpu_initialization=True, add_bias_linear=False, **glu)
-    spec = get_gpt_layer_local_spec(num_experts=N_EXPERTS)
-    if te_grouped:  # the local layer with TE's experts (attention stays local)
+    spec = get_gpt_layer_local_spec(num_experts=N_EXPERTS,
+                                    moe_grouped_gemm=grouped == "legacy")
+    if grouped == "te":  # the local layer with TE's experts (attention stays local)
         spec.submodules.mlp = get_moe_module_spec(use_te=True, num_experts=N_EXPERTS,
                                                   moe_grouped_gemm=True)
     model = GPTModel(cfg, spec, vocab_size=32, max_sequence_length=8)

@@ -32,6 +32,7 @@ WORKER = REPO / "tests" / "megatron_worker.py"
 STRICT = REPO / "tests" / "megatron_strict.py"
 STOCK = REPO / "tests" / "megatron_stock.py"
 TE = REPO / "tests" / "megatron_te_worker.py"
+GROUPED = REPO / "tests" / "megatron_grouped_worker.py"
 
 
 def torchrun(nproc: int, phase: str | None, root: Path, singleton: bool = False,
@@ -232,15 +233,43 @@ def test_transformer_engine_grouped_experts_save_k_of_n_and_load_bit_exact(tmp_p
         f"rank {r} TE OK singleton={s} {tensors} tensors 6 stale of 8"
         for r in range(ep) for s in (False, True)), proc.stdout[-3000:]
     for layout in ("stacked", "single"):
-        written = []
-        for it in (0, 10, 20):
-            m = json.loads((tmp_path / layout / f"iter_{it:07d}" / "moepec.json").read_text())
-            units = Counter(tuple(m["experts"][k]) for k in m["items"] if k in m["experts"])
-            assert sorted(units) == sorted(tuple(u) for u in m["experts_saved"])
-            assert set(units.values()) == {11}, units  # each written expert whole
-            written.append((len(units), len(m["items"]) - 11 * len(units)))
-        # 8 experts, then K = 1 per layer (2 layers); the non-expert shards every time
-        assert [n for n, _ in written] == [8, 2, 2] and len({r for _, r in written}) == 1
+        _one_expert_per_layer_whole(tmp_path / layout)
+
+
+def _one_expert_per_layer_whole(root: Path) -> None:
+    """The three saves of tests/megatron_layouts.py in ``root``: 8 experts, then K = 1
+    per layer (2 layers), each written expert whole (its 11 shards); the non-expert
+    shards every time."""
+    written = []
+    for it in (0, 10, 20):
+        m = json.loads((root / f"iter_{it:07d}" / "moepec.json").read_text())
+        units = Counter(tuple(m["experts"][k]) for k in m["items"] if k in m["experts"])
+        assert sorted(units) == sorted(tuple(u) for u in m["experts_saved"])
+        assert set(units.values()) == {11}, units
+        written.append((len(units), len(m["items"]) - 11 * len(units)))
+    assert [n for n, _ in written] == [8, 2, 2] and len({r for _, r in written}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2])
+def test_legacy_grouped_experts_save_k_of_n_and_load_bit_exact(tmp_path, ep):
+    """Megatron's legacy GroupedMLP (swiglu; grouped_gemm the stand-in of
+    tests/grouped_gemm_standin.py, in the worker's processes only, a forward and backward
+    run on it): with singleton_local_shards the worker checks that each (layer, expert)
+    is found once with its 11 shards (weight1's swiglu halves, weight2, their Adam
+    moments, both placeholder _extra_state) and that the stitched load equals the
+    documented rotation bit for bit; here, that each save after the first wrote one
+    expert per layer, whole. Without it, a rank's experts share one shard: refused on
+    every rank, nothing committed."""
+    proc = torchrun(ep, None, tmp_path, worker=GROUPED)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tensors = {1: 105, 2: 81}[ep]  # this rank's weights and moments, experts cut apart
+    assert sorted(x for x in proc.stdout.splitlines() if " GROUPED " in x) == sorted(
+        [f"rank {r} GROUPED OK singleton=True {tensors} tensors 6 stale of 8"
+         for r in range(ep)] + [f"rank {r} GROUPED REFUSED singleton=False"
+                                for r in range(ep)]), proc.stdout[-3000:]
+    _one_expert_per_layer_whole(tmp_path / "single")
+    assert not list((tmp_path / "stacked").rglob("moepec.json"))
 
 
 def test_an_untested_megatron_core_version_warns_once(monkeypatch, caplog):

@@ -1,0 +1,138 @@
+"""torchrun worker for tests/test_megatron.py: Megatron-Core's legacy grouped experts
+(``GroupedMLP``, swiglu; what ``get_gpt_layer_local_spec(moe_grouped_gemm=True)`` builds)
+through the ("moepec", 1) backend, EP = world size.
+
+    python -m torch.distributed.run --nproc_per_node N tests/megatron_grouped_worker.py DIR
+
+The sharded state dict is Megatron-Core's own (``GroupedMLP.sharded_state_dict``: its
+``weight1`` / ``weight2`` factories, with Megatron's optimizer): ``grouped_gemm`` is the
+stand-in of tests/grouped_gemm_standin.py, installed before megatron imports (this
+process only), and a forward and backward through the experts runs on it. With
+``singleton_local_shards`` (one key per expert): every (layer, expert) is found once over
+the ranks with its shards (``weight1``'s swiglu halves ``linear_fc1.weight_w`` /
+``_v``, ``weight2`` as ``linear_fc2.weight``, their Adam moments, both placeholder
+``_extra_state`` objects); three saves with K = 1 of 4; a fresh model loads the last
+folder and equals, bit for bit, the oracle of the documented rotation (the checks of
+tests/megatron_layouts.py). Without it, GroupedMLP stacks a rank's local experts in one
+shard (its first local axis), which the backend refuses on every rank, naming the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import grouped_gemm_standin  # noqa: E402
+
+grouped_gemm_standin.install()  # before megatron: grouped_gemm_util imports it
+import megatron_shims  # noqa: E402
+
+megatron_shims.install()
+
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import CheckpointingException  # noqa: E402
+from megatron.core.transformer.moe.experts import GroupedMLP  # noqa: E402
+from megatron_layouts import saves_and_load, set_metadata  # noqa: E402
+from megatron_model import N_EXPERTS, build, sharded, snapshot  # noqa: E402
+from megatron_worker import make_folder  # noqa: E402
+
+import moepec.integrations.megatron as mg  # noqa: E402
+
+
+def experts_of(model) -> dict[str, GroupedMLP]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, GroupedMLP)}
+
+
+def per_expert(m: GroupedMLP, weight: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (``weight1`` or ``weight2``, or its Adam moment) as ``[local expert, ...]``:
+    the view GroupedMLP's forward and its sharded state dict take."""
+    hidden = m.config.hidden_size
+    return t.view(m.num_local_experts, hidden, -1) if weight == "weight1" else t.view(
+        m.num_local_experts, -1, hidden)
+
+
+def state(model, opt) -> dict[str, torch.Tensor]:
+    """Weights and Adam moments; each GroupedMLP weight (and moment) cut into its local
+    experts, by a name whose last part names the expert (``...weight1.weight<i>``) for
+    the oracle."""
+    out = snapshot(model, opt)
+    for name, m in experts_of(model).items():
+        for weight in ("weight1", "weight2"):
+            for key in [k for k in out if k.endswith(f":{name}.{weight}")]:
+                for i, t in enumerate(per_expert(m, weight, out.pop(key))):
+                    out[f"{key}.weight{i}"] = t.clone()
+    return out
+
+
+def check_forward(model) -> None:
+    """GroupedMLP's forward and backward on the gmm stand-in equal each expert's own
+    swiglu MLP (fc1, silu(w) * v, times the routing prob, fc2) on its tokens."""
+    m = next(iter(experts_of(model).values()))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.tensor([3, 0, 2, 1][:m.num_local_experts])
+    x = torch.randn(int(tokens.sum()), m.config.hidden_size, generator=g)
+    probs = torch.rand(x.shape[0], generator=g)
+    m.config.bf16 = True  # GroupedMLP's forward asserts bf16; the stand-in is dtype-blind
+    try:
+        out, _ = m(x, tokens, probs)
+    finally:
+        m.config.bf16 = False
+    w1, w2 = per_expert(m, "weight1", m.weight1), per_expert(m, "weight2", m.weight2)
+    want = []
+    for e, (rows, p) in enumerate(zip(x.split(tokens.tolist()), probs.split(tokens.tolist()),
+                                      strict=True)):
+        h_w, h_v = (rows @ w1[e]).chunk(2, dim=-1)
+        want.append((torch.nn.functional.silu(h_w) * h_v * p[:, None]) @ w2[e])
+    torch.testing.assert_close(out, torch.cat(want))
+    out.sum().backward()
+    assert m.weight1.grad is not None and m.weight1.grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)
+
+
+def check_stacked_refused(root: str) -> None:
+    """Without singleton shards a rank's local experts share one shard along its first
+    local axis (Megatron's layout): the backend refuses the save on every rank."""
+    mg.register()
+    model, opt = make(False, seed=1)
+    m = next(iter(experts_of(model).values()))
+    assert m.num_local_experts == N_EXPERTS // dist.get_world_size() > 1
+    folder = os.path.join(root, "iter_0000000")
+    make_folder(folder)
+    try:
+        dist_checkpointing.save(sharded(model, opt), folder, sharded_strategy=("moepec", 1))
+    except CheckpointingException as exc:
+        assert "several experts in one shard" in str(exc), exc
+        assert "singleton_local_shards" in str(exc), exc
+    else:
+        raise AssertionError("a GroupedMLP save without singleton shards was not refused")
+    sys.stdout.write(f"rank {dist.get_rank()} GROUPED REFUSED singleton=False\n")
+    sys.stdout.flush()
+
+
+def make(singleton: bool, seed: int):
+    model, opt = build(seed=seed, grouped="legacy")
+    assert type(model.decoder.layers[0].mlp.experts) is GroupedMLP
+    set_metadata(model, singleton)
+    return model, opt
+
+
+def main() -> None:
+    root = sys.argv[1]
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
+    check_forward(make(True, seed=3)[0])
+    saves_and_load(os.path.join(root, "single"), True, functools.partial(make, True),
+                   state, "GROUPED")
+    check_stacked_refused(os.path.join(root, "stacked"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
