@@ -363,3 +363,76 @@ def test_overlapped_fsync_is_waited_for_and_its_error_raised(tmp_path, monkeypat
     dcp.save(state, storage_writer=writer, no_dist=True)
     with pytest.raises(OSError, match="fsync failed"):
         writer.wait_synced()
+
+
+def _local_write(tmp_path, name, state):
+    from moepec.store.storage.local import LocalStorage
+
+    return LocalStorage(str(tmp_path)).write(name, state)
+
+
+def test_a_started_write_stores_the_same_file_as_dcp_would_and_reads_back_bit_exact(
+        tmp_path, monkeypatch):
+    """Storage.write on a local root starts the data file's write before dcp.save plans
+    (RawFileSystemWriter.start): the file is the one DCP's own raw write would store
+    (same name, same bytes), no temporary name is left, and a stock dcp.load with the
+    raw reader reads every tensor back bit for bit."""
+    state = _state()
+    started = []
+    start = RawFileSystemWriter.start
+    monkeypatch.setattr(RawFileSystemWriter, "start",
+                        lambda self, t, r: (started.append((len(t), r)), start(self, t, r)))
+    where = _local_write(tmp_path, "c", state)
+    assert started == [(len(state), 0)]
+    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), no_dist=True,
+             storage_writer=RawFileSystemWriter(str(tmp_path / "stock"), sync_files=True))
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert ((tmp_path / "c" / "__0_0.distcp").read_bytes()
+            == (tmp_path / "stock" / "__0_0.distcp").read_bytes())
+    assert {loc.file for loc in where.values()} == {"__0_0.distcp"}
+    targets = _targets(state)
+    dcp.load(targets, storage_reader=RawFileSystemReader(str(tmp_path / "c")), no_dist=True)
+    assert all(_equal_bits(targets[k], state[k]) for k in state)
+    # A rank DCP numbers otherwise (not moepec's case): the file takes DCP's name.
+    writer = RawFileSystemWriter(str(tmp_path / "e"), sync_files=True, overlap_sync=True)
+    writer.start(state, 3)
+    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), no_dist=True,
+             storage_writer=writer)
+    writer.wait_synced()
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert ((tmp_path / "e" / "__0_0.distcp").read_bytes()
+            == (tmp_path / "stock" / "__0_0.distcp").read_bytes())
+
+
+def test_a_started_write_is_joined_when_the_save_fails_and_its_own_error_raised(
+        tmp_path, monkeypatch):
+    """A dcp.save that fails after the write started (here: its plan) raises its own
+    error, and the writing thread has ended before Storage.write returns (it reads the
+    caller's tensors); a failed write of the data itself is raised by Storage.write."""
+    import threading
+    import time
+
+    from moepec.store import dcp_raw
+
+    def bad_plan(self):
+        raise CheckpointError("plan failed")
+
+    write_all = dcp_raw.write_all
+
+    def slow_write(fd, bufs):  # still writing when the plan fails
+        time.sleep(0.3)
+        write_all(fd, bufs)
+
+    with monkeypatch.context() as m:
+        m.setattr(KeySavePlanner, "create_local_plan", bad_plan)
+        m.setattr(dcp_raw, "write_all", slow_write)
+        with pytest.raises(CheckpointException, match="plan failed"):  # DCP wraps it
+            _local_write(tmp_path, "c", _state())
+    assert not [t for t in threading.enumerate() if t.name == "moepec-data-write"]
+
+    def full_disk(fd, bufs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp_raw, "write_all", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        _local_write(tmp_path, "d", _state())

@@ -89,8 +89,11 @@ class KeySavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        key = self._chunk_keys.get((index.fqn, tuple(index.offset or ())))
-        return self.state_dict[key] if key is not None else self.state_dict[index.fqn]
+        return self.state_dict[self.key_of(index)]
+
+    def key_of(self, index: MetadataIndex) -> str:
+        """The key of ``state_dict`` that ``index`` (an item of this rank's plan) writes."""
+        return self._chunk_keys.get((index.fqn, tuple(index.offset or ())), index.fqn)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
         plans, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)

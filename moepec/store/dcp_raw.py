@@ -19,11 +19,13 @@ writers, so one reader serves checkpoints of either serialization.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -131,12 +133,68 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
     on every rank before it reports the data written, waits for it and raises its error.
     Without it (the default) the fsync is done before ``write_data`` returns, as DCP's
     own writers do.
+
+    :meth:`start` (``overlap_sync`` writers, moepec's :class:`KeySavePlanner`) goes
+    further: the bytes are written from before ``dcp.save`` plans, so DCP's plans and
+    ``.metadata`` (~15-20 ms of CPU for 600 items, as long as a third of the write
+    itself) run while the kernel copies.
     """
 
     def __init__(self, *args: Any, overlap_sync: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.overlap_sync = overlap_sync
         self._sync: tuple[threading.Thread, list[BaseException]] | None = None
+        self._early: tuple[str, dict[str, tuple[int, int]]] | None = None
+
+    def start(self, tensors: Mapping[str, torch.Tensor], rank: int) -> None:
+        """Begin writing ``tensors`` (key -> CPU tensor, key order) into this rank's data
+        file on a thread of its own; the ``dcp.save`` of ``{ROOT_KEY: tensors}`` with a
+        :class:`KeySavePlanner` that must follow records where each already is. The
+        file has the name DCP gives the data of the ``rank``-th plan of the save's
+        group (``__<rank>_0.distcp``; renamed in ``write_data`` if DCP's differs: a
+        rename waits for the write). The caller then calls :meth:`wait_synced`, also
+        when ``dcp.save`` failed (the thread reads ``tensors`` until it returns)."""
+        if not self.overlap_sync or self._sync is not None:
+            raise RuntimeError("start() needs an overlap_sync writer, once per save")
+        self.fs.mkdir(self.path)
+        path = str(self.fs.concat_path(self.path, f"__{rank}_0{DEFAULT_SUFFIX}"))
+        layout, offset = {}, 0
+        for key, t in tensors.items():
+            n = t.numel() * t.element_size()
+            layout[key] = (offset, n)
+            offset += n
+        # The buffers are made here, not on the writing thread: it then holds the GIL
+        # never, and its writev runs through DCP's planning (which holds it).
+        bufs = [_bytes_of(t) for t in tensors.values()]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        errors: list[BaseException] = []
+        thread = threading.Thread(target=_write_close, name="moepec-data-write", args=(
+            fd, bufs, list(tensors.values()), self.sync_files, errors))
+        thread.start()
+        self._sync, self._early = (thread, errors), (path, layout)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._early is None:
+            return super().write_data(plan, planner)
+        (path, layout), self._early = self._early, None
+        key_of = getattr(planner, "key_of", None)
+        if key_of is None or len(plan.items) != len(layout):
+            raise RuntimeError("a started write needs moepec's KeySavePlanner, one item "
+                               "per tensor")
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        for item in plan.items:
+            offset, length = layout[key_of(item.index)]
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(
+                                           name, offset, length,
+                                           transform_descriptors=[RAW_DESCRIPTOR])))
+        final = str(self.fs.concat_path(self.path, name))
+        if final != path:
+            os.replace(path, final)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
 
     def _store(self, path: Any, bufs: list[memoryview]) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
@@ -154,14 +212,38 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
             if fd >= 0:
                 os.close(fd)
 
-    def wait_synced(self) -> None:
-        """Block until the data file is durable (its fsync joined); raises the fsync's
-        OSError. Every rank, after ``dcp.save``, before the data counts as written."""
+    def wait_synced(self, *, raise_error: bool = True) -> None:
+        """Block until the data file is written and durable (its thread joined); raises
+        the thread's OSError (``raise_error``). Every rank, after ``dcp.save``, before
+        the data counts as written."""
         if self._sync is not None:
             (thread, errors), self._sync = self._sync, None
-            thread.join()  # an fsync: as long as a synchronous one would block
-            if errors:
+            thread.join()  # a write and an fsync: as long as synchronous ones would block
+            if errors and raise_error:
                 raise errors[0]
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """``tensor_bytes(t)`` in ~2 us instead of ~9 for a contiguous CPU tensor (the
+    caller keeps ``t`` alive while the view is used)."""
+    if (t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and (n := t.numel() * t.element_size())):
+        return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+    return tensor_bytes(t)
+
+
+def _write_close(fd: int, bufs: list[memoryview], tensors: list[torch.Tensor], sync: bool,
+                 errors: list[BaseException]) -> None:
+    """Write ``bufs`` (views of ``tensors``, held here until written) at ``fd``, fsync
+    it (``sync``) and close it; errors go to ``errors``."""
+    try:
+        write_all(fd, bufs)
+        if sync:
+            os.fsync(fd)
+    except BaseException as exc:  # noqa: BLE001 - raised by wait_synced
+        errors.append(exc)
+    finally:
+        os.close(fd)
 
 
 def _fsync_close(fd: int, errors: list[BaseException]) -> None:

@@ -241,13 +241,21 @@ class Storage(ABC):
         """
         writer = self.writer(name, raw=self.serialization == Serialization.RAW)
         distributed = dist.is_available() and dist.is_initialized()
-        with contextlib.nullcontext() if distributed else single_process_dcp():
-            metadata = dcp.save({ROOT_KEY: dict(tensors)}, storage_writer=writer,
-                                planner=KeySavePlanner(),
-                                process_group=process_group if distributed else None,
-                                no_dist=not distributed)
+        started = isinstance(writer, dcp_raw.RawFileSystemWriter) and writer.overlap_sync
+        if started:  # the bytes go to the kernel while DCP plans and writes .metadata
+            writer.start(tensors, dist.get_rank(process_group) if distributed else 0)
+        try:
+            with contextlib.nullcontext() if distributed else single_process_dcp():
+                metadata = dcp.save({ROOT_KEY: dict(tensors)}, storage_writer=writer,
+                                    planner=KeySavePlanner(),
+                                    process_group=process_group if distributed else None,
+                                    no_dist=not distributed)
+        except BaseException:
+            if started:
+                writer.wait_synced(raise_error=False)  # nothing reads ``tensors`` after
+            raise
         if isinstance(writer, dcp_raw.RawFileSystemWriter):
-            writer.wait_synced()  # its data file's fsync ran beside DCP's .metadata write
+            writer.wait_synced()  # its data file's write and fsync ran beside DCP's work
         keys = keys_of(metadata)
         return {keys[index]: Location(
             info.relative_path, info.offset, info.length,
