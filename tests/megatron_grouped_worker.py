@@ -8,19 +8,22 @@ The sharded state dict is Megatron-Core's own (``GroupedMLP.sharded_state_dict``
 ``weight1`` / ``weight2`` factories, with Megatron's optimizer): ``grouped_gemm`` is the
 stand-in of tests/grouped_gemm_standin.py, installed before megatron imports (this
 process only), and a forward and backward through the experts runs on it. With
-``singleton_local_shards`` (one key per expert): every (layer, expert) is found once over
-the ranks with its shards (``weight1``'s swiglu halves ``linear_fc1.weight_w`` /
-``_v``, ``weight2`` as ``linear_fc2.weight``, their Adam moments, both placeholder
+``singleton_local_shards`` (one key per expert) and without it (Megatron-LM's setting:
+GroupedMLP stacks a rank's local experts in one shard, on its first local axis, which the
+door cuts per expert): every (layer, expert) is found once over the ranks with its shards
+(``weight1``'s swiglu halves, ``linear_fc1.weight_w`` / ``_v`` with singleton shards,
+``weight2`` as ``linear_fc2.weight``, their Adam moments, both placeholder
 ``_extra_state`` objects); three saves with K = 1 of 4; a fresh model loads the last
 folder and equals, bit for bit, the oracle of the documented rotation (the checks of
-tests/megatron_layouts.py). Without it, GroupedMLP stacks a rank's local experts in one
-shard (its first local axis), which the backend refuses on every rank, naming the fix.
+tests/megatron_layouts.py). At 2 ranks, the stacked layout across EP: 2 -> 1 -> 2
+(:func:`check_other_ep`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 
 import torch
@@ -36,9 +39,8 @@ megatron_shims.install()
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import CheckpointingException  # noqa: E402
 from megatron.core.transformer.moe.experts import GroupedMLP  # noqa: E402
-from megatron_layouts import saves_and_load, set_metadata  # noqa: E402
+from megatron_layouts import load_fresh, saves_and_load, set_metadata  # noqa: E402
 from megatron_model import N_EXPERTS, build, sharded, snapshot  # noqa: E402
 from megatron_worker import make_folder  # noqa: E402
 
@@ -95,24 +97,48 @@ def check_forward(model) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def check_stacked_refused(root: str) -> None:
-    """Without singleton shards a rank's local experts share one shard along its first
-    local axis (Megatron's layout): the backend refuses the save on every rank."""
+def by_global_expert(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`state`'s names with the global expert (``...weight<g>``) for the local one,
+    at the current EP."""
+    first = ps.get_expert_model_parallel_rank() * (
+        N_EXPERTS // ps.get_expert_model_parallel_world_size())
+    return {re.sub(r"\.weight(\d+)$", lambda m: f".weight{first + int(m[1])}", k): v
+            for k, v in values.items()}
+
+
+def set_ep(ep: int) -> None:
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+
+
+def check_other_ep(root: str, expected: dict[str, torch.Tensor]) -> None:
+    """At 2 ranks, the stacked layout across EP: 2 -> 1, a model at EP 1 (each rank all 4
+    experts in one shard) loads the EP 2 saves' last folder (``expected``: this rank's
+    oracle of it) and holds every rank's oracle; 1 -> 2, that model saves (a first save:
+    every expert) and a model at EP 2 loads it: its own experts of the same oracle."""
+    want: list = [None] * dist.get_world_size()
+    dist.all_gather_object(want, by_global_expert(expected))
+    whole = {k: v for part in want for k, v in part.items()}  # non-expert state: replicated
+    set_ep(1)
+    model, opt = load_fresh(functools.partial(make, False), os.path.join(
+        root, "stacked", "iter_0000020"))
+    equal(by_global_expert(state(model, opt)), whole, "2 -> 1")
     mg.register()
-    model, opt = make(False, seed=1)
-    m = next(iter(experts_of(model).values()))
-    assert m.num_local_experts == N_EXPERTS // dist.get_world_size() > 1
-    folder = os.path.join(root, "iter_0000000")
+    folder = os.path.join(root, "stacked-ep1", "iter_0000000")
     make_folder(folder)
-    try:
-        dist_checkpointing.save(sharded(model, opt), folder, sharded_strategy=("moepec", 1))
-    except CheckpointingException as exc:
-        assert "several experts in one shard" in str(exc), exc
-        assert "singleton_local_shards" in str(exc), exc
-    else:
-        raise AssertionError("a GroupedMLP save without singleton shards was not refused")
-    sys.stdout.write(f"rank {dist.get_rank()} GROUPED REFUSED singleton=False\n")
+    dist_checkpointing.save(sharded(model, opt), folder, sharded_strategy=("moepec", 1))
+    set_ep(dist.get_world_size())
+    got = by_global_expert(state(*load_fresh(functools.partial(make, False), folder)))
+    equal(got, {k: whole[k] for k in got}, "1 -> 2")
+    assert got.keys() == want[dist.get_rank()].keys()
+    sys.stdout.write(f"rank {dist.get_rank()} GROUPED EP OK 2 -> 1 -> 2\n")
     sys.stdout.flush()
+
+
+def equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys(), (what, sorted(got.keys() ^ want.keys())[:5])
+    diff = [k for k in got if not torch.equal(got[k], want[k])]
+    assert not diff, f"rank {dist.get_rank()} {what}: {len(diff)} differ, e.g. {diff[:3]}"
 
 
 def make(singleton: bool, seed: int):
@@ -129,7 +155,10 @@ def main() -> None:
     check_forward(make(True, seed=3)[0])
     saves_and_load(os.path.join(root, "single"), True, functools.partial(make, True),
                    state, "GROUPED")
-    check_stacked_refused(os.path.join(root, "stacked"))
+    expected = saves_and_load(os.path.join(root, "stacked"), False,
+                              functools.partial(make, False), state, "GROUPED")
+    if dist.get_world_size() == 2:
+        check_other_ep(root, expected)
     dist.barrier()
     dist.destroy_process_group()
 

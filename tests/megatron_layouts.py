@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedTensor,
@@ -26,6 +25,7 @@ from megatron_model import N_EXPERTS, sharded
 from megatron_worker import make_folder, oracle, train_a_bit
 
 import moepec.integrations.megatron as mg
+from moepec.integrations.megatron_ram import shards as door_shards
 
 
 def set_metadata(model, singleton: bool) -> None:
@@ -37,11 +37,12 @@ def set_metadata(model, singleton: bool) -> None:
 
 def expert_shards(model, opt) -> dict:
     """This rank's expert units as the door reads them (Megatron's factories applied,
-    as dist_checkpointing.save does): unit -> Counter of shard names."""
+    as dist_checkpointing.save does; a shard of several experts cut per expert, as the
+    door's one view of a sharded state dict does): unit -> Counter of shard names."""
     sd = sharded(model, opt)
     apply_factories(sd)
     units: dict = {}
-    for x in nested_values(sd):
+    for x in door_shards(sd).values():
         if isinstance(x, ShardedTensor):
             unit = mg.expert_unit(x)
         elif isinstance(x, ShardedObject):
@@ -88,12 +89,13 @@ def check_identity(model, opt, want: Counter) -> None:
 
 
 def saves_and_load(root: str, singleton: bool, make: Callable, state: Callable,
-                   tag: str, perturb: Callable | None = None) -> None:
+                   tag: str, perturb: Callable | None = None) -> dict[str, torch.Tensor]:
     """Three saves with K = 1 of 4 into ``root`` (``make(seed)`` -> (model, opt) with the
     run's metadata set; weights and moments changed before each, and ``perturb(model,
     seed)`` if given), the identity checked after the first step; a fresh model loads the
     last folder and ``state(model, opt)`` must equal the oracle bit for bit. Prints
-    ``rank R <tag> OK singleton=S <n> tensors <stale> stale of <units>``."""
+    ``rank R <tag> OK singleton=S <n> tensors <stale> stale of <units>``; returns the
+    oracle (this rank's expected state)."""
     mg.register()  # a fresh front end for this save directory
     model, opt = make(1)
     history = []
@@ -107,10 +109,7 @@ def saves_and_load(root: str, singleton: bool, make: Callable, state: Callable,
         folder = os.path.join(root, f"iter_{c * 10:07d}")
         make_folder(folder)
         dist_checkpointing.save(sharded(model, opt), folder, sharded_strategy=("moepec", 1))
-    fresh, fresh_opt = make(2)
-    loaded = dist_checkpointing.load(sharded(fresh, fresh_opt, loading=True), folder)
-    fresh.load_state_dict(loaded["model"])
-    fresh_opt.load_state_dict(loaded["optimizer"])
+    fresh, fresh_opt = load_fresh(make, folder)
     got, expected = state(fresh, fresh_opt), oracle(history)
     assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())[:5]
     diff = [k for k in got if not torch.equal(got[k], expected[k])]
@@ -120,3 +119,14 @@ def saves_and_load(root: str, singleton: bool, make: Callable, state: Callable,
     sys.stdout.write(f"rank {dist.get_rank()} {tag} OK singleton={singleton} {len(got)} "
                      f"tensors {stale} stale of {len(report.sources)}\n")
     sys.stdout.flush()
+    return expected
+
+
+def load_fresh(make: Callable, folder: str):
+    """A fresh model and optimizer (``make(2)``) with ``folder`` loaded into them by a
+    plain ``dist_checkpointing.load``."""
+    fresh, fresh_opt = make(2)
+    loaded = dist_checkpointing.load(sharded(fresh, fresh_opt, loading=True), folder)
+    fresh.load_state_dict(loaded["model"])
+    fresh_opt.load_state_dict(loaded["optimizer"])
+    return fresh, fresh_opt

@@ -106,7 +106,8 @@ def test_expert_identity_from_the_sharded_state_dict():
         "decoder.layers.mlp.experts.experts.linear_fc2.weight", torch.zeros(2, 16, 8),
         (0, 1, 2), (1, 1, 2), prepend_axis_num=1)
     with pytest.raises(CheckpointingException, match="singleton_local_shards"):
-        mg.expert_unit(stacked)
+        mg.expert_unit(stacked)  # whole, it is refused; the door cuts it first
+    _cut_per_expert(stacked, mg)
     extra = ShardedObject("decoder.layers.mlp.experts.experts.linear_fc1._extra_state", None,
                           (2, 4), (1, 3))
     attn = ShardedObject("decoder.layers.self_attention.linear_proj._extra_state", None,
@@ -120,6 +121,36 @@ def test_expert_identity_from_the_sharded_state_dict():
         torch.zeros(4))
     with pytest.raises(CheckpointingException, match="fully_reshardable"):
         mg._main_shards({"optimizer": bucket})
+
+
+def _cut_per_expert(stacked: ShardedTensor, mg) -> None:
+    """A shard of two experts (GroupedMLP without singleton shards) as the door reads
+    it: two shards of one expert each, views of its data, the global shape kept; a load
+    into the pieces fills the stacked tensor, which is what the load returns."""
+    from moepec.integrations.megatron_keys import split_experts
+    from moepec.integrations.megatron_ram import Pieces
+
+    a, b = split_experts(stacked)
+    assert (a.local_shape, a.global_offset, b.global_offset) == (
+        (1, 16, 8), (1, 2, 0, 0), (1, 3, 0, 0))
+    assert a.global_shape == stacked.global_shape and a.axis_fragmentations == (2, 4, 1, 1)
+    assert [mg.expert_unit(a), mg.expert_unit(b)] == [("decoder.layers.mlp@(1,)", e)
+                                                      for e in (2, 3)]
+    pieces = Pieces({"w": stacked})
+    assert len(pieces.by_key) == 2 and split_experts(a) == [a]
+    loaded = {}
+    for i, p in enumerate(pieces.by_key.values()):
+        loaded[id(p)] = p.data.fill_(i + 1)  # filled in place, as the load does
+    assert pieces.whole(stacked, loaded) is stacked.data
+    assert stacked.data[:, 0, 0].tolist() == [1.0, 2.0]
+    loaded = {id(p): torch.full((1, 16, 8), 5.0) for p in pieces.by_key.values()}
+    assert pieces.whole(stacked, loaded).shape == (2, 16, 8)  # not in place: joined
+    flat = ShardedTensor.from_rank_offsets(  # no flattened shard in megatron-core 0.16
+        stacked.key, torch.zeros(2, 16, 8), (0, 1, 2), (1, 1, 2), prepend_axis_num=1)
+    object.__setattr__(flat, "flattened_range", slice(0, 200))
+    assert split_experts(flat) == [flat]  # cut across experts: not split, refused
+    with pytest.raises(CheckpointingException, match="cannot be cut per expert"):
+        mg.expert_unit(flat)
 
 
 @pytest.mark.slow
@@ -258,18 +289,21 @@ def test_legacy_grouped_experts_save_k_of_n_and_load_bit_exact(tmp_path, ep):
     run on it): with singleton_local_shards the worker checks that each (layer, expert)
     is found once with its 11 shards (weight1's swiglu halves, weight2, their Adam
     moments, both placeholder _extra_state) and that the stitched load equals the
-    documented rotation bit for bit; here, that each save after the first wrote one
-    expert per layer, whole. Without it, a rank's experts share one shard: refused on
-    every rank, nothing committed."""
+    documented rotation bit for bit; the same without it (Megatron-LM's own setting),
+    where a rank's experts share one shard that the door cuts per expert; here, that
+    each save after the first wrote one expert per layer, whole, in both layouts. At
+    EP 2, the stacked layout across EP too: EP 1 loads the EP 2 folder, and EP 2 the
+    EP 1 model's save, equal to every rank's oracle."""
     proc = torchrun(ep, None, tmp_path, worker=GROUPED)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tensors = {1: 105, 2: 81}[ep]  # this rank's weights and moments, experts cut apart
     assert sorted(x for x in proc.stdout.splitlines() if " GROUPED " in x) == sorted(
-        [f"rank {r} GROUPED OK singleton=True {tensors} tensors 6 stale of 8"
-         for r in range(ep)] + [f"rank {r} GROUPED REFUSED singleton=False"
-                                for r in range(ep)]), proc.stdout[-3000:]
-    _one_expert_per_layer_whole(tmp_path / "single")
-    assert not list((tmp_path / "stacked").rglob("moepec.json"))
+        [f"rank {r} GROUPED OK singleton={s} {tensors} tensors 6 stale of 8"
+         for r in range(ep) for s in (False, True)]
+        + [f"rank {r} GROUPED EP OK 2 -> 1 -> 2" for r in range(ep) if ep == 2]
+    ), proc.stdout[-3000:]
+    for layout in ("single", "stacked"):
+        _one_expert_per_layer_whole(tmp_path / layout)
 
 
 def test_an_untested_megatron_core_version_warns_once(monkeypatch, caplog):

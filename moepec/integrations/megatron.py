@@ -14,7 +14,8 @@ Every non-expert shard is written at every save; of each MoE layer's experts, K 
 chosen by the engine's schedule (``moepec.flat``: the same selection policies, K,
 ``full_every``, dynamic K and PLT ledger as ``CheckpointManager``; :func:`register`
 takes the same field names). Expert identity comes from the sharded state dict itself:
-the expert axis of SequentialMLP's (and GroupedMLP's factories')
+the expert axis of SequentialMLP's (and GroupedMLP's factories': a shard of a rank's
+local experts is cut into one per expert, at save and load alike)
 ``...experts.experts.*`` shards, or the per-expert keys ``...experts.<e>.*`` of
 ``metadata={'singleton_local_shards': True}``; optimizer state keyed by the parameter's
 key (``optimizer.state.<name>.<param key>``: a plain optimizer, or the distributed
@@ -88,7 +89,7 @@ from moepec.integrations.megatron_checks import (
     refuse_on_every_rank,
 )
 from moepec.integrations.megatron_keys import expert_unit, object_unit
-from moepec.integrations.megatron_ram import MegatronRam, Shard
+from moepec.integrations.megatron_ram import MegatronRam, Pieces, Shard
 from moepec.integrations.megatron_ram import empty as _empty
 from moepec.integrations.megatron_ram import shards as _shards
 from moepec.integrations.megatron_ram import value as _value
@@ -261,7 +262,8 @@ class MoepecLoadStrategy(LoadShardedStrategy):
         shape unless it allows the mismatch (then it gets what overlaps, zeros elsewhere)."""
         check_version()
         root, name = split_folder(checkpoint_dir)
-        shards = _shards(sharded_state_dict)
+        pieces = Pieces(sharded_state_dict)  # one shard per expert (views of stacked ones)
+        shards = pieces.by_key
         saved: dict[str, tuple[tuple[int, ...], str]] = {}
         known = None
         try:  # the folder's manifests, read once for the checks and the load
@@ -282,9 +284,7 @@ class MoepecLoadStrategy(LoadShardedStrategy):
             raise CheckpointingException(f"moepec: {exc}") from exc
         loaded = {id(sh): _loaded(sh, k, reads[k], targets, saved, name)
                   for k, sh in shards.items()}
-        return dict_list_map_inplace(
-            lambda x: loaded[id(x)] if isinstance(x, (ShardedTensor, ShardedObject)) else x,
-            sharded_state_dict)
+        return dict_list_map_inplace(lambda x: pieces.whole(x, loaded), sharded_state_dict)
 
     def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike) -> Any:
         """Every tensor of the folder as a ShardedTensor without data or sharding (its

@@ -3,14 +3,18 @@ the sharded state dict alone (:mod:`moepec.integrations.megatron`).
 
 SequentialMLP's ``...experts.experts.*`` shards carry the expert on a prepended axis;
 GroupedMLP's factories give the same keys with the expert on the first local axis (3 local
-axes: the stacked weights); ``metadata={'singleton_local_shards': True}`` puts it in the
-key (``...experts.<e>.*``); optimizer state keyed by the parameter's key
-(``optimizer.state.<name>.<param key>``) goes with its expert. Pure.
+axes: the stacked weights, a rank's local experts in one shard, which
+:func:`split_experts` cuts into one shard per expert);
+``metadata={'singleton_local_shards': True}`` puts it in the key (``...experts.<e>.*``);
+optimizer state keyed by the parameter's key (``optimizer.state.<name>.<param key>``)
+goes with its expert. Pure.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from dataclasses import replace
 
 from megatron.core.dist_checkpointing.mapping import (
     CheckpointingException,
@@ -41,11 +45,57 @@ def flat_key(sh: ShardedTensor) -> str:
 
 def expert_unit(sh: ShardedTensor) -> Unit | None:
     """(layer, expert) of an expert shard, None for any other. ``layer`` is the key
-    prefix before ``experts`` with the offsets of the axes before the expert axis."""
-    key = _OPTIM_PREFIX.sub("", sh.key)
+    prefix before ``experts`` with the offsets of the axes before the expert axis. A
+    shard of several experts (:func:`split_experts` cuts all but a flattened one) is
+    refused."""
     offsets = tuple(sh.global_offset)
-    if m := _SINGLETON.match(key):  # singleton_local_shards: the expert is in the key
+    if m := _SINGLETON.match(_OPTIM_PREFIX.sub("", sh.key)):  # the expert is in the key
         return f"{m[1]}@{offsets[:sh.prepend_axis_num]}", int(m[2])
+    if (found := _expert_axis(sh)) is None:
+        return None
+    prefix, axis = found
+    if axis < 0 or (axis >= sh.prepend_axis_num
+                    and sh.local_shape[axis - sh.prepend_axis_num] != 1):
+        raise CheckpointingException(
+            f"moepec: shard {sh.key!r} holds several experts in one shard that cannot be "
+            f"cut per expert (a flattened range, or no expert axis); save with "
+            f"metadata={{'singleton_local_shards': True}} so each expert is a shard")
+    return f"{prefix}@{offsets[:axis]}", offsets[axis]
+
+
+def split_experts(sh: ShardedTensor) -> list[ShardedTensor]:
+    """The shard as one ShardedTensor per expert: ``[sh]`` unless it holds several
+    experts on a local axis (GroupedMLP without ``singleton_local_shards``: a rank's
+    local experts stacked on the first local axis). Then, for local expert ``i``, the
+    same key over ``data.narrow(axis, i, 1)`` (a view: a load into the pieces fills the
+    stacked tensor), ``global_offset`` advanced by ``i`` on that axis, local size 1 there
+    (its fragmentation the axis' global size); the global shape, replica id and the rest
+    as the shard's. A flattened shard is not cut (:func:`expert_unit` refuses it)."""
+    found = _expert_axis(sh)
+    local = -1 if found is None else found[1] - sh.prepend_axis_num
+    if local < 0 or sh.flattened_range is not None or sh.local_shape[local] <= 1:
+        return [sh]
+    axis = found[1]
+    frags = sh.axis_fragmentations
+    return [replace(
+        sh, data=None if sh.data is None else sh.data.narrow(local, i, 1),
+        local_shape=_put(sh.local_shape, local, 1),
+        global_offset=_put(sh.global_offset, axis, sh.global_offset[axis] + i),
+        axis_fragmentations=None if frags is None else _put(frags, axis,
+                                                             sh.global_shape[axis]),
+    ) for i in range(sh.local_shape[local])]
+
+
+def _put(values: Sequence[int], at: int, value: int) -> tuple[int, ...]:
+    return (*values[:at], value, *values[at + 1:])
+
+
+def _expert_axis(sh: ShardedTensor) -> tuple[str, int] | None:
+    """The key prefix before ``experts`` and the global axis of the expert, None for a
+    shard that is no expert's or has the expert in its key (``singleton_local_shards``)."""
+    key = _OPTIM_PREFIX.sub("", sh.key)
+    if _SINGLETON.match(key):
+        return None
     if m := _SEQUENTIAL.match(key):  # SequentialMLP: the expert axis is prepended last
         axis = sh.prepend_axis_num - 1
         if len(sh.local_shape) == _GROUPED_NDIM:  # GroupedMLP's keys are the same
@@ -56,12 +106,7 @@ def expert_unit(sh: ShardedTensor) -> Unit | None:
             axis = sh.prepend_axis_num - 1
     else:
         return None
-    if axis < 0 or (axis >= sh.prepend_axis_num
-                    and sh.local_shape[axis - sh.prepend_axis_num] != 1):
-        raise CheckpointingException(
-            f"moepec: shard {sh.key!r} holds several experts in one shard; save with "
-            f"metadata={{'singleton_local_shards': True}} so each expert is a shard")
-    return f"{m[1]}@{offsets[:axis]}", offsets[axis]
+    return m[1], axis
 
 
 def _standalone_sequential(sh: ShardedTensor, prefix: str) -> bool:

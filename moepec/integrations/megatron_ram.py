@@ -51,7 +51,7 @@ from moepec.flat import (
     split_folder,
 )
 from moepec.integrations.megatron_checks import OBJECT
-from moepec.integrations.megatron_keys import flat_key
+from moepec.integrations.megatron_keys import flat_key, split_experts
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,43 @@ def flat_key_of(x: Shard) -> str:
 
 
 def shards(sharded_state_dict: Any) -> dict[str, Shard]:
-    """Every ShardedTensor and ShardedObject by flat key."""
-    return {flat_key_of(x): x for x in nested_values(sharded_state_dict)
-            if isinstance(x, (ShardedTensor, ShardedObject))}
+    """Every ShardedTensor and ShardedObject by flat key, one per expert
+    (:class:`Pieces`)."""
+    return Pieces(sharded_state_dict).by_key
+
+
+class Pieces:
+    """The door's one view of a sharded state dict (save, load and RAM snapshot alike):
+    its shards, each shard of several experts cut into one per expert
+    (``megatron_keys.split_experts``: views of its data), so that a save writes, and a
+    load reads, the same per-expert shards whatever the key layout."""
+
+    def __init__(self, sharded_state_dict: Any) -> None:
+        self.parts = {id(x): split_experts(x) if isinstance(x, ShardedTensor) else [x]
+                      for x in nested_values(sharded_state_dict)
+                      if isinstance(x, (ShardedTensor, ShardedObject))}
+        """Each ShardedTensor and ShardedObject of the dict by ``id``: its pieces."""
+        self.by_key: dict[str, Shard] = {flat_key_of(p): p for ps in self.parts.values()
+                                         for p in ps}
+        """Every piece by flat key."""
+
+    def whole(self, x: Any, loaded: Mapping[int, Any]) -> Any:
+        """The loaded value of ``x`` (a leaf of the dict; any other than a shard is
+        itself) from its pieces' (``loaded``, by the pieces' ``id``): ``x``'s own tensor
+        when every piece was filled in place (views of it), else the pieces' values
+        joined on the cut axis."""
+        parts = self.parts.get(id(x)) if isinstance(x, (ShardedTensor, ShardedObject)) \
+            else None
+        if parts is None:
+            return x
+        if len(parts) == 1:
+            return loaded[id(parts[0])]
+        values = [loaded[id(p)] for p in parts]
+        if x.data is not None and all(v is p.data for v, p in zip(values, parts, strict=True)):
+            return x.data
+        axis = next(a for a, (n, m) in enumerate(zip(x.local_shape, parts[0].local_shape,
+                                                     strict=True)) if n != m)
+        return torch.cat(values, dim=axis)
 
 
 def value(x: Shard) -> torch.Tensor:
