@@ -37,11 +37,12 @@ import megatron_shims  # noqa: E402
 
 megatron_shims.install()
 
+import megatron_layouts as layouts  # noqa: E402
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.transformer.moe.experts import GroupedMLP  # noqa: E402
-from megatron_layouts import load_fresh, saves_and_load, set_metadata  # noqa: E402
-from megatron_model import N_EXPERTS, build, sharded, snapshot  # noqa: E402
+from megatron_layouts import load_fresh, saves_and_load  # noqa: E402
+from megatron_model import N_EXPERTS, sharded, snapshot  # noqa: E402
 from megatron_worker import make_folder  # noqa: E402
 
 import moepec.integrations.megatron as mg  # noqa: E402
@@ -141,11 +142,7 @@ def equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str
     assert not diff, f"rank {dist.get_rank()} {what}: {len(diff)} differ, e.g. {diff[:3]}"
 
 
-def make(singleton: bool, seed: int):
-    model, opt = build(seed=seed, grouped="legacy")
-    assert type(model.decoder.layers[0].mlp.experts) is GroupedMLP
-    set_metadata(model, singleton)
-    return model, opt
+make = functools.partial(layouts.make, "legacy", "GroupedMLP")
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensor,
     apply_factories,
 )
-from megatron_model import N_EXPERTS, sharded
+from megatron_model import N_EXPERTS, build, sharded
 from megatron_worker import make_folder, oracle, train_a_bit
 
 import moepec.integrations.megatron as mg
@@ -33,6 +33,15 @@ def set_metadata(model, singleton: bool) -> None:
     if singleton:
         model.sharded_state_dict = functools.partial(
             model.sharded_state_dict, metadata={"singleton_local_shards": True})
+
+
+def make(grouped: str, class_name: str, singleton: bool, seed: int):
+    """A fresh model and optimizer with ``grouped`` experts (megatron_model.build), the
+    expert class checked, saving with or without ``singleton_local_shards``."""
+    model, opt = build(seed=seed, grouped=grouped)
+    assert type(model.decoder.layers[0].mlp.experts).__name__ == class_name
+    set_metadata(model, singleton)
+    return model, opt
 
 
 def expert_shards(model, opt) -> dict:

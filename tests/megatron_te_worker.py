@@ -33,9 +33,10 @@ import megatron_shims  # noqa: E402
 
 megatron_shims.install()
 
+import megatron_layouts as layouts  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
-from megatron_layouts import saves_and_load, set_metadata  # noqa: E402
-from megatron_model import build, snapshot  # noqa: E402
+from megatron_layouts import saves_and_load  # noqa: E402
+from megatron_model import snapshot  # noqa: E402
 
 
 def grouped_linears(model) -> dict[str, te_standin.GroupedLinear]:
@@ -63,11 +64,7 @@ def state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def make(singleton: bool, seed: int):
-    model, opt = build(seed=seed, grouped="te")
-    assert type(model.decoder.layers[0].mlp.experts).__name__ == "TEGroupedMLP"
-    set_metadata(model, singleton)
-    return model, opt
+make = functools.partial(layouts.make, "te", "TEGroupedMLP")
 
 
 def main() -> None:
