@@ -388,3 +388,47 @@ def test_one_format_a_pre_release_manifest_is_damaged_everywhere(tmp_path, caplo
     report = json.dumps(inspect_path(str(ckpt)), default=str)
     assert "pre-release moepec (format 'moepec/4')" in report
     assert legacy.exists()  # retention never touched it
+
+
+def test_a_failed_fsync_of_the_data_commits_nothing_though_its_view_was_written(
+        tmp_path, monkeypatch):
+    """While the data file is synced, a one-rank persist writes the view file (named by
+    its checksum: no commit) and makes the manifest; when that fsync fails, no manifest
+    is created, the error surfaces once naming what is intact, and a new run restores
+    the last committed checkpoint."""
+    ckpt = tmp_path / "c"
+    model, opt, sched = make(seed=3, layout="stacked", n_experts=4)
+    counter = Counter()
+    manager = CheckpointManager(model, opt, CheckpointConfig(
+        path=str(ckpt), interval=2, keep_last=2, k_persist=1),
+        extra_state={"sched": sched, "data": counter})
+    gen = torch.Generator().manual_seed(0)
+    run_loop(manager, model, opt, sched, counter, gen, 0, 4)  # commits steps 1 and 3
+    manager.wait_for_persist()
+    committed = [n for n, c in Storage(str(ckpt)).list_checkpoints() if c]
+    assert len(committed) == 2
+    real_fsync, failed = os.fsync, []
+
+    def data_fsync_fails(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):
+            failed.append(fd)
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", data_fsync_fails)
+    views = []
+    write_view = Storage.write_view
+    monkeypatch.setattr(Storage, "write_view",
+                        lambda self, *a: views.append(write_view(self, *a)) or views[-1])
+    run_loop(manager, model, opt, sched, counter, gen, 4, 2)  # the save of step 5
+    manager.wait_for_persist()
+    monkeypatch.undo()
+    with pytest.raises(PersistError, match="last committed checkpoint is intact"):
+        manager.wait_for_snapshot()  # the failure surfaces on the next call that checks
+    assert failed and views  # the view was written before the data's fsync failed
+    listing = Storage(str(ckpt)).list_checkpoints()
+    assert [n for n, c in listing if c] == committed
+    manager.close()
+    again, _, counter = fresh(ckpt)
+    assert again.restore().step == 3 and counter.position == 4
+    again.close()

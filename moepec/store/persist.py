@@ -241,9 +241,11 @@ class Persister:
         t0 = time.perf_counter()
         name = self.name_of(snap)
         self._agree_on_lease()
-        items = self._write_share(snap, name)
-        manifest = self._manifest(snap.meta, name, self._gather(items))
-        self._commit(manifest)
+        early: dict[str, Any] = {}
+        items = self._write_share(snap, name, early)
+        manifest = early.get("manifest") or self._manifest(snap.meta, name,
+                                                           self._gather(items))
+        self._commit(manifest, early.get("view"))
         self.set_head(manifest)
         record = PersistRecord(name, snap.step, manifest.bytes, manifest.bytes_per_rank,
                                time.perf_counter() - t0, True)
@@ -253,23 +255,34 @@ class Persister:
         if self.rank == 0:
             self._retain()
 
-    def _write_share(self, snap: Snapshot, name: str) -> dict[str, Item]:
+    def _write_share(self, snap: Snapshot, name: str, early: dict[str, Any]
+                     ) -> dict[str, Item]:
         """Write this rank's items of ``snap`` (a DCP save: collective over the group);
-        returns their manifest entries. All ranks."""
+        returns their manifest entries, once durable. All ranks. While the data file is
+        synced, the entries are made, and with one rank (nothing to gather) the
+        manifest (``early["manifest"]``) and its view file (``early["view"]``): only the
+        manifest's create, after the data is durable, commits."""
         keys = sorted(k for k in snap.persist_keys if k in snap.tensors)
         tensors = {k: snap.tensors[k] for k in keys}
         # The snapshot's seal hashed its copy already (off the loop's path; the same
         # bytes as written here). A key it did not hash is hashed before the write, on
         # this thread: on 2 cores a checksum thread beside the write slowed the write 2-3x.
         checksums = {k: snap.checksums.get(k) or tensor_checksum(t) for k, t in tensors.items()}
+
+        def meanwhile(where: Mapping[str, Any]) -> None:
+            early["items"] = {k: Item(
+                shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                nbytes=t.numel() * t.element_size(), checksum=checksums[k], rank=self.rank,
+                file=where[k].file, offset=where[k].offset, length=where[k].length,
+                encoding=where[k].encoding) for k, t in tensors.items()}
+            if self.world_size == 1:
+                early["manifest"] = self._manifest(snap.meta, name, early["items"])
+                early["view"] = self.storage.write_view(name, early["manifest"].view)
+
         self.hooks.persist_point("write", name)
-        where = self.storage.write(name, tensors, self.group)
+        self.storage.write(name, tensors, self.group, meanwhile=meanwhile)
         self.hooks.persist_point("written", name)
-        return {k: Item(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-                        nbytes=t.numel() * t.element_size(), checksum=checksums[k],
-                        rank=self.rank, file=where[k].file, offset=where[k].offset,
-                        length=where[k].length, encoding=where[k].encoding)
-                for k, t in tensors.items()}
+        return early["items"]
 
     def _agree_on_lease(self) -> None:
         """Rank 0 checks the lease before anything is written; every rank learns the
@@ -321,15 +334,16 @@ class Persister:
         except Exception as exc:  # noqa: BLE001 - retention removes it later
             log.warning("could not remove the partial checkpoint %s: %s", name, exc)
 
-    def _commit(self, manifest: Manifest) -> None:
-        """Rank 0 writes the manifest (the commit); every rank learns whether it did."""
+    def _commit(self, manifest: Manifest, view: mf.ViewRef | None = None) -> None:
+        """Rank 0 writes the manifest (the commit; ``view``: its view file, written
+        already); every rank learns whether it did."""
         outcome: list[Any] = [("ok", "")]
         if self.rank == 0:
             self.hooks.persist_point("before_commit", manifest.name)
             try:
                 if self.guard is not None:
                     self.guard()
-                self.storage.write_manifest(manifest)
+                self.storage.write_manifest(manifest, view)
                 self._known[manifest.name] = manifest
             except FencedError as exc:
                 outcome = [("fenced", str(exc))]

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -230,9 +230,13 @@ class Storage(ABC):
                 f"choose a writable --ckpt-dir or fix its permissions/credentials") from exc
 
     def write(self, name: str, tensors: Mapping[str, torch.Tensor],
-              process_group: dist.ProcessGroup | None = None) -> dict[str, Location]:
+              process_group: dist.ProcessGroup | None = None, *,
+              meanwhile: Callable[[dict[str, Location]], None] | None = None
+              ) -> dict[str, Location]:
         """Write one rank's tensors of checkpoint ``name`` as a DCP checkpoint; returns
-        where every item of every rank landed (key -> Location).
+        where every item of every rank landed (key -> Location), once it is durable.
+        ``meanwhile(locations)`` runs once they are known, while the data file may still
+        be synced (work that needs no durable data: never a commit).
 
         Collective over ``process_group`` when torch.distributed is initialised
         (every rank of the group calls it, each with its own disjoint keys; the chunk
@@ -250,23 +254,35 @@ class Storage(ABC):
                                     planner=KeySavePlanner(),
                                     process_group=process_group if distributed else None,
                                     no_dist=not distributed)
+            keys = keys_of(metadata)
+            where = {keys[index]: Location(
+                info.relative_path, info.offset, info.length,
+                Encoding.RAW if RAW_DESCRIPTOR in (
+                    getattr(info, "transform_descriptors", None) or ()) else Encoding.TORCH_SAVE)
+                for index, info in metadata.storage_data.items()}
+            if meanwhile is not None:
+                meanwhile(where)
         except BaseException:
             if started:
                 writer.wait_synced(raise_error=False)  # nothing reads ``tensors`` after
             raise
         if isinstance(writer, dcp_raw.RawFileSystemWriter):
             writer.wait_synced()  # its data file's write and fsync ran beside DCP's work
-        keys = keys_of(metadata)
-        return {keys[index]: Location(
-            info.relative_path, info.offset, info.length,
-            Encoding.RAW if RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None)
-                                               or ()) else Encoding.TORCH_SAVE)
-            for index, info in metadata.storage_data.items()}
+        return where
 
-    def write_manifest(self, manifest: Manifest) -> None:
-        """Commit checkpoint ``manifest.name``: its view file, then its manifest by an
-        exclusive create. Never overwrites a manifest (CheckpointError: the name is
-        taken). Rank 0 only, after every rank's data is written; blocks until durable."""
+    def write_view(self, name: str, view: Mapping[str, str]) -> mf.ViewRef:
+        """Write checkpoint ``name``'s view file (named by its checksum: never a commit,
+        never a file another manifest names changed) and return its reference for
+        :meth:`write_manifest`. Rank 0 only; blocks until durable."""
+        blob, ref = mf.encode_view(view)
+        self.put(f"{name}/{ref.file}", blob)
+        return ref
+
+    def write_manifest(self, manifest: Manifest, view: mf.ViewRef | None = None) -> None:
+        """Commit checkpoint ``manifest.name``: its view file (unless ``view`` names the
+        one :meth:`write_view` wrote for it), then its manifest by an exclusive create.
+        Never overwrites a manifest (CheckpointError: the name is taken). Rank 0 only,
+        after every rank's data is written; blocks until durable."""
         name = manifest.name
         final = f"{name}/{MANIFEST_NAME}"
         taken = f"{self.url}/{name} is committed already; a commit never overwrites a manifest"
@@ -276,8 +292,7 @@ class Storage(ABC):
             # manifest's view); the manifest that names it is the commit.
             if self.exists(final):
                 raise CheckpointError(taken)
-            blob, ref = mf.encode_view(manifest.view)
-            self.put(f"{name}/{ref.file}", blob)
+            ref = view if view is not None else self.write_view(name, manifest.view)
         # Compact: json's C encoder runs only without indent (5x faster for the ~1 MB
         # manifest of a large model). `moepec inspect` is the human-readable view.
         data = json.dumps(manifest.to_json(ref), sort_keys=True,
