@@ -10,6 +10,7 @@ Environment:
   MCORE_RESULTS_DIR    where each rank appends its records (rank<R>.jsonl)
   MCORE_DESELECT       a file of node ids not to run (finished in an earlier attempt)
   MCORE_PG_TIMEOUT_S   gloo collective timeout (default 150)
+  MCORE_GROUPED_GEMM_STANDIN  1 (default) | 0: the grouped_gemm stand-in (see below)
 
 What it changes, all outside Megatron-LM's files:
   * ``Utils.initialize_distributed`` initializes gloo (env://, torchrun's variables) instead
@@ -22,6 +23,10 @@ What it changes, all outside Megatron-LM's files:
     Engine (Megatron's own raises TypeError); a stand-in
     ``transformer_engine.pytorch.fp8`` only while a test module is imported
     (models/test_moe_experts.py imports it at the top; fp8 then reports unsupported).
+  * without the CUDA package ``grouped_gemm``, the moepec repo's plain-torch stand-in
+    (tests/grouped_gemm_standin.py) is installed before megatron is imported, so the
+    legacy ``GroupedMLP`` cases (``grouped``) build and run;
+    MCORE_GROUPED_GEMM_STANDIN=0 leaves it out.
   * tests that need CUDA in their code (``.cuda()``, ``device='cuda'``,
     ``torch.cuda.memory_*``, a ``cuda`` parameter) are skipped as ``cuda-only``, and so
     is ``persistent=True`` (PersistentAsyncCaller's spawned worker, which the shims do not
@@ -60,6 +65,20 @@ RESULTS = os.environ.get("MCORE_RESULTS_DIR")
 PG_TIMEOUT = float(os.environ.get("MCORE_PG_TIMEOUT_S", "150"))
 
 sys.path.insert(0, str(REPO / "tests"))
+# Megatron-Core's legacy GroupedMLP needs the CUDA package grouped_gemm, read once by
+# megatron.core.transformer.moe.grouped_gemm_util at import. Without the real package,
+# put the moepec repo's plain-torch stand-in (tests/grouped_gemm_standin.py) into
+# sys.modules here: pytest imports this plugin (-p) in each rank's process before any
+# conftest or test module, so before anything imports megatron (install() refuses
+# otherwise). MCORE_GROUPED_GEMM_STANDIN=0 leaves it out (GroupedMLP cases then fail).
+GROUPED_GEMM = "real"
+if importlib.util.find_spec("grouped_gemm") is None:
+    GROUPED_GEMM = "absent"
+    if os.environ.get("MCORE_GROUPED_GEMM_STANDIN", "1") != "0":
+        import grouped_gemm_standin  # noqa: E402
+
+        grouped_gemm_standin.install()
+        GROUPED_GEMM = "stand-in"
 import megatron_shims  # noqa: E402  (the moepec repo's CPU shims)
 
 megatron_shims.install()
