@@ -341,14 +341,16 @@ def test_write_all_goes_on_after_short_writes(tmp_path, monkeypatch):
     assert path.read_bytes() == b"".join(bytes(b) for b in bufs)
 
 
-def test_overlapped_fsync_is_waited_for_and_its_error_raised(tmp_path, monkeypatch):
-    """overlap_sync: dcp.save returns while the data file's fsync may still run;
-    wait_synced joins it, and a failed fsync is raised there (the data is not durable)."""
+def test_a_started_write_is_waited_for_and_its_fsync_error_raised(tmp_path, monkeypatch):
+    """start(): dcp.save returns while the data file's write and fsync may still run;
+    wait_synced joins them, and a failed fsync is raised there (the data is not durable)."""
     from moepec.store import dcp_raw
 
     state = _state()
-    writer = RawFileSystemWriter(str(tmp_path / "c"), overlap_sync=True)
-    dcp.save(state, storage_writer=writer, no_dist=True)
+    writer = RawFileSystemWriter(str(tmp_path / "c"))
+    writer.start(state, 0)
+    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), storage_writer=writer,
+             no_dist=True)
     writer.wait_synced()
     reader_targets = _targets(state)
     dcp.load(reader_targets, storage_reader=RawFileSystemReader(str(tmp_path / "c")))
@@ -358,9 +360,11 @@ def test_overlapped_fsync_is_waited_for_and_its_error_raised(tmp_path, monkeypat
         raise OSError(5, "fsync failed")
 
     monkeypatch.setattr(dcp_raw.os, "fsync", failing_fsync)
-    writer = RawFileSystemWriter(str(tmp_path / "d"), overlap_sync=True, sync_files=True)
+    writer = RawFileSystemWriter(str(tmp_path / "d"), sync_files=True)
     monkeypatch.setattr(writer, "finish", lambda *a, **k: None)  # .metadata: not fsync'd here
-    dcp.save(state, storage_writer=writer, no_dist=True)
+    writer.start(state, 0)
+    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), storage_writer=writer,
+             no_dist=True)
     with pytest.raises(OSError, match="fsync failed"):
         writer.wait_synced()
 
@@ -394,7 +398,7 @@ def test_a_started_write_stores_the_same_file_as_dcp_would_and_reads_back_bit_ex
     dcp.load(targets, storage_reader=RawFileSystemReader(str(tmp_path / "c")), no_dist=True)
     assert all(_equal_bits(targets[k], state[k]) for k in state)
     # A rank DCP numbers otherwise (not moepec's case): the file takes DCP's name.
-    writer = RawFileSystemWriter(str(tmp_path / "e"), sync_files=True, overlap_sync=True)
+    writer = RawFileSystemWriter(str(tmp_path / "e"), sync_files=True)
     writer.start(state, 3)
     dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), no_dist=True,
              storage_writer=writer)

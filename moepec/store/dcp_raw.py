@@ -127,22 +127,17 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
     """FileSystemWriter storing raw tensor bytes (local paths; fsync'd by default).
 
     The data file is written with ``writev`` (a few system calls for all its items,
-    not one per item). With ``overlap_sync=True`` its fsync runs on a thread of its own
-    while DCP goes on (rank 0 pickles, writes and fsyncs ``.metadata`` in ``finish``
-    meanwhile), and :meth:`wait_synced`, which the caller must call after ``dcp.save``
-    on every rank before it reports the data written, waits for it and raises its error.
-    Without it (the default) the fsync is done before ``write_data`` returns, as DCP's
-    own writers do.
-
-    :meth:`start` (``overlap_sync`` writers, moepec's :class:`KeySavePlanner`) goes
-    further: the bytes are written from before ``dcp.save`` plans, so DCP's plans and
-    ``.metadata`` (~15-20 ms of CPU for 600 items, as long as a third of the write
-    itself) run while the kernel copies.
+    not one per item), and fsync'd before ``write_data`` returns, as DCP's own writers
+    do. :meth:`start` (with moepec's :class:`KeySavePlanner`) goes further: the bytes are
+    written and fsync'd on a thread of their own from before ``dcp.save`` plans, so
+    DCP's plans and ``.metadata`` (~15-20 ms of CPU for 600 items, as long as a third of
+    the write itself) run while the kernel copies; :meth:`wait_synced`, which the caller
+    must then call after ``dcp.save`` on every rank before it reports the data written,
+    waits for that thread and raises its error.
     """
 
-    def __init__(self, *args: Any, overlap_sync: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.overlap_sync = overlap_sync
         self._sync: tuple[threading.Thread, list[BaseException]] | None = None
         self._early: tuple[str, dict[str, tuple[int, int]]] | None = None
 
@@ -154,8 +149,8 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
         group (``__<rank>_0.distcp``; renamed in ``write_data`` if DCP's differs: a
         rename waits for the write). The caller then calls :meth:`wait_synced`, also
         when ``dcp.save`` failed (the thread reads ``tensors`` until it returns)."""
-        if not self.overlap_sync or self._sync is not None:
-            raise RuntimeError("start() needs an overlap_sync writer, once per save")
+        if self._sync is not None:
+            raise RuntimeError("start() runs once per save")
         self.fs.mkdir(self.path)
         path = str(self.fs.concat_path(self.path, f"__{rank}_0{DEFAULT_SUFFIX}"))
         layout, offset = {}, 0
@@ -197,25 +192,16 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
         return fut
 
     def _store(self, path: Any, bufs: list[memoryview]) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            write_all(fd, bufs)
-            if self.sync_files and self.overlap_sync:
-                errors: list[BaseException] = []
-                thread = threading.Thread(target=_fsync_close, args=(fd, errors),
-                                          name="moepec-data-fsync")
-                thread.start()
-                fd, self._sync = -1, (thread, errors)  # the thread closes it
-            elif self.sync_files:
-                os.fsync(fd)
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        errors: list[BaseException] = []
+        _write_close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), bufs,
+                     [], self.sync_files, errors)
+        if errors:
+            raise errors[0]
 
     def wait_synced(self, *, raise_error: bool = True) -> None:
-        """Block until the data file is written and durable (its thread joined); raises
-        the thread's OSError (``raise_error``). Every rank, after ``dcp.save``, before
-        the data counts as written."""
+        """Block until a started write is written and durable (its thread joined);
+        raises the thread's OSError (``raise_error``). Every rank, after ``dcp.save``,
+        before the data counts as written."""
         if self._sync is not None:
             (thread, errors), self._sync = self._sync, None
             thread.join()  # a write and an fsync: as long as synchronous ones would block
@@ -240,15 +226,6 @@ def _write_close(fd: int, bufs: list[memoryview], tensors: list[torch.Tensor], s
         write_all(fd, bufs)
         if sync:
             os.fsync(fd)
-    except BaseException as exc:  # noqa: BLE001 - raised by wait_synced
-        errors.append(exc)
-    finally:
-        os.close(fd)
-
-
-def _fsync_close(fd: int, errors: list[BaseException]) -> None:
-    try:
-        os.fsync(fd)
     except BaseException as exc:  # noqa: BLE001 - raised by wait_synced
         errors.append(exc)
     finally:

@@ -245,7 +245,7 @@ class Storage(ABC):
         """
         writer = self.writer(name, raw=self.serialization == Serialization.RAW)
         distributed = dist.is_available() and dist.is_initialized()
-        started = isinstance(writer, dcp_raw.RawFileSystemWriter) and writer.overlap_sync
+        started = isinstance(writer, dcp_raw.RawFileSystemWriter)
         if started:  # the bytes go to the kernel while DCP plans and writes .metadata
             writer.start(tensors, dist.get_rank(process_group) if distributed else 0)
         try:
@@ -266,7 +266,7 @@ class Storage(ABC):
             if started:
                 writer.wait_synced(raise_error=False)  # nothing reads ``tensors`` after
             raise
-        if isinstance(writer, dcp_raw.RawFileSystemWriter):
+        if started:
             writer.wait_synced()  # its data file's write and fsync ran beside DCP's work
         return where
 

@@ -96,9 +96,8 @@ class LocalStorage(Storage):
             return {}
 
     def writer(self, name: str, *, raw: bool) -> StorageWriter:
-        if raw:  # the data file's fsync overlaps .metadata's; Storage.write waits for it
-            return RawFileSystemWriter(self._full(name), sync_files=True, overwrite=True,
-                                       overlap_sync=True)
+        if raw:  # Storage.write starts its data file's write before DCP plans
+            return RawFileSystemWriter(self._full(name), sync_files=True, overwrite=True)
         return FileSystemWriter(self._full(name), sync_files=True, overwrite=True)
 
     def read(self, name: str, targets: Mapping[str, torch.Tensor],
