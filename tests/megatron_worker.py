@@ -25,6 +25,7 @@ import re
 import signal
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -278,6 +279,22 @@ def final_save(root: str, model, opt, queue: AsyncCallsQueue) -> None:
     with open(os.path.join(root, iter_name(70), "moepec.json")) as f:
         after = len(json.load(f)["experts_saved"])
     assert (complete, after) == (N_LAYERS * N_EXPERTS, N_LAYERS), (complete, after)
+    # Megatron-LM's end of training (its globals: a stand-in module, as Megatron-LM sets
+    # them; benchmarks/megatron_upstream/lm_checkpointing.py runs the real one): the save
+    # of --train-iters is complete with no call, the saves before it rotate on.
+    lm = types.ModuleType("megatron.training.global_vars")
+    lm._GLOBAL_ARGS = types.SimpleNamespace(train_iters=90)
+    sys.modules[lm.__name__] = lm
+    try:
+        for it in (80, 90):
+            save(fresh, fresh_opt, os.path.join(root, iter_name(it)), True, queue)
+    finally:
+        del sys.modules[lm.__name__]
+    saved = []
+    for it in (80, 90):
+        with open(os.path.join(root, iter_name(it), "moepec.json")) as f:
+            saved.append(len(json.load(f)["experts_saved"]))
+    assert saved == [N_LAYERS, N_LAYERS * N_EXPERTS], saved
     sys.stdout.write(f"rank {dist.get_rank()} FINAL OK\n")
     sys.stdout.flush()
 

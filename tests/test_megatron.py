@@ -68,6 +68,37 @@ def test_a_routers_layer_counts_among_the_whole_models_moe_layers():
     assert [mg.moe_layer_index(router(n, 2), local=0) for n in (7, 8)] == [3, 4]
 
 
+def test_megatron_lms_last_saves_are_told_from_its_globals(monkeypatch):
+    """megatron_lm_stops_at reads Megatron-LM's globals (a stand-in module here: Megatron-LM
+    is not a package; benchmarks/megatron_upstream/lm_checkpointing.py runs the real one):
+    the iterations after whose save its train() exits, and a caught exit signal."""
+    import types
+    from types import SimpleNamespace as NS
+
+    from moepec.integrations.megatron_switch import megatron_lm_stops_at
+
+    assert not megatron_lm_stops_at(100)  # no Megatron-LM: a megatron-core loop
+    lm = types.ModuleType("megatron.training.global_vars")
+    lm._GLOBAL_ARGS = NS(train_iters=100, exit_interval=None, exit_signal_handler=True,
+                         exit_duration_in_mins=None, phase_transition_iterations=[40])
+    lm._GLOBAL_SIGNAL_HANDLER = NS(_signal_received=False)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", lm)
+    assert [i for i in (10, 40, 99, 100, 101) if megatron_lm_stops_at(i)] == [40, 100, 101]
+    assert not megatron_lm_stops_at(-1)  # a folder name without an iteration
+    lm._GLOBAL_ARGS.exit_interval = 30
+    assert [i for i in (10, 30, 60, 61) if megatron_lm_stops_at(i)] == [30, 60]
+    lm._GLOBAL_SIGNAL_HANDLER._signal_received = True  # caught on this rank
+    assert megatron_lm_stops_at(11)
+    lm._GLOBAL_ARGS.exit_signal_handler = False  # a handler Megatron-LM does not act on
+    assert not megatron_lm_stops_at(11)
+    training = types.ModuleType("megatron.training.training")
+    training._TRAIN_START_TIME = 0.0  # started long ago: past any duration
+    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
+    assert not megatron_lm_stops_at(11)
+    lm._GLOBAL_ARGS.exit_duration_in_mins = 5
+    assert megatron_lm_stops_at(11)
+
+
 def test_expert_identity_from_the_sharded_state_dict():
     mg = pytest.importorskip("moepec.integrations.megatron")
     t = torch.zeros(8, 16)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 if __name__ == "__main__":
@@ -47,7 +48,12 @@ if __name__ == "__main__":
     )
     from megatron.training import checkpointing
     from megatron.training.arguments import parse_args
-    from megatron.training.global_vars import set_args
+    from megatron.training.global_vars import (
+        _set_signal_handler,
+        get_args,
+        get_signal_handler,
+        set_args,
+    )
     from megatron_model import build, snapshot
 
     import moepec.integrations.megatron as pec
@@ -135,8 +141,36 @@ def main() -> None:
         assert torch.equal(value, states[want][name]), (name, want)
     print(f"rank {rank} LM OK {BACKEND} iteration {iteration} experts saved at 20: {len(saved)} "
           f"of 8; tensors from older saves here: {stale} of {len(got)}", flush=True)
+    if BACKEND == "moepec":
+        last_saves(model_b, opt_b, context)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def last_saves(model, opt, context: dict) -> None:
+    """The saves Megatron-LM's train() makes right before it exits are complete without
+    a call (moepec's megatron_lm_stops_at reads its globals): a SIGTERM caught by its own
+    ``--exit-signal-handler`` (DistributedSignalHandler, on rank 1 only) before the save
+    of 30, then the end of training (``--train-iters 40``); the save of 35 between rotates."""
+    args = get_args()
+    args.exit_signal_handler = True
+    _set_signal_handler(signal.SIGTERM)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler sets its flag
+    dist.barrier()
+    args.train_iters = 40
+    counts = []
+    for it in (30, 35, 40):
+        checkpointing.save_checkpoint(it, [model], opt, None, 0,
+                                      checkpointing_context=context)
+        if it == 30:
+            get_signal_handler().release()
+            args.exit_signal_handler = False
+        with open(os.path.join(OUT, f"iter_{it:07d}", "moepec.json")) as f:
+            counts.append(len(json.load(f)["experts_saved"]))
+    assert counts == [8, 2, 8], counts
+    print(f"rank {dist.get_rank()} LM LAST SAVES OK experts saved at 30 (SIGTERM on rank 1), "
+          f"35, 40 (--train-iters): {counts}", flush=True)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ once; ``moepec materialize`` turns a folder into a ``torch_dist`` checkpoint
 Megatron-LM's ``--ckpt-format torch_dist`` (:mod:`moepec.integrations.megatron_switch`).
 :func:`snapshot` (with ``register(ram_dir=...)``): the RAM level, next to the training
 step; a load of the newest folder takes it when newer (:mod:`.megatron_ram`).
-:func:`complete_next_save`: the run's last save writes every expert.
+:func:`complete_next_save`: the run's last save writes every expert (Megatron-LM's own
+last saves are told apart: ``megatron_switch.megatron_lm_stops_at``).
 """
 
 from __future__ import annotations
@@ -88,12 +89,23 @@ from moepec.integrations.megatron_checks import (
     refusals,
     refuse_on_every_rank,
 )
-from moepec.integrations.megatron_keys import expert_unit, object_unit
+from moepec.integrations.megatron_keys import (  # public: the routing ones
+    expert_unit,
+    moe_layer_index,
+    moe_layer_names,
+    object_unit,
+    routed_tokens,
+)
 from moepec.integrations.megatron_ram import MegatronRam, Pieces, Shard
 from moepec.integrations.megatron_ram import empty as _empty
 from moepec.integrations.megatron_ram import shards as _shards
 from moepec.integrations.megatron_ram import value as _value
-from moepec.integrations.megatron_switch import answer, answering, restore
+from moepec.integrations.megatron_switch import (
+    answer,
+    answering,
+    megatron_lm_stops_at,
+    restore,
+)
 
 BACKEND = "moepec"
 VERSION = 1
@@ -187,6 +199,9 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
         check_version()
         root, name = split_folder(checkpoint_dir)
         m = _ITER.search(name)
+        step = int(m[1]) if m else -1
+        if megatron_lm_stops_at(step):  # Megatron-LM's last save before it exits
+            self.front.complete_next_save()
         try:  # a rank's error must reach every rank: they all wait in the plan's gather
             shards = _main_shards(sharded_state_dict)
             values = {k: _value(sh) for k, sh in shards.items()
@@ -195,7 +210,7 @@ class MoepecSaveStrategy(AsyncSaveShardedStrategy):
         except (CheckpointingException, moepec.MoepecError) as exc:
             shards, values, units, error = {}, {}, {}, str(exc).removeprefix("moepec: ")
         try:
-            plan = self.front.plan_save(root, name, int(m[1]) if m else -1, units, error)
+            plan = self.front.plan_save(root, name, step, units, error)
         except moepec.MoepecError as exc:
             raise CheckpointingException(f"moepec: {exc}") from exc
         if not plan.layers:
@@ -389,23 +404,6 @@ def stop_using_for_torch_dist() -> None:
     restore(StrategyAction.SAVE_SHARDED)
 
 
-def moe_layer_names(model: torch.nn.Module) -> list[str]:
-    """The names of the model's MoE routers, in the order of layer L of
-    :func:`observe_routing` (module order, which is depth order)."""
-    return [name for name, mod in model.named_modules() if _is_router(mod)]
-
-
-def _is_router(mod: torch.nn.Module) -> bool:
-    return type(mod).__name__.endswith("Router") and hasattr(mod, "topk")
-
-
-def routed_tokens(routing_map: torch.Tensor) -> torch.Tensor:
-    """Tokens per expert of one router call: Megatron's count of a routing map
-    (``[tokens, experts]``, True where a token goes), as its router and token
-    dispatchers compute ``tokens_per_expert`` (this rank's tokens)."""
-    return routing_map.sum(dim=0)
-
-
 def track_routing(model: torch.nn.Module) -> list[Any]:
     """Count every routed token of ``model`` for moepec: a forward hook on each MoE
     router (no fork; the hook reads the ``(probs, routing_map)`` it returns). Layer L is
@@ -427,22 +425,5 @@ def track_routing(model: torch.nn.Module) -> list[Any]:
         handles.append(router.register_forward_hook(hook))
     return handles
 
-
-def moe_layer_index(router: torch.nn.Module, local: int) -> int:
-    """Layer L of a router: how many MoE layers precede its layer in the whole model,
-    from Megatron's global ``layer_number`` (1-based, pipeline offset included) and the
-    config's ``moe_layer_freq`` (an int N: every N-th layer from the first; a list: 1 for
-    MoE; layers numbered past the decoder, as multi-token-prediction ones, follow it).
-    ``local`` (its place among this rank's routers) when the router has no layer number,
-    as one built outside a TransformerLayer (right only without pipeline stages)."""
-    number, config = getattr(router, "layer_number", None), getattr(router, "config", None)
-    layers = getattr(config, "num_layers", None)
-    if not isinstance(number, int) or not isinstance(layers, int) or not 0 < number:
-        return local
-    freq = getattr(config, "moe_layer_freq", 1)
-    pattern = [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) \
-        else [int(bool(x)) for x in freq]
-    # past the decoder: multi-token-prediction layers, numbered on after it
-    return sum(pattern[:number - 1]) + max(number - 1 - layers, 0)
 
 register()

@@ -7,7 +7,8 @@ axes: the stacked weights, a rank's local experts in one shard, which
 :func:`split_experts` cuts into one shard per expert);
 ``metadata={'singleton_local_shards': True}`` puts it in the key (``...experts.<e>.*``);
 optimizer state keyed by the parameter's key (``optimizer.state.<name>.<param key>``)
-goes with its expert. Pure.
+goes with its expert. And a router's MoE layer (:func:`moe_layer_index`), for the
+routing counts. Pure.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
 from megatron.core.dist_checkpointing.mapping import (
     CheckpointingException,
     ShardedObject,
@@ -128,3 +130,38 @@ def object_unit(obj: ShardedObject) -> Unit | None:
     if (m := _GROUPED.match(obj.key)) and offsets:
         return f"{m[1]}@{offsets[:-1]}", offsets[-1]
     return None
+
+
+def moe_layer_names(model: torch.nn.Module) -> list[str]:
+    """The names of the model's MoE routers, in the order of layer L of
+    :func:`observe_routing` (module order, which is depth order)."""
+    return [name for name, mod in model.named_modules() if _is_router(mod)]
+
+
+def _is_router(mod: torch.nn.Module) -> bool:
+    return type(mod).__name__.endswith("Router") and hasattr(mod, "topk")
+
+
+def routed_tokens(routing_map: torch.Tensor) -> torch.Tensor:
+    """Tokens per expert of one router call: Megatron's count of a routing map
+    (``[tokens, experts]``, True where a token goes), as its router and token
+    dispatchers compute ``tokens_per_expert`` (this rank's tokens)."""
+    return routing_map.sum(dim=0)
+
+
+def moe_layer_index(router: torch.nn.Module, local: int) -> int:
+    """Layer L of a router: how many MoE layers precede its layer in the whole model,
+    from Megatron's global ``layer_number`` (1-based, pipeline offset included) and the
+    config's ``moe_layer_freq`` (an int N: every N-th layer from the first; a list: 1 for
+    MoE; layers numbered past the decoder, as multi-token-prediction ones, follow it).
+    ``local`` (its place among this rank's routers) when the router has no layer number,
+    as one built outside a TransformerLayer (right only without pipeline stages)."""
+    number, config = getattr(router, "layer_number", None), getattr(router, "config", None)
+    layers = getattr(config, "num_layers", None)
+    if not isinstance(number, int) or not isinstance(layers, int) or not 0 < number:
+        return local
+    freq = getattr(config, "moe_layer_freq", 1)
+    pattern = [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) \
+        else [int(bool(x)) for x in freq]
+    # past the decoder: multi-token-prediction layers, numbered on after it
+    return sum(pattern[:number - 1]) + max(number - 1 - layers, 0)

@@ -11,10 +11,16 @@ table per action: ``default_strategies[action]`` in
 :class:`AnsweringTable` in its place, with the same entries, whose lookups of the alias
 read the target's entry; megatron-core keeps writing its own entry there, unused until
 :func:`restore` puts a plain table back. No function of Megatron is replaced.
+
+:func:`megatron_lm_stops_at`: whether Megatron-LM's own loop is about to exit after the
+save of an iteration (its last save, which the door makes complete), read from its
+globals without importing Megatron-LM.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 from megatron.core.dist_checkpointing.strategies import base
@@ -60,3 +66,30 @@ def answering(action: StrategyAction) -> AnsweringTable | None:
     table = base.default_strategies[action.value]
     return table if isinstance(table, AnsweringTable) else None
 
+
+
+def megatron_lm_stops_at(iteration: int) -> bool:
+    """Whether Megatron-LM's ``pretrain()`` exits after its save of ``iteration``: the
+    saves its ``train()`` makes right before it stops, told from what decided them (read
+    from ``megatron.training``'s globals when that is imported; never imports it):
+    the end of training (``iteration >= --train-iters``), ``--exit-interval`` and
+    phase-transition iterations, a signal ``--exit-signal-handler`` caught on this rank
+    (its handler's own flag: no collective; the save's plan carries one rank's mark to
+    every rank), and ``--exit-duration-in-mins`` passed on this rank's clock. False
+    outside Megatron-LM (a megatron-core loop says so with ``complete_next_save``)."""
+    globals_ = sys.modules.get("megatron.training.global_vars")
+    args = getattr(globals_, "_GLOBAL_ARGS", None)
+    if args is None or iteration < 0:
+        return False
+    train_iters = getattr(args, "train_iters", None)
+    exit_interval = getattr(args, "exit_interval", None)
+    handler = getattr(globals_, "_GLOBAL_SIGNAL_HANDLER", None)
+    minutes = getattr(args, "exit_duration_in_mins", None)
+    started = getattr(sys.modules.get("megatron.training.training"), "_TRAIN_START_TIME", None)
+    return bool(
+        (train_iters and iteration >= train_iters)
+        or (exit_interval and iteration % exit_interval == 0)
+        or iteration in (getattr(args, "phase_transition_iterations", None) or ())
+        or (getattr(args, "exit_signal_handler", False)
+            and getattr(handler, "_signal_received", False))
+        or (minutes and started is not None and (time.time() - started) / 60.0 > minutes))
