@@ -81,6 +81,33 @@ def test_a_damaged_slot_is_never_read_the_previous_snapshot_is(ram):
     again.close(unlink=True)
 
 
+def test_a_load_reads_into_the_loaders_tensors_and_checks_what_it_read(ram):
+    """With the loader's own tensors (``into``, as the Megatron door passes them), the
+    slot's bytes are read into them and those are checked: a torn newest slot leaves
+    them holding the previous snapshot, never the torn one's bytes."""
+    root, folder = ram
+    first = FlatRam(root, ram_dir=folder)
+    first.snapshot(6, state(6), "U1")
+    newest = first.snapshot(9, state(9), "U1")
+    first.close()
+    into = {k: torch.zeros_like(v) for k, v in state(0).items() if k != "f/n"}
+    into["f/b"] = torch.zeros(8, dtype=torch.float32)  # another dtype: not read into
+    again = FlatRam(root, ram_dir=folder)
+    step, got = again.newest(head("U1", 4), group, into)
+    assert step == 9 and all(torch.equal(got[k], v) and got[k].dtype == v.dtype
+                             for k, v in state(9).items())
+    assert got["f/w"] is into["f/w"] and got["g/s"] is into["g/s"]  # read in place
+    assert got["f/b"] is not into["f/b"] and torch.equal(into["f/b"], torch.zeros(8))
+    again.close()
+    with open(newest.slot.data_path, "r+b") as f:  # a write that never finished
+        f.write(b"\xff" * 16)
+    last = FlatRam(root, ram_dir=folder)
+    step, got = last.newest(head("U1", 4), group, into)
+    assert step == 6 and all(torch.equal(got[k], v) for k, v in state(6).items())
+    assert torch.equal(into["f/w"], state(6)["f/w"])
+    last.close(unlink=True)
+
+
 def test_a_load_checks_only_the_slot_it_takes_and_never_reads_a_torn_one(ram, monkeypatch):
     root, folder = ram
     first = FlatRam(root, ram_dir=folder)
@@ -89,10 +116,10 @@ def test_a_load_checks_only_the_slot_it_takes_and_never_reads_a_torn_one(ram, mo
     first.close()
     with open(older.slot.data_path, "r+b") as f:
         f.write(b"\xff" * 16)
-    import moepec.ram.header as header
+    import moepec.ram.readback as readback
     checked: list[torch.Tensor] = []
-    real = header.checksum_matches
-    monkeypatch.setattr(header, "checksum_matches",
+    real = readback.checksum_matches
+    monkeypatch.setattr(readback, "checksum_matches",
                         lambda t, c: checked.append(t) or real(t, c))
     again = FlatRam(root, ram_dir=folder)
     step, got = again.newest(head("U1", 4), group)

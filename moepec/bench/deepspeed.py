@@ -2,7 +2,8 @@
 MoE model, ZeRO stage and Adam state, in the same run.
 
     moepec bench deepspeed [--model native|mixtral --layers 4 --experts 8 --hidden 256
-                            --ffn 1024 --checkpoints 6 --steps 3 --k 1 --stage 2]
+                            --ffn 1024 --checkpoints 6 --steps 3 --k 1 --stage 2
+                            --repeats 3 --s3/--no-s3]
 
 ``--model native``: DeepSpeed's own ``deepspeed.moe.layer.MoE`` layers; ``mixtral``:
 transformers' ``MixtralForCausalLM`` from its config class (random weights, stacked
@@ -23,8 +24,11 @@ Then the two levels (:func:`two_level`, unless ``--no-two-level``): after a firs
 names the lineage, a RAM snapshot per checkpoint (``snapshot(engine, dir)``, the whole
 state into shared memory), its blocking against DeepSpeed's own ``save_checkpoint``
 above; and the restore of a restarted worker (a fresh engine, ``load_checkpoint(dir)``)
-from RAM against the same load from storage (a local folder, page cache warm), medians
-of ``--repeats``.
+from RAM against the same load from storage (a local folder, page cache warm) and, with
+``--s3`` (the default when moto and s3fs import), from S3: ``latest``, its tag folder
+and the folders its view reads downloaded from a bucket on moto's server into a fresh
+local folder, then the same load (:mod:`moepec.bench.s3_root`); alternating, medians of
+``--repeats``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from moepec.bench.s3_root import S3Copies, add_flag, choose, report_line
 
 METHODS = ("deepspeed", "decoupled", "moepec", "moepec-sync")
 
@@ -61,6 +67,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="two levels: restores per tier")
     p.add_argument("--no-two-level", dest="two_level", action="store_false",
                    help="skip the RAM level's snapshot and restore measurements")
+    add_flag(p)
     p.add_argument("--methods", nargs="+", default=["deepspeed", "moepec", "moepec-sync"],
                    choices=METHODS,
                    help="decoupled: DeepSpeed 0.19.8's decoupled writer; on CPU it fails "
@@ -163,6 +170,7 @@ def two_level(args: argparse.Namespace, root: Path) -> dict:
                                                 else None)
     section = {"k_persist": args.k, "async_persist": False, "snapshot_every": 1,
                "ram_dir": ram_dir}
+    s3 = None
     try:
         engine = _engine(args, "moepec", section)
         _train(engine, 1, vocab)
@@ -174,25 +182,48 @@ def two_level(args: argparse.Namespace, root: Path) -> dict:
             assert door.snapshot(engine, save_dir)
             blocked.append(time.perf_counter() - started)
         door.attach(engine, **section).close_ram(unlink=False)  # as a dead worker leaves them
-        times: dict[str, list[float]] = {"ram": [], "local": []}
-        for _ in range(args.repeats):
-            for tier in ("ram", "local"):  # a fresh engine: what a restarted worker has
-                fresh = _engine(args, "moepec", section if tier == "ram" else
-                                {"k_persist": args.k, "async_persist": False})
-                started = time.perf_counter()
-                fresh.load_checkpoint(save_dir)
-                times[tier].append(time.perf_counter() - started)
-                got = door.last_load_report().tier
-                assert got == ("ram" if tier == "ram" else "storage"), got
-                if tier == "ram":
-                    door.attach(fresh, **section).close_ram(unlink=False)
-                fresh.destroy()
+        s3 = S3Copies(Path(save_dir), root) if args.s3 else None
+        times = _restores(args, save_dir, section, s3)
         engine.destroy()
     finally:  # the slots go with the folder
         if ram_dir is not None:
             shutil.rmtree(ram_dir, ignore_errors=True)
-    return {"snapshot": statistics.median(blocked[1:] or blocked),
+        if s3 is not None:
+            s3.close()
+    return {"snapshot": statistics.median(blocked[1:] or blocked), "s3_why": args.s3_why,
             **{t: statistics.median(v) for t, v in times.items()}}
+
+
+def _restores(args: argparse.Namespace, save_dir: str, section: dict,
+              s3: S3Copies | None) -> dict[str, list[float]]:
+    """A restarted worker's restores (a fresh engine, ``load_checkpoint``), alternating:
+    from RAM, from the local folder, and from S3 (a download of what the load of
+    ``latest`` reads, then the load of the copy; its weights checked equal to the local
+    folder's)."""
+    import moepec.integrations.deepspeed as door
+
+    tiers = ("ram", "local", "s3") if s3 is not None else ("ram", "local")
+    times: dict[str, list[float]] = {t: [] for t in tiers}
+    stored: dict[str, torch.Tensor] = {}
+    tag = (Path(save_dir) / "latest").read_text().strip()
+    for _ in range(args.repeats):
+        for tier in tiers:
+            fresh = _engine(args, "moepec", section if tier == "ram" else
+                            {"k_persist": args.k, "async_persist": False})
+            folder, fetch_s = s3.fetch(tag) if tier == "s3" else (Path(save_dir) / tag, 0.0)
+            started = time.perf_counter()
+            fresh.load_checkpoint(str(folder.parent))
+            times[tier].append(fetch_s + time.perf_counter() - started)
+            got = door.last_load_report().tier
+            assert got == ("ram" if tier == "ram" else "storage"), got
+            if tier == "ram":
+                door.attach(fresh, **section).close_ram(unlink=False)
+            weights = {k: v.clone() for k, v in fresh.module.state_dict().items()}
+            stored = weights if tier == "local" else stored
+            if tier == "s3":
+                assert all(torch.equal(weights[k], v) for k, v in stored.items())
+            fresh.destroy()
+    return times
 
 
 def report_levels(levels: dict, rows: list[dict]) -> list[str]:
@@ -206,6 +237,7 @@ def report_levels(levels: dict, rows: list[dict]) -> list[str]:
     lines.append(f"restore of a restarted worker: from RAM {ram:.1f} ms, from storage "
                  f"(local folder, warm) {local:.1f} ms: RAM / local {ram / local:.3f}x "
                  f"(goal <= 1x)")
+    lines.append(report_line(levels["ram"], levels.get("s3"), levels["s3_why"]))
     return lines
 
 
@@ -274,6 +306,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(list(argv or []))
+    args.s3, args.s3_why = choose(args.s3)
     if args.stage == 3 and args.model == "native":
         raise SystemExit("moepec bench deepspeed: DeepSpeed's MoE layers refuse ZeRO-3; "
                          "use --model mixtral --stage 3")

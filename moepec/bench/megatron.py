@@ -2,7 +2,7 @@
 save, on the same MoE GPTModel (SequentialMLP) and Adam state, in the same run.
 
     moepec bench megatron [--layers 4 --experts 8 --hidden 128 --ffn 512
-                           --checkpoints 8 --k 1]
+                           --checkpoints 8 --k 1 --repeats 5 --s3/--no-s3]
 
 Per checkpoint, for each backend: the bytes the save folder holds (Megatron's common
 files included) and the training loop's blocking: the ``dist_checkpointing.save`` call
@@ -18,7 +18,10 @@ snapshot (``pec.snapshot``, the whole state into shared memory) per checkpoint, 
 blocking against torch_dist's async save's above; and the restore of a restarted worker
 (a fresh registration, new model and optimizer; ``dist_checkpointing.load`` of the
 newest folder, ``load_state_dict``) from RAM against the same load from storage (a local
-folder, page cache warm: storage's best case), medians of ``--repeats``, checked equal.
+folder, page cache warm: storage's best case) and, with ``--s3`` (the default when moto
+and s3fs import), from S3: the folders the load reads downloaded from a bucket on moto's
+server into a fresh local folder, then the same load (:mod:`moepec.bench.s3_root`);
+alternating, medians of ``--repeats``, checked equal.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from moepec.bench.checkout import tests_dir
+from moepec.bench.s3_root import S3Copies, add_flag, choose, report_line
 
 
 def install_shims() -> None:
@@ -132,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoints", type=int, default=8)
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5, help="restores per tier")
+    add_flag(ap)
     args = ap.parse_args(argv)
+    args.s3, args.s3_why = choose(args.s3)
     with tempfile.TemporaryDirectory(prefix="moepec-bench-megatron-") as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0,
                                 world_size=1)
@@ -201,12 +207,14 @@ def _tensors(model, opt) -> dict[str, torch.Tensor]:
 
 
 def two_level(args: argparse.Namespace, model, opt, root: Path, queue) -> dict:
-    """RAM snapshots (blocking) and restores from RAM and from storage (see the module
-    docstring). The storage head is one moepec save (full: the first of its lineage)."""
+    """RAM snapshots (blocking) and restores from RAM, from storage and (``--s3``) from
+    S3 (see the module docstring). The storage head is one moepec save (full: the first
+    of its lineage)."""
     import moepec.integrations.megatron as mg
 
     ram_dir = tempfile.mkdtemp(prefix="moepec-bench-", dir="/dev/shm") \
         if os.access("/dev/shm", os.W_OK) else None
+    s3 = None
     try:
         mg.register(k_persist=args.k, ram_dir=ram_dir)
         one_save(model, opt, root / "iter_0000000", ("moepec", 1), queue)
@@ -219,24 +227,43 @@ def two_level(args: argparse.Namespace, model, opt, root: Path, queue) -> dict:
             assert mg.snapshot(sd, c, str(root))
             blocking.append(time.perf_counter() - t0)
         want, head = _tensors(model, opt), root / "iter_0000000"
-        times: dict[str, list[float]] = {"ram": [], "local": []}
-        for _ in range(args.repeats):
-            for tier in ("ram", "local"):  # a fresh registration: what a restart has
-                mg.register(k_persist=args.k, **({"ram_dir": ram_dir} if tier == "ram"
-                                                 else {}))
-                seconds, rep, got = _restore(args, head)
-                assert rep.tier == ("ram" if tier == "ram" else "storage"), rep.tier
-                if tier == "ram":
-                    assert all(torch.equal(got[k], v) for k, v in want.items())
-                times[tier].append(seconds)
+        s3 = S3Copies(root, root.parent) if args.s3 else None
+        times = _restores(args, head, ram_dir, want, s3)
         mg.register(k_persist=args.k, ram_dir=ram_dir)
         mg.close_ram()  # this rank's slots removed
     finally:
         if ram_dir is not None:
             shutil.rmtree(ram_dir, ignore_errors=True)
+        if s3 is not None:
+            s3.close()
     return {"snapshot": statistics.median(blocking[1:] or blocking),
-            "in_shared_memory": ram_dir is not None,
+            "in_shared_memory": ram_dir is not None, "s3_why": args.s3_why,
             **{t: statistics.median(v) for t, v in times.items()}}
+
+
+def _restores(args: argparse.Namespace, head: Path, ram_dir: str | None,
+              want: dict[str, torch.Tensor], s3: S3Copies | None) -> dict[str, list[float]]:
+    """A restarted worker's restores, alternating: from RAM (checked equal to ``want``),
+    from ``head``'s local folder, and from S3 (a download of what the load reads, then
+    the load of the copy; checked equal to the local folder's)."""
+    import moepec.integrations.megatron as mg
+
+    tiers = ("ram", "local", "s3") if s3 is not None else ("ram", "local")
+    times: dict[str, list[float]] = {t: [] for t in tiers}
+    stored: dict[str, torch.Tensor] = {}
+    for _ in range(args.repeats):
+        for tier in tiers:  # a fresh registration: what a restart has
+            mg.register(k_persist=args.k, **({"ram_dir": ram_dir} if tier == "ram" else {}))
+            folder, fetch_s = s3.fetch(head.name) if tier == "s3" else (head, 0.0)
+            seconds, rep, got = _restore(args, folder)
+            assert rep.tier == ("ram" if tier == "ram" else "storage"), rep.tier
+            if tier == "ram":
+                assert all(torch.equal(got[k], v) for k, v in want.items())
+            stored = got if tier == "local" else stored
+            if tier == "s3":
+                assert all(torch.equal(got[k], v) for k, v in stored.items())
+            times[tier].append(fetch_s + seconds)
+    return times
 
 
 def report_levels(levels: dict, rows: dict[str, list[dict[str, float]]]) -> None:
@@ -250,7 +277,7 @@ def report_levels(levels: dict, rows: dict[str, list[dict[str, float]]]) -> None
     ram, local = levels["ram"] * 1e3, levels["local"] * 1e3
     print(f"restore of a restarted worker: from RAM {ram:.1f} ms, from storage (local "
           f"folder, warm) {local:.1f} ms: RAM / local {ram / local:.3f}x (goal <= 1x)")
-
+    print(report_line(levels["ram"], levels.get("s3"), levels["s3_why"]))
 
 if __name__ == "__main__":
     main()

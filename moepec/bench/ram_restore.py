@@ -39,6 +39,7 @@ import torch
 
 from moepec import CheckpointConfig, CheckpointManager, FaultHooks
 from moepec.bench import at_least_one
+from moepec.bench.s3_root import start_moto
 from moepec.bench.size import scaled, trained_model
 from moepec.models.configs import get_config
 
@@ -167,21 +168,6 @@ def _persist_on_failure(cfg, root: Path, ram_dir: str) -> float:
     return total
 
 
-def _moto() -> dict:
-    import logging
-
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    opts = {"key": "testing", "secret": "testing", "client_kwargs": {
-        "endpoint_url": f"http://127.0.0.1:{server._server.server_port}"}}
-    s3fs.S3FileSystem(**opts).mkdir("moepec-bench")
-    return opts
-
-
 def process_start_s() -> float:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch, moepec.manager.manager"], check=True)
@@ -201,12 +187,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         ram_base = args.ram_base or f"{tmp}/ram"
-        s3 = _moto() if args.s3 else None
+        s3, server = start_moto() if args.s3 else (None, None)
         rows = [measure(c, args.repeats, Path(tmp), ram_base, None) for c in args.configs]
         rows += [measure(c, args.repeats, Path(tmp), ram_base, s3)
                  for c in args.configs] if s3 else []
         results = {"process_start_s": process_start_s(), "rows": rows, "goal": GOAL}
         shutil.rmtree(ram_base, ignore_errors=True)
+        if server is not None:
+            server.stop()
     for r in results["rows"]:
         m = r["median"]
         pof = r["persist_on_failure_s"]

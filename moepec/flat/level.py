@@ -101,13 +101,15 @@ class RamLevel:
         return self.ram(root).head(name)
 
     def newest(self, root: str, name: str, head: FlatManifest | None,
-               group_of: Callable[[str], str] = str) -> RamFound | None:
+               group_of: Callable[[str], str] = str,
+               into: Mapping[str, Any] | None = None) -> RamFound | None:
         """All ranks, before a load of folder ``name`` of ``root``, the newest storage
         save, whose manifest is ``head`` (None: no moepec save; nothing is read): the
         newest snapshot every rank holds intact, newer than ``head`` and of its lineage,
         else None on every rank (:meth:`FlatRam.newest`; ``group_of``: the keys a rank
-        completes from the other ranks' snapshots)."""
-        found = self.ram(root).newest(head, group_of)
+        completes from the other ranks' snapshots; ``into``: the tensors of
+        :meth:`copies`, filled while the slot is checked)."""
+        found = self.ram(root).newest(head, group_of, into)
         return None if found is None else RamFound(os.path.abspath(root), name, *found)
 
     def take(self, found: RamFound, known: Choice | None = None) -> RestoreReport:
@@ -132,7 +134,9 @@ class RamLevel:
         out: dict[str, torch.Tensor] = {}
         for k in keys:
             src, dst = found.tensors[k], (into or {}).get(k)
-            if isinstance(dst, torch.Tensor) and dst.shape == src.shape \
+            if src is dst:  # filled while its slot was checked (newest(into=...))
+                out[k] = dst
+            elif isinstance(dst, torch.Tensor) and dst.shape == src.shape \
                     and dst.dtype == src.dtype:
                 with torch.no_grad():
                     out[k] = dst.copy_(src)

@@ -129,7 +129,8 @@ class FlatRam:
         """Any rank: the manifest of folder ``name`` of the root, None when uncommitted."""
         return manifest_or_none(self.root, name)
 
-    def newest(self, head: FlatManifest | None, group_of: Callable[[str], str]
+    def newest(self, head: FlatManifest | None, group_of: Callable[[str], str],
+               into: Mapping[str, Any] | None = None
                ) -> tuple[int, dict[str, torch.Tensor]] | None:
         """All ranks, before a load of the newest checkpoint whose storage head is
         ``head`` (:meth:`head`; None: no storage save): (step, this rank's tensors:
@@ -139,7 +140,9 @@ class FlatRam:
         step every rank holds is chosen). A rank's tensors are completed from the other
         ranks' snapshots: each key of a group (``group_of(key)``, e.g. a file) of which
         this rank holds a key (a framework that writes a shared file on one rank
-        alone)."""
+        alone). ``into``: the loader's own tensors by key; a slot an earlier worker left
+        is copied into those of the same shape and dtype and the copies checked
+        (``moepec.ram.readback.read_checked``): they are its tensors then."""
         mine = self._candidates(head)
         while True:  # a torn slot a rank finds drops that step; the ranks choose again
             every: list[Any] = [None] * dist.get_world_size()
@@ -148,7 +151,7 @@ class FlatRam:
             if not common:
                 return None
             step = max(common)
-            held = self._tensors(mine[step][0])
+            held = self._tensors(mine[step][0], into)
             intact = torch.tensor([int(held is not None)])
             dist.all_reduce(intact, op=dist.ReduceOp.MIN)
             if held is not None and intact.item():
@@ -174,14 +177,15 @@ class FlatRam:
                     mine.setdefault(snap.step, []).append(snap)
         return mine
 
-    def _tensors(self, snap: Snapshot) -> dict[str, torch.Tensor] | None:
+    def _tensors(self, snap: Snapshot, into: Mapping[str, Any] | None
+                 ) -> dict[str, torch.Tensor] | None:
         """``snap``'s tensors (views), or None when its slot is torn: a slot an earlier
         worker left is mapped and checked against its checksums here, by the load that
         takes it (this process's own snapshot was sealed by it)."""
         slots = self._tier.slots if self._tier is not None else None
         if snap.verified or snap.slot is None or slots is None:
             return dict(snap.tensors)
-        return slots.intact(snap.slot)
+        return slots.intact(snap.slot, into)
 
     def settle(self, step: int | None) -> None:
         """All ranks, after a load: keep the snapshot of ``step`` (the load's source;

@@ -221,7 +221,7 @@ class MegatronRam:
         same shape and dtype filled in place); raises as ``FlatFrontEnd.load``.
         ``known``: the folder's ``FlatFrontEnd.folder``, when the door read it already
         (its manifests are then read once in all)."""
-        found = self._newest(root, name, reads, known)
+        found = self._newest(root, name, reads, known, into)
         (folder, common), self._common = self._common or (None, None), None
         self.level.report = None
         if found is None:
@@ -238,8 +238,8 @@ class MegatronRam:
         self.level.settle(root, None if found is None else found.step)
         return targets
 
-    def _newest(self, root: str, name: str, reads: Sequence[str], known: Choice | None
-                ) -> RamFound | None:
+    def _newest(self, root: str, name: str, reads: Sequence[str], known: Choice | None,
+                into: Mapping[str, Any] | None = None) -> RamFound | None:
         if not self.level.on:
             return None
         box: list[Any] = [None]
@@ -249,7 +249,7 @@ class MegatronRam:
         dist.broadcast_object_list(box, src=0)  # rank 0's view of the folders: one path
         if box[0] is None:
             return None
-        found = self.level.newest(root, name, box[0][0])  # each rank holds its own
+        found = self.level.newest(root, name, box[0][0], into=into)  # its own, each rank
         if found is None:
             return None
         missing: list[Any] = [None] * dist.get_world_size()

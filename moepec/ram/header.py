@@ -3,14 +3,10 @@ the keys with their offsets, dtypes, shapes and checksums, and whose checkpoint 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
-
 from moepec.errors import ManifestError
-from moepec.store.checksum import checksum_matches
 from moepec.store.meta import CheckpointMeta, meta_from_json
 
 HEADER_FORMAT = "moepec-ram-1"
@@ -69,11 +65,3 @@ class SlotHeader:
         fields_ = {n: data[n] for n in cls.__slots__ if n != "meta"}
         return cls(meta=meta, **fields_)
 
-
-def torn_key(tensors: Mapping[str, torch.Tensor], entries: Mapping[str, Mapping[str, Any]]
-             ) -> str | None:
-    """The first key of ``tensors`` (a slot's data) that does not match the checksum its
-    header's ``entries`` record, or None when all do."""
-    return next((k for k, t in tensors.items()
-                 if k not in entries or not checksum_matches(t, entries[k].get("checksum"))),
-                None)

@@ -43,8 +43,9 @@ import torch
 
 from moepec.errors import ConfigError, CorruptCheckpointError, ManifestError
 from moepec.ram import pinning
-from moepec.ram.header import SlotHeader, torn_key
+from moepec.ram.header import SlotHeader
 from moepec.ram.jobs import job_name, own_folder, read_header
+from moepec.ram.readback import read_checked
 from moepec.store.checksum import stored_checksum
 from moepec.store.items import Item
 from moepec.store.meta import CheckpointMeta
@@ -282,7 +283,8 @@ class SlotStore:
                             "rate): %s", exc)
                 self.pin = False
 
-    def _view(self, slot: Slot, e: Mapping[str, Any]) -> torch.Tensor:
+    def _view(self, slot: Slot, e: Mapping[str, Any], size: int = 1) -> torch.Tensor:
+        self._map(slot, max(size, 1))  # (mapped at the first view: none for a load's keys)
         return _at(slot.base, e["offset"], e["shape"], _dtype(e["dtype"]))
 
     # -- reading ----------------------------------------------------------------
@@ -333,17 +335,18 @@ class SlotStore:
         with self._lock:
             slot.in_use = True
 
-    def intact(self, slot: Slot) -> dict[str, torch.Tensor] | None:
+    def intact(self, slot: Slot, into: Mapping[str, Any] | None = None
+               ) -> dict[str, torch.Tensor] | None:
         """The tensors of a slot :meth:`load` found without ``verify``, mapped, once its
         data file fits its header and matches its checksums; else None (a torn slot: its
-        header is removed, it is never read again)."""
-        tensors = self._verified(slot, slot.entries, slot.seq)
+        header is removed, it is never read again). ``into``: as ``read_checked``."""
+        tensors = self._verified(slot, slot.entries, slot.seq, into)
         if tensors is None:
             slot.header_path.unlink(missing_ok=True)
         return tensors
 
-    def _verified(self, slot: Slot, entries: Mapping[str, Mapping[str, Any]], seq: int
-                  ) -> dict[str, torch.Tensor] | None:
+    def _verified(self, slot: Slot, entries: Mapping[str, Mapping[str, Any]], seq: int,
+                  into: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor] | None:
         where = str(slot.header_path)
         try:
             st = os.lstat(slot.data_path)  # (a link to identical bytes is not this slot)
@@ -357,9 +360,8 @@ class SlotStore:
                 offset = e.get("offset")
                 if type(offset) is not int or offset < 0 or offset + item.nbytes > size:
                     raise ManifestError(f"entry {key!r} does not fit the data file")
-            self._map(slot, max(size, 1))
-            tensors = {key: self._view(slot, e) for key, e in entries.items()}
-            bad = torn_key(tensors, entries)
+            tensors, bad = read_checked(entries, lambda e: self._view(slot, e, size), into,
+                                        lambda: _open_file(slot.data_path, os.O_RDONLY))
             if bad is not None:
                 raise ManifestError(f"{bad} does not match its checksum")
             return tensors
