@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,5 +69,7 @@ def die_inside_snapshot(hooks: Any, step: int, out: str, attempt: int, results: 
     hooks.on_snapshot = die
     write_results(out, attempt, results)
     dist.barrier()  # every rank holds its earlier snapshots and wrote its results
-    snapshot()
+    snapshot()  # returns once copied: rank 1's seal (on the copy thread) kills it
+    if dist.get_rank() == 1:
+        time.sleep(600)
     dist.barrier()  # rank 0 waits here until torchrun stops it

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moepec.errors import CheckpointError, ConfigError
+from moepec.errors import ConfigError
 from moepec.flat.lineage import manifest_or_none
 from moepec.hooks import FaultHooks
 from moepec.ram import placement
@@ -99,7 +99,9 @@ class FlatRam:
             slots, _ = placement.open_slots(chosen, self.root, None, rank=rank,
                                             world_size=world, distributed=True)
         self.ram_dir = chosen if slots is not None else None
-        self._tier = RamTier(background=False, timeout_s=self.timeout_s, slots=slots,
+        # The copy runs on the tier's thread while the caller waits; its seal (checksums,
+        # header) follows there while training goes on, as in the manager.
+        self._tier = RamTier(background=True, timeout_s=self.timeout_s, slots=slots,
                              hooks=self.hooks)
         return self._tier
 
@@ -111,9 +113,12 @@ class FlatRam:
     def snapshot(self, step: int, tensors: Mapping[str, torch.Tensor],
                  parent_uid: str) -> Snapshot:
         """All ranks: copy ``tensors`` (this rank's flat keys, on the CPU or a device)
-        into a slot and commit it (header last); blocks until sealed. ``parent_uid``: the
-        uid of the storage save this state continues. Returns the snapshot. Raises
-        CheckpointError when the copy or the seal failed (the slot stays torn)."""
+        into a slot; blocks until copied (the live tensors may change then) and returns
+        the snapshot, whose seal (checksums, header last: the commit) follows on the
+        copy thread (``snap.done``; :meth:`newest` and :meth:`close` wait for it).
+        ``parent_uid``: the uid of the storage save this state continues. Raises
+        CheckpointError when the copy failed; a failed seal is logged and its slot stays
+        torn (never read)."""
         share = sum(t.numel() * t.element_size() for t in tensors.values())
         tier = self._open(share)
         snap = Snapshot(tensors={}, persist_keys=frozenset(),
@@ -121,9 +126,12 @@ class FlatRam:
                         all_keys=sorted(tensors))
         tier.start(snap, dict(tensors))
         tier.finish()
-        if not snap.done.wait(self.timeout_s) or snap.error is not None:
-            raise CheckpointError(f"RAM snapshot of step {step} not sealed: {snap.error}")
         return snap
+
+    def sealed(self) -> None:
+        """Wait for the seal of this process's last snapshot (the snapshot timeout)."""
+        if self._tier is not None and self._tier.newest is not None:
+            self._tier.newest.done.wait(self.timeout_s)
 
     def head(self, name: str) -> FlatManifest | None:
         """Any rank: the manifest of folder ``name`` of the root, None when uncommitted."""
@@ -143,6 +151,7 @@ class FlatRam:
         alone). ``into``: the loader's own tensors by key; a slot an earlier worker left
         is copied into those of the same shape and dtype and the copies checked
         (``moepec.ram.readback.read_checked``): they are its tensors then."""
+        self.sealed()  # this process's own last snapshot: committed or torn, not in flight
         mine = self._candidates(head)
         while True:  # a torn slot a rank finds drops that step; the ranks choose again
             every: list[Any] = [None] * dist.get_world_size()
@@ -191,13 +200,15 @@ class FlatRam:
         """All ranks, after a load: keep the snapshot of ``step`` (the load's source;
         None: storage was loaded) and invalidate the slots of later steps (an abandoned
         future: after a storage load, every slot)."""
+        self.sealed()  # a seal in flight would commit a slot invalidated here
         tier = self._tier if self._tier is not None else self._open(0)
         if step is None:
             tier.drop()  # this process's newest snapshot too
         tier.settle(-1 if step is None else step, keep=step is not None)
 
     def close(self, unlink: bool = False) -> None:
-        """Drop the mappings; with ``unlink`` (a clean end) remove this rank's slots."""
+        """Drop the mappings (after the last snapshot's seal); with ``unlink`` (a clean
+        end) remove this rank's slots."""
         if self._tier is not None:
             self._tier.close(unlink)
             self._tier = None

@@ -33,7 +33,8 @@ def snapshot(engine: Any, save_dir: str) -> bool:
     When due (every ``snapshot_every`` global steps, a field of the ``"moepec"`` section
     that turns the RAM tier on), copy this rank's whole training state (the files a save of
     ``save_dir`` would write, every expert) into a RAM slot in node-local shared memory
-    (``ram_dir``, default ``"auto"``); blocks until the slot is committed. A restarted
+    (``ram_dir``, default ``"auto"``); blocks until it is copied (the slot's commit,
+    header last, follows on the copy thread). A restarted
     worker's ``engine.load_checkpoint(save_dir)`` (tag None) takes it when it is newer
     than the storage save ``latest`` names. Returns whether a snapshot was taken.
     Raises ConfigError for an engine without the field; CheckpointError when it failed."""

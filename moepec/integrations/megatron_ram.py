@@ -179,8 +179,9 @@ class MegatronRam:
     def snapshot(self, sharded_state_dict: Any, iteration: int, checkpoint_dir: str) -> bool:
         """All ranks, after the optimizer step of ``iteration``: the frequent level of the
         two-level checkpoint. Copies this rank's shards of ``sharded_state_dict`` (built
-        for this call, as for a save: its factories are applied to it) into a RAM slot,
-        committed header last; blocks until it is. A restarted worker's
+        for this call, as for a save: its factories are applied to it) into a RAM slot;
+        blocks until copied (its seal, header last, follows on the copy thread). A
+        restarted worker's
         ``dist_checkpointing.load`` of the newest folder of ``checkpoint_dir`` (the save
         directory, holding the ``iter_*`` folders) takes it when it is newer. Returns
         whether a snapshot was taken: none before the first save or load of
