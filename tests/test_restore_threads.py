@@ -18,8 +18,13 @@ from tests.test_commit import _corrupt, _train, fresh
 
 @pytest.fixture
 def split_everything(monkeypatch):
-    """Split any amount of work over threads (the toy model is far under the threshold)."""
+    """Split any amount of work over two threads (the toy model is far under the
+    threshold; torch may have been given one thread)."""
     monkeypatch.setattr(bytecopy, "PARALLEL_BYTES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def test_cut_moves_cover_every_byte_once():
@@ -116,3 +121,16 @@ def test_two_thread_restore_of_all_corrupt_fails_and_changes_nothing(tmp_path,
     with pytest.raises(CorruptCheckpointError, match="moepec verify"):
         m2.restore()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_restore_threads_follow_torchs_setting():
+    from moepec.state.bytecopy import MAX_RESTORE_THREADS, restore_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert restore_threads() == 1  # a user who asked torch for one thread gets one
+        torch.set_num_threads(MAX_RESTORE_THREADS + 2)
+        assert restore_threads() == MAX_RESTORE_THREADS
+    finally:
+        torch.set_num_threads(before)

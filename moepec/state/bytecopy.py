@@ -94,6 +94,16 @@ PARALLEL_BYTES = 16 << 20
 checks): below it, starting a thread costs about what it saves."""
 
 T = TypeVar("T")
+MAX_RESTORE_THREADS = 2
+"""The most threads a restore's checks and copies use: two already take the memory
+bandwidth a copy can use on this project's machine (docs/results.md, section 8)."""
+
+
+def restore_threads() -> int:
+    """Threads for a restore's checksum checks and copies: torch's intra-op threads (what
+    a ``dcp.load`` would use; a user who set 1 gets 1), at most
+    :data:`MAX_RESTORE_THREADS`."""
+    return max(1, min(MAX_RESTORE_THREADS, torch.get_num_threads()))
 
 
 def in_threads(work: Callable[[list[T]], None], shares: Sequence[list[T]]) -> None:

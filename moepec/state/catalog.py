@@ -31,7 +31,7 @@ from torch import nn
 from moepec.errors import ConfigError, StructureMismatchError
 from moepec.keys import EXPERT_PREFIX, OBJECT_PREFIX, chunk_key, expert_key, parse_key, split_chunk
 from moepec.state import chunks
-from moepec.state.bytecopy import copy_all, copy_into
+from moepec.state.bytecopy import copy_all, copy_into, restore_threads
 from moepec.state.chunks import Block, Layout
 from moepec.state.experts import ExpertMap, canonical_expert_name, expert_slice
 from moepec.state.object_state import ObjectState
@@ -39,9 +39,6 @@ from moepec.state.object_state import ObjectState
 log = logging.getLogger(__name__)
 
 _AC_PREFIX = "_checkpoint_wrapped_module."
-RESTORE_COPY_THREADS = 2
-"""Threads that copy restored values into the live state (the caller and one helper;
-a ``dcp.load`` uses both of this project's cores too)."""
 """What torch's checkpoint_wrapper inserts in parameter names (and drops from state_dict keys)."""
 
 
@@ -403,7 +400,7 @@ class StateCatalog:
             # (not read in place already); on two threads: a restore copies hundreds of MB
             copy_all(((live, value) for live, value in plain
                       if live.data_ptr() != value.data_ptr() or live.shape != value.shape),
-                     threads=RESTORE_COPY_THREADS)
+                     threads=restore_threads())
             for live, block, parts in pieces:
                 for region, value, origin in parts:
                     dst = chunks.narrow(live, block[0], region)

@@ -11,7 +11,7 @@ import functools
 import torch
 import xxhash
 
-from moepec.state.bytecopy import in_threads, split_by_bytes
+from moepec.state.bytecopy import in_threads, restore_threads, split_by_bytes
 
 ALGORITHMS = {"xxh3": xxhash.xxh3_64}
 DEFAULT_ALGORITHM = "xxh3"
@@ -79,10 +79,10 @@ class Verifier:
     caller maps would not pay: the mapping holds the GIL, and the helper would get it
     back once per switch interval, 5 ms.) One caller adds and finishes."""
 
-    def __init__(self, threads: int = 2) -> None:
+    def __init__(self, threads: int | None = None) -> None:
         self._jobs: list[tuple[str, memoryview | bytes, torch.dtype, tuple[int, ...],
                                object]] = []
-        self._threads = threads
+        self._threads = restore_threads() if threads is None else threads
 
     def add(self, key: str, data: memoryview | bytes, dtype: torch.dtype,
             shape: tuple[int, ...], expected: object) -> None:
