@@ -14,7 +14,9 @@ GIL while it runs (ctypes releases it around every foreign call).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -46,7 +48,7 @@ SERIAL_NUMEL = 32768
 elements runs on the calling thread, never as a parallel region of the pool."""
 
 
-def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], threads: int = 1) -> None:
     """``dst.copy_(src)`` for every ``(dst, src)`` pair, as cheaply per pair as possible.
 
     A snapshot is hundreds of copies (616 at K=1 on gpt-125m-8e/4), most of them a few kB
@@ -61,8 +63,11 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     integers (addresses and length) for a ``memmove`` loop that touches nothing else.
     Pairs :func:`copy_into` would hand to torch go to ``copy_`` last. Copies under
     ``no_grad``: autograd records nothing (the sources are live parameters; the copies
-    are data). Any thread; blocks until every byte is copied; bumps each ``dst``'s
-    version counter."""
+    are data). With ``threads`` > 1 the ``memmove``s of at least
+    :data:`PARALLEL_BYTES` in all are split by bytes over that many threads, the caller
+    one of them (a restore's copies into the model: ``memmove`` releases the GIL, so they
+    use the cores a ``dcp.load`` uses; the snapshot keeps one). Any thread; blocks until
+    every byte is copied; bumps each ``dst``'s version counter."""
     small_dst, small_src, moves, other = [], [], [], []
     with torch.no_grad():
         for dst, src in pairs:
@@ -78,8 +83,101 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 other.append((dst, src))
         if small_dst:
             torch._foreach_copy_(small_dst, small_src)
-        memmove = ctypes.memmove
-        for to, frm, n in moves:
-            memmove(to, frm, n)
+        _move_all(moves, threads)
         for dst, src in other:
             dst.copy_(src)
+
+
+
+PARALLEL_BYTES = 16 << 20
+"""The fewest bytes that are split over threads (:func:`copy_all`, the restore's checksum
+checks): below it, starting a thread costs about what it saves."""
+
+T = TypeVar("T")
+MAX_RESTORE_THREADS = 2
+"""The most threads a restore's checks and copies use: two already take the memory
+bandwidth a copy can use on this project's machine (docs/results.md, section 8)."""
+
+
+def restore_threads() -> int:
+    """Threads for a restore's checksum checks and copies: torch's intra-op threads (what
+    a ``dcp.load`` would use; a user who set 1 gets 1), at most
+    :data:`MAX_RESTORE_THREADS`."""
+    return max(1, min(MAX_RESTORE_THREADS, torch.get_num_threads()))
+
+
+def in_threads(work: Callable[[list[T]], None], shares: Sequence[list[T]]) -> None:
+    """``work(share)`` for every share, the first on this thread and each other on a
+    thread of its own, started here and joined before returning (so ``work`` must
+    release the GIL for most of its time to gain anything). Re-raises the first error a
+    share raised, once all are done."""
+    errors: list[BaseException] = []
+
+    def run(share: list[T]) -> None:
+        try:
+            work(share)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller
+            errors.append(exc)
+
+    helpers = [threading.Thread(target=run, args=(share,), name="moepec-share", daemon=True)
+               for share in shares[1:]]
+    for t in helpers:
+        t.start()
+    if shares:
+        run(shares[0])
+    for t in helpers:
+        t.join()  # bounded work (copies, hashes of bytes in memory): it ends
+    if errors:
+        raise errors[0]
+
+
+def split_by_bytes(jobs: Sequence[T], size: Callable[[T], int], parts: int
+                   ) -> list[list[T]]:
+    """``jobs`` in at most ``parts`` consecutive shares of about equal bytes (``size`` of
+    each; a job is never cut), one share when they hold under :data:`PARALLEL_BYTES`."""
+    if not jobs:
+        return []
+    sizes = [size(j) for j in jobs]
+    total = sum(sizes)
+    if parts < 2 or total < PARALLEL_BYTES:
+        return [list(jobs)]
+    shares: list[list[T]] = [[]]
+    per, done = total / parts, 0
+    for job, n in zip(jobs, sizes, strict=True):
+        if done >= per * len(shares) and len(shares) < parts:
+            shares.append([])
+        shares[-1].append(job)
+        done += n
+    return shares
+
+
+def _move_all(moves: list[tuple[int, int, int]], threads: int) -> None:
+    """``memmove(to, frm, n)`` for every move, split by bytes over ``threads`` threads
+    (this one included, a move cut where a share ends) when they hold
+    :data:`PARALLEL_BYTES` or more."""
+    total = sum(n for _, _, n in moves)
+    shares = (_cut(moves, -(-total // threads)) if threads > 1 and total >= PARALLEL_BYTES
+              else [moves])
+
+    def move(share: list[tuple[int, int, int]]) -> None:
+        for to, frm, n in share:
+            ctypes.memmove(to, frm, n)
+
+    in_threads(move, shares)
+
+
+def _cut(moves: list[tuple[int, int, int]], per: int) -> list[list[tuple[int, int, int]]]:
+    """``moves`` cut into consecutive shares of ``per`` bytes (the last may hold less),
+    a move that straddles a boundary cut in two."""
+    shares: list[list[tuple[int, int, int]]] = [[]]
+    room = per
+    for to, frm, n in moves:
+        while n > room:
+            if room:
+                shares[-1].append((to, frm, room))
+                to, frm, n = to + room, frm + room, n - room
+            shares.append([])
+            room = per
+        shares[-1].append((to, frm, n))
+        room -= n
+    return [s for s in shares if s]

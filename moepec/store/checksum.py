@@ -11,6 +11,8 @@ import functools
 import torch
 import xxhash
 
+from moepec.state.bytecopy import in_threads, restore_threads, split_by_bytes
+
 ALGORITHMS = {"xxh3": xxhash.xxh3_64}
 DEFAULT_ALGORITHM = "xxh3"
 
@@ -66,3 +68,40 @@ def stored_matches(data: memoryview | bytes, dtype: torch.dtype, shape: tuple[in
     algorithm = expected.partition(":")[0] if isinstance(expected, str) else ""
     return algorithm in ALGORITHMS and stored_checksum(data, dtype, shape,
                                                        algorithm) == expected
+
+
+
+class Verifier:
+    """Checks of stored bytes against their checksums, gathered while a restore maps its
+    items and made together by :meth:`finish`, split by bytes over two threads (the
+    caller and one helper): XXH3 releases the GIL while it hashes, so the checks use both
+    of a machine's cores, as ``dcp.load``'s copies do. (Checking on a helper while the
+    caller maps would not pay: the mapping holds the GIL, and the helper would get it
+    back once per switch interval, 5 ms.) One caller adds and finishes."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self._jobs: list[tuple[str, memoryview | bytes, torch.dtype, tuple[int, ...],
+                               object]] = []
+        self._threads = restore_threads() if threads is None else threads
+
+    def add(self, key: str, data: memoryview | bytes, dtype: torch.dtype,
+            shape: tuple[int, ...], expected: object) -> None:
+        """Check at :meth:`finish` that ``data`` (stored bytes of ``key``, a tensor of
+        ``dtype`` and ``shape``; kept alive until then) has the checksum ``expected``."""
+        self._jobs.append((key, data, dtype, shape, expected))
+
+    def finish(self) -> list[str]:
+        """The keys added whose bytes fail their checksums, in the order added (each check
+        made once; the added checks are dropped). Blocks until all are made; raises what a
+        check raised."""
+        jobs, self._jobs = self._jobs, []
+        failed: list[list[str]] = []
+
+        def check(share: list[tuple]) -> None:
+            bad = [key for key, data, dtype, shape, expected in share
+                   if not stored_matches(data, dtype, shape, expected)]
+            failed.append(bad)
+
+        in_threads(check, split_by_bytes(jobs, lambda job: len(job[1]), self._threads))
+        bad = {k for keys in failed for k in keys}
+        return [job[0] for job in jobs if job[0] in bad] if bad else []

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from moepec.errors import CheckpointError, CorruptCheckpointError
-from moepec.store.checksum import checksum_matches, stored_matches, tensor_bytes
+from moepec.store.checksum import Verifier, checksum_matches, stored_matches, tensor_bytes
 from moepec.store.dcp_raw import read_exact
 from moepec.store.items import Encoding, Item
 
@@ -87,13 +87,15 @@ CAN_MAP = hasattr(mmap, "MAP_PRIVATE")
 
 
 def map_items(folder_parts: tuple[str, str], keys: Sequence[str],
-              items: Mapping[str, Item], verify: bool = False
+              items: Mapping[str, Item], verify: bool | Verifier = False
               ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """``keys`` of the local checkpoint folder ``root/name`` as tensors over private
     mappings of their data files: raw items aligned to their dtype are mapped, any other
     item is read into a new tensor. With ``verify``, also the keys whose bytes fail the
-    manifest's checksum (hashed from the mapping, no tensor needed), else []. Reads only;
-    any thread. Raises CheckpointError (or OSError) for anything missing, short or
+    manifest's checksum (hashed from the mapping, no tensor needed), else []; a
+    :class:`Verifier` is handed the mapped items' checks instead (its ``finish`` names
+    the failures; the keys returned are those read and checked here). Reads only; any
+    thread. Raises CheckpointError (or OSError) for anything missing, short or
     inconsistent, as :func:`read_items`."""
     root, name = folder_parts
     out: dict[str, torch.Tensor] = {}
@@ -116,8 +118,10 @@ def map_items(folder_parts: tuple[str, str], keys: Sequence[str],
                                                 count=item.length // dtype.itemsize,
                                                 offset=item.offset).view(item.shape)
                     data = memoryview(mapped)[item.offset:item.offset + item.length]
-                    if verify and not stored_matches(data, dtype, tuple(item.shape),
-                                                     item.checksum):
+                    if isinstance(verify, Verifier):
+                        verify.add(key, data, dtype, tuple(item.shape), item.checksum)
+                    elif verify and not stored_matches(data, dtype, tuple(item.shape),
+                                                       item.checksum):
                         bad.append(key)
                 else:
                     out[key] = torch.empty(item.shape, dtype=dtype)

@@ -37,6 +37,7 @@ from moepec.errors import CheckpointError, CorruptCheckpointError, ManifestError
 from moepec.keys import MANIFEST_NAME, is_legacy_name, parse_checkpoint_name
 from moepec.store import dcp_raw
 from moepec.store import manifest as mf
+from moepec.store.checksum import Verifier
 from moepec.store.dcp_planner import ROOT_KEY, KeySavePlanner, keys_of
 from moepec.store.dcp_raw import RAW_DESCRIPTOR
 from moepec.store.items import Encoding, Item, Serialization
@@ -196,9 +197,10 @@ class Storage(ABC):
         return False
 
     def map(self, name: str, keys: Sequence[str], items: Mapping[str, Item],
-            verify: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
+            verify: bool | Verifier = False) -> tuple[dict[str, torch.Tensor], list[str]]:
         """``keys`` of checkpoint ``name`` as tensors over private mappings of its data
-        files, and (``verify``) the keys failing their checksums (moepec.store.reader.
+        files, and (``verify``) the keys failing their checksums, or with a Verifier
+        those found here, the mapped items' checks handed to it (moepec.store.reader.
         map_items). Only where :attr:`can_map`; any thread."""
         raise CheckpointError(f"{self.url}: only a local root can be mapped (on POSIX)")
 

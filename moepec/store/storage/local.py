@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from moepec.errors import CheckpointError, CorruptCheckpointError
 from moepec.keys import parse_checkpoint_name
 from moepec.store.atomic import write_atomic
+from moepec.store.checksum import Verifier
 from moepec.store.dcp_raw import RawFileSystemWriter
 from moepec.store.items import Item, Serialization
 from moepec.store.reader import CAN_MAP, map_items, read_items, read_small
@@ -118,7 +119,7 @@ class LocalStorage(Storage):
         return CAN_MAP
 
     def map(self, name: str, keys: Sequence[str], items: Mapping[str, Item],
-            verify: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
+            verify: bool | Verifier = False) -> tuple[dict[str, torch.Tensor], list[str]]:
         if not CAN_MAP:
             return super().map(name, keys, items, verify)
         return map_items((self.root, name), keys, items, verify)
