@@ -88,7 +88,6 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], threads: int = 
             dst.copy_(src)
 
 
-
 PARALLEL_BYTES = 16 << 20
 """The fewest bytes that are split over threads (:func:`copy_all`, the restore's checksum
 checks): below it, starting a thread costs about what it saves."""

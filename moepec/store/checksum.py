@@ -70,7 +70,6 @@ def stored_matches(data: memoryview | bytes, dtype: torch.dtype, shape: tuple[in
                                                        algorithm) == expected
 
 
-
 class Verifier:
     """Checks of stored bytes against their checksums, gathered while a restore maps its
     items and made together by :meth:`finish`, split by bytes over two threads (the
