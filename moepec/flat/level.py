@@ -85,8 +85,9 @@ class RamLevel:
                  tensors: Callable[[], Mapping[str, torch.Tensor]]) -> bool:
         """All ranks: ``tensors()`` (this rank's flat keys, built only when a snapshot is
         taken) into a slot of save directory ``root``; blocks until copied (the commit,
-        header last, follows on the copy thread: :meth:`FlatRam.snapshot`). Returns whether a snapshot was taken: none before the first save or load of
-        ``root`` in this process. Raises CheckpointError when the copy failed."""
+        header last, follows on the copy thread: :meth:`FlatRam.snapshot`). Returns
+        whether a snapshot was taken: none before the first save or load of ``root`` in
+        this process. Raises CheckpointError when the copy failed."""
         root = os.path.abspath(root)
         parent = self._front().lineage_uid(root)
         if not parent:

@@ -181,11 +181,11 @@ class MegatronRam:
         two-level checkpoint. Copies this rank's shards of ``sharded_state_dict`` (built
         for this call, as for a save: its factories are applied to it) into a RAM slot;
         blocks until copied (its seal, header last, follows on the copy thread). A
-        restarted worker's
-        ``dist_checkpointing.load`` of the newest folder of ``checkpoint_dir`` (the save
-        directory, holding the ``iter_*`` folders) takes it when it is newer. Returns
-        whether a snapshot was taken: none before the first save or load of
-        ``checkpoint_dir`` in this process (nothing would name its lineage). Raises
+        restarted worker's ``dist_checkpointing.load`` of the newest folder of
+        ``checkpoint_dir`` (the save directory, holding the ``iter_*`` folders) takes it
+        when it is newer. Returns whether a snapshot was taken: none before the first
+        save or load of ``checkpoint_dir`` in this process (nothing would name its
+        lineage). Raises
         ConfigError when the RAM level is off, the common state holds ``iteration``
         (Megatron-LM's: a RAM load would mix iterations) or a value that is not plain
         data (JSON values and tensors); CheckpointError when the copy failed."""
