@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from pathlib import Path
@@ -65,6 +66,29 @@ def test_a_restarted_worker_reads_its_newest_snapshot_bit_for_bit(ram):
     # a head whose lineage does not hold the save the snapshot continued: not read
     assert again.newest(head("U2", 4), group) is None
     again.close(unlink=True)
+
+
+def test_a_snapshot_returns_once_copied_and_its_seal_follows_off_the_loop(ram):
+    """The caller waits for the copy only: the seal (checksums, header last) runs on the
+    copy thread, here held back by a hook; the live tensors may change at once, and a
+    load in the same process waits for the seal, then reads the state as copied."""
+    from moepec.hooks import FaultHooks
+
+    root, folder = ram
+    release = threading.Event()
+    hooks = FaultHooks()
+    hooks.on_snapshot = lambda point, step: release.wait(30) if point == "seal" else None
+    ram_ = FlatRam(root, ram_dir=folder, hooks=hooks)
+    live = state(6)
+    snap = ram_.snapshot(6, live, "U1")
+    assert snap.copied.is_set() and not snap.done.is_set()  # returned before its seal
+    for t in live.values():
+        t.zero_()  # training goes on: the copy is already taken
+    release.set()
+    step, got = ram_.newest(head("U1", 4), group)  # waits for the seal first
+    assert snap.done.is_set() and snap.error is None
+    assert step == 6 and all(torch.equal(got[k], v) for k, v in state(6).items())
+    ram_.close(unlink=True)
 
 
 def test_a_damaged_slot_is_never_read_the_previous_snapshot_is(ram):
