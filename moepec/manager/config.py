@@ -13,6 +13,7 @@ from fsspec.core import split_protocol
 from moepec.errors import ConfigError, check_choice
 from moepec.policy.plan import WriteMode
 from moepec.policy.selection_policy import Selection, resolve_selection
+from moepec.ram.replica import check_ram_replicas
 from moepec.store.items import Serialization
 from moepec.store.storage.base import is_local_url
 
@@ -190,14 +191,8 @@ class CheckpointConfig:
                 or self.ram_budget_bytes <= 0):
             raise ConfigError(f"ram_budget_bytes must be a whole number of bytes > 0 or None "
                               f"for half the free shared memory (got {self.ram_budget_bytes!r})")
-        if self.ram_replicas is not None and (self.ram_replicas not in (0, 1)
-                                              or isinstance(self.ram_replicas, bool)):
-            raise ConfigError(f"ram_replicas must be 0, 1 or None (1 when ranks span nodes); "
-                              f"got {self.ram_replicas!r}")
         self._check_ram_dir_apart()
-        if self.ram_replicas and self.ram_dir is None:
-            raise ConfigError("ram_replicas needs the shared-memory RAM tier: set ram_dir "
-                              "(e.g. /dev/shm/moepec, or 'auto')")
+        check_ram_replicas(self.ram_replicas, self.ram_dir)
         self._check_stop()
         for name in ("timeout_s", "lease_timeout_s", "stop_grace_s"):
             value = getattr(self, name)

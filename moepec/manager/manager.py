@@ -287,8 +287,7 @@ class CheckpointManager(Restoring, LivePeers, Stopping):
                 self._persister.close()
             finally:
                 self._root_claim.release()
-                groups = [self._group, self._stop.group] + (
-                    [self._replicator.group] if self._replicator else [])
+                groups = [self._group, self._stop.group]  # (the replicator left its own)
                 self._group = None
                 destroy_groups(groups)
 

@@ -12,16 +12,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
 
-import torch.distributed as dist
-
-from moepec.errors import ConfigError
 from moepec.hooks import FaultHooks
 from moepec.manager.config import AUTO, CheckpointConfig
 from moepec.ram import placement
 from moepec.ram.jobs import check_budget, root_identity
-from moepec.ram.replica import Replicator, node_id, ring_peers
+from moepec.ram.replica import Replicator, replica_peers, replicate
 from moepec.ram.shm import SlotStore
 from moepec.ram.snapshot import RamTier
 from moepec.state.catalog import StateCatalog
@@ -69,11 +65,7 @@ class RamSetup:
                 ram_dir = peers = None
         tier = RamTier(background=config.async_snapshot, timeout_s=config.timeout_s,
                        slots=slots, replicas=held, hooks=hooks)
-        replicator = None
-        if peers:
-            replicator = Replicator(slots, held, succ=peers[0], pred=peers[1],
-                                    timeout_s=config.timeout_s, release=tier.release)
-            tier.on_complete = replicator.submit
+        replicator = replicate(tier, peers, config.timeout_s)
         return RamChoice(ram_dir=ram_dir, tier=tier, replicator=replicator)
 
     def open_slots(self, ram_dir: str, root: str, peers: tuple[int, int] | None
@@ -97,16 +89,10 @@ class RamSetup:
 
     def replica_peers(self) -> tuple[int, int] | None:
         """(successor, predecessor) on the ring over nodes when RAM slots are replicated,
-        else None. Collective when distributed (the node ids are gathered)."""
-        if not self.distributed or self.config.ram_replicas == 0:
-            if self.config.ram_replicas:
-                raise ConfigError("ram_replicas=1 needs ranks on several nodes")
-            return None
-        nodes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(nodes, node_id())
-        if len(set(nodes)) < 2 and self.config.ram_replicas is None:
-            return None
-        return ring_peers(nodes, self.rank)
+        else None (:func:`moepec.ram.replica.replica_peers`). Collective when
+        distributed."""
+        return replica_peers(self.config.ram_replicas, rank=self.rank,
+                             world_size=self.world_size, distributed=self.distributed)
 
     def need_bytes(self, peers: tuple[int, int] | None) -> int:
         """Shared memory the tier may take on this node: three slots per local rank (twice

@@ -17,13 +17,14 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moepec.errors import ConfigError
 from moepec.ram.shm import SlotStore
-from moepec.ram.snapshot import Snapshot
+from moepec.ram.snapshot import RamTier, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,49 @@ log = logging.getLogger(__name__)
 def node_id() -> str:
     """This process's failure domain: ``MOEPEC_NODE_ID``, else the hostname."""
     return os.environ.get("MOEPEC_NODE_ID") or socket.gethostname()
+
+
+def check_ram_replicas(ram_replicas: object, ram_dir: object) -> None:
+    """Raise ConfigError, in one line, unless ``ram_replicas`` is 0, 1 or None and a
+    replica has shared memory to live in (``ram_dir`` not None)."""
+    if ram_replicas is not None and (ram_replicas not in (0, 1)
+                                     or isinstance(ram_replicas, bool)):
+        raise ConfigError(f"ram_replicas must be 0, 1 or None (1 when ranks span nodes); "
+                          f"got {ram_replicas!r}")
+    if ram_replicas and ram_dir is None:
+        raise ConfigError("ram_replicas needs the shared-memory RAM tier: set ram_dir "
+                          "(e.g. /dev/shm/moepec, or 'auto')")
+
+
+def replica_peers(ram_replicas: int | None, *, rank: int, world_size: int,
+                  distributed: bool) -> tuple[int, int] | None:
+    """(successor, predecessor) on the ring over nodes when RAM slots are replicated
+    (``ram_replicas``: 1, or None and the ranks span nodes), else None. Collective when
+    distributed (the node ids are gathered). Raises ConfigError for ``ram_replicas=1``
+    on one node or unevenly placed ranks (:func:`ring_peers`)."""
+    if not distributed or ram_replicas == 0:
+        if ram_replicas:
+            raise ConfigError("ram_replicas=1 needs ranks on several nodes")
+        return None
+    nodes: list[Any] = [None] * world_size
+    dist.all_gather_object(nodes, node_id())
+    if len(set(nodes)) < 2 and ram_replicas is None:
+        return None
+    return ring_peers(nodes, rank)
+
+
+def replicate(tier: RamTier, peers: tuple[int, int] | None, timeout_s: float
+              ) -> Replicator | None:
+    """Start exchanging ``tier``'s committed slots with ``peers`` (:func:`replica_peers`;
+    ``tier`` opened with ``replicas``): each snapshot the tier completes is handed to the
+    :class:`Replicator` (``tier.on_complete``), which releases it once sent. None without
+    peers or shared-memory slots. Collective (a process group is made), training thread."""
+    if not peers or tier.slots is None or tier.replicas is None:
+        return None
+    replicator = Replicator(tier.slots, tier.replicas, succ=peers[0], pred=peers[1],
+                            timeout_s=timeout_s, release=tier.release)
+    tier.on_complete = replicator.submit
+    return replicator
 
 
 def ring_peers(nodes: Sequence[str], rank: int) -> tuple[int, int]:
@@ -79,8 +123,17 @@ class Replicator:
         self._queue.join()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(self.timeout.total_seconds())
+        """Stop the exchange thread (after the snapshots submitted; the timeout), then
+        leave its process group. Idempotent."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(self.timeout.total_seconds())
+        group, self.group = self.group, None
+        if group is not None and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except Exception as exc:  # noqa: BLE001 - exiting anyway; say what stays
+                log.debug("could not destroy the replica process group: %s", exc)
 
     def _run(self) -> None:
         while True:
