@@ -219,3 +219,105 @@ def test_a_worker_killed_during_a_snapshot_leaves_the_previous_one(ram, tmp_path
     step, got = again.newest(head("U1", 4), group)
     assert step == 6 and all(torch.equal(got[k], v) for k, v in state(6).items())
     again.close(unlink=True)
+
+
+def _lost_node_rank(rank: int, tmp: str, folder: str, torn: bool) -> None:
+    """Rank ``rank`` on node "ab"[rank] (its own ram_dir under ``folder``): snapshots of
+    steps 6 and 9 replicated, then every worker restarts and node b's shared memory is
+    gone (rank 1's slots and the replica of rank 0 it kept); ``torn``: the replica of
+    rank 1's step 9 that node a keeps is damaged too."""
+    from datetime import timedelta
+
+    node = "ab"[rank]
+    os.environ["MOEPEC_NODE_ID"] = node
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    root, ram_dir = f"{tmp}/ckpt", f"{folder}/node-{node}"
+
+    def mine(step: int) -> dict[str, torch.Tensor]:
+        return {f"r{rank}/{k}": v for k, v in state(10 * step + rank).items()}
+
+    first = FlatRam(root, ram_dir=ram_dir, ram_replicas=None, timeout_s=60)
+    first.snapshot(6, mine(6), "U1")
+    first.snapshot(9, mine(9), "U1")
+    first.wait_replicated()
+    assert first.replicated
+    first.close()  # every worker dies; their slots stay
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(ram_dir)  # node b replaced: its shared memory is gone
+    if torn and rank == 0:
+        _damage(Path(ram_dir).glob("*/replica-of-rank1"), 9)
+    dist.barrier()
+    again = FlatRam(root, ram_dir=ram_dir, ram_replicas=1, timeout_s=60)
+    found = again.newest(head("U1", 4), group)
+    if torn:  # node a keeps the newest replica only: no intact copy of rank 1's slot
+        assert found is None, (rank, found and found[0])
+    else:
+        step, got = found
+        assert step == 9 and got.keys() == mine(9).keys(), (rank, step, sorted(got))
+        assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype
+                   for k, v in mine(9).items()), rank
+    again.settle(None)  # storage was loaded: every slot and replica is abandoned
+    assert again.newest(head("U1", 4), group) is None
+    assert not list(Path(ram_dir).glob("*/*/slot*.json")), rank
+    again.close(unlink=True)
+    dist.destroy_process_group()
+
+
+def _damage(folders, seq: int) -> None:
+    """Flip bytes of the data of the slot of ``seq`` in ``folders`` (one must hold it)."""
+    import json
+
+    for header in [h for f in folders for h in f.glob("slot*.json")]:
+        if json.loads(header.read_text())["seq"] == seq:
+            with open(header.with_suffix(".data"), "r+b") as f:
+                f.write(b"\xff" * 16)
+            return
+    raise AssertionError(f"no replica slot of seq {seq}")
+
+
+@pytest.mark.parametrize("torn", [False, True], ids=["replica", "torn-replica"])
+def test_a_rank_whose_node_was_lost_loads_its_slot_from_the_replica(tmp_path, torn):
+    """ram_replicas: rank 1's node is lost; its newest slot comes back, bit for bit, from
+    the replica node a keeps (rank 0 reads its own); with that replica torn no intact
+    copy of rank 1's slot is left and both ranks get None (storage serves)."""
+    from tests.spawning import start_processes
+
+    folder = tempfile.mkdtemp(prefix="moepec-test-", dir="/dev/shm")
+    try:
+        start_processes(_lost_node_rank, (str(tmp_path), folder, torn), 2)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_ram_replicas_is_checked_and_needs_several_nodes(ram):
+    from moepec.errors import ConfigError
+
+    root, folder = ram
+    for bad in (2, True, "1"):
+        with pytest.raises(ConfigError, match="ram_replicas must be 0, 1 or None"):
+            FlatRam(root, ram_dir=folder, ram_replicas=bad)
+    with pytest.raises(ConfigError, match="set ram_dir"):
+        FlatRam(root, ram_dir=None, ram_replicas=1)
+    one_node = FlatRam(root, ram_dir=folder, ram_replicas=1)
+    with pytest.raises(ConfigError, match="set ram_replicas=0 on one node"):
+        one_node.snapshot(6, state(6), "U1")
+    one_node.close()
+    auto = FlatRam(root, ram_dir=folder)  # None: on when the ranks span nodes; here off
+    auto.snapshot(6, state(6), "U1")
+    assert not auto.replicated and auto.in_shared_memory
+    auto.close(unlink=True)
+
+
+def test_the_ranks_choose_the_newest_step_every_ranks_slot_is_held_for():
+    from moepec.flat.ram import choose_copies
+
+    own = [[(0, 9), (0, 6)], [(1, 9), (1, 6)]]
+    assert choose_copies(own) == (9, {0: 0, 1: 1})
+    lost = [[(0, 9), (0, 6), (1, 9), (1, 6)], [(0, 6)]]  # rank 1's node lost; 0 keeps its
+    assert choose_copies(lost) == (9, {0: 0, 1: 0})
+    swapped = [[(0, 9), (1, 6)], [(0, 6)]]  # each keeps the other's step 6 only
+    assert choose_copies(swapped) == (6, {0: 1, 1: 0})
+    assert choose_copies([[(0, 9)], [(1, 6)]]) is None
+    assert choose_copies([[], []]) is None

@@ -9,10 +9,12 @@ A door calls, on every rank:
    rank would save (all its experts: the RAM copy holds K_snapshot = N), copied into a
    slot committed header last; the slot names the storage save it continues (its uid);
 2. :meth:`FlatRam.newest` (collective) before a load of the newest checkpoint: the step
-   of the newest snapshot every rank holds intact, when it continues the lineage of the
-   storage head and is newer than it, with this rank's tensors; else None;
-3. :meth:`FlatRam.settle` after the load: the slots newer than what was loaded are
-   invalidated (an abandoned future).
+   of the newest snapshot of which every rank's slot is held intact (by that rank, or
+   with ``ram_replicas`` as a replica on the next node: a rank whose node was lost gets
+   its tensors from there), when it continues the lineage of the storage head and is
+   newer than it, with this rank's tensors; else None;
+3. :meth:`FlatRam.settle` after the load: the slots (and replicas) newer than what was
+   loaded are invalidated (an abandoned future).
 
 A slot of another checkpoint root, rank or world size, a torn one, or one whose storage
 save is not in the head's lineage is never read (:mod:`moepec.ram.shm`). A snapshot
@@ -26,7 +28,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from moepec.flat.lineage import manifest_or_none
 from moepec.hooks import FaultHooks
 from moepec.ram import placement
 from moepec.ram.jobs import check_budget
+from moepec.ram.replica import Replicator, check_ram_replicas, replica_peers, replicate
 from moepec.ram.snapshot import RamTier, Snapshot
 from moepec.recovery.outcome import RestoreReport
 from moepec.store.flat import FlatManifest
@@ -69,40 +72,53 @@ class FlatRam:
     again by a restarted worker of the same rank under the same directory)."""
 
     def __init__(self, root: str, *, ram_dir: str | None = placement.AUTO,
-                 budget_bytes: int | None = None, timeout_s: float = 600.0,
-                 hooks: FaultHooks | None = None) -> None:
+                 ram_replicas: int | None = None, budget_bytes: int | None = None,
+                 timeout_s: float = 600.0, hooks: FaultHooks | None = None) -> None:
         """``root``: the save directory (absolute); ``ram_dir``: as
-        ``CheckpointConfig.ram_dir`` (``"auto"``, a folder, or None: in the process).
-        ``hooks``: fault-injection seams of the snapshots (``moepec.hooks``, for tests).
-        Opens nothing: the first collective call does."""
+        ``CheckpointConfig.ram_dir`` (``"auto"``, a folder, or None: in the process);
+        ``ram_replicas``: as ``CheckpointConfig.ram_replicas`` (0, 1, or None: 1 when the
+        ranks span nodes): each committed slot is also kept by a rank of the next node,
+        so a rank whose node was lost loads from RAM. ``hooks``: fault-injection seams
+        of the snapshots (``moepec.hooks``, for tests). Opens nothing: the first
+        collective call does. Raises ConfigError for a bad ``ram_dir`` or
+        ``ram_replicas`` (``ram_replicas=1`` on one node: at the first call)."""
         check_ram_dir(ram_dir)
+        check_ram_replicas(ram_replicas, ram_dir)
         self.root = os.path.abspath(root)
         self.ram_dir = ram_dir
+        self.ram_replicas = ram_replicas
         self.budget_bytes = budget_bytes
         self.timeout_s = timeout_s
         self.hooks = hooks
         self._tier: RamTier | None = None
+        self._replicator: Replicator | None = None
 
     def _open(self, share_bytes: int) -> RamTier:
-        """All ranks, at the first call: resolve ``ram_dir`` and open this rank's slots."""
+        """All ranks, at the first call: resolve ``ram_dir``, open this rank's slots (and
+        the replicas it keeps of its predecessor's on the ring over nodes, whose exchange
+        starts here: :func:`moepec.ram.replica.replicate`)."""
         if self._tier is not None:
             return self._tier
         rank, world = dist.get_rank(), dist.get_world_size()
+        peers = None if self.ram_dir is None else replica_peers(
+            self.ram_replicas, rank=rank, world_size=world, distributed=True)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        need = 3 * share_bytes * local
+        need = 3 * share_bytes * local * (2 if peers else 1)  # replicas: twice the slots
         chosen = placement.choose_dir(self.ram_dir, need, self.budget_bytes, self.root,
                                       rank=rank, world_size=world, distributed=True)
-        slots = None
+        slots = held = None
         if chosen is not None:
             if self.ram_dir != placement.AUTO:
                 check_budget(need, self.budget_bytes, chosen, self.root)
-            slots, _ = placement.open_slots(chosen, self.root, None, rank=rank,
-                                            world_size=world, distributed=True)
+            slots, held = placement.open_slots(chosen, self.root, peers, rank=rank,
+                                               world_size=world, distributed=True)
         self.ram_dir = chosen if slots is not None else None
         # The copy runs on the tier's thread while the caller waits; its seal (checksums,
-        # header) follows there while training goes on, as in the manager.
+        # header) follows there while training goes on, as in the manager. The replica
+        # exchange waits for the seal on its own thread.
         self._tier = RamTier(background=True, timeout_s=self.timeout_s, slots=slots,
-                             hooks=self.hooks)
+                             replicas=held, hooks=self.hooks)
+        self._replicator = replicate(self._tier, peers, self.timeout_s)
         return self._tier
 
     @property
@@ -128,6 +144,17 @@ class FlatRam:
         tier.finish()
         return snap
 
+    @property
+    def replicated(self) -> bool:
+        """Whether this rank's slots are kept on another node too (after the first call)."""
+        return self._replicator is not None
+
+    def wait_replicated(self) -> None:
+        """Block until every snapshot of this process was exchanged with the replica
+        peers (each exchange bounded by the timeout; tests, benchmarks)."""
+        if self._replicator is not None:
+            self._replicator.wait_idle()
+
     def sealed(self) -> None:
         """Wait for the seal of this process's last snapshot (the snapshot timeout)."""
         if self._tier is not None and self._tier.newest is not None:
@@ -142,59 +169,71 @@ class FlatRam:
                ) -> tuple[int, dict[str, torch.Tensor]] | None:
         """All ranks, before a load of the newest checkpoint whose storage head is
         ``head`` (:meth:`head`; None: no storage save): (step, this rank's tensors:
-        views of the slot, copy them) of the newest snapshot every rank holds intact,
+        views of the slot, copy them) of the newest snapshot of which every rank's slot
+        is held intact, by that rank or as a replica by another (``ram_replicas``; a
+        rank whose own slot is gone receives its tensors from the replica's holder),
         continuing ``head``'s lineage and newer than it; else None on every rank. Only
-        the slots chosen are checked against their checksums (a torn one: the next older
-        step every rank holds is chosen). A rank's tensors are completed from the other
+        the copies chosen are checked against their checksums (a torn one is dropped and
+        the ranks choose again). A rank's tensors are completed from the other
         ranks' snapshots: each key of a group (``group_of(key)``, e.g. a file) of which
         this rank holds a key (a framework that writes a shared file on one rank
         alone). ``into``: the loader's own tensors by key; a slot an earlier worker left
         is copied into those of the same shape and dtype and the copies checked
         (``moepec.ram.readback.read_checked``): they are its tensors then."""
         self.sealed()  # this process's own last snapshot: committed or torn, not in flight
-        mine = self._candidates(head)
-        while True:  # a torn slot a rank finds drops that step; the ranks choose again
+        mine, me = self._candidates(head), dist.get_rank()
+        while True:  # a torn copy a rank finds is dropped; the ranks choose again
             every: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every, sorted(mine))
-            common = set(every[0]).intersection(*map(set, every[1:]))
-            if not common:
+            chosen = choose_copies(every)
+            if chosen is None:
                 return None
-            step = max(common)
-            held = self._tensors(mine[step][0], into)
-            intact = torch.tensor([int(held is not None)])
+            step, source = chosen
+            held = {owner: self._tensors(mine[(owner, step)][0],
+                                         into if owner == me else None)
+                    for owner, src in source.items() if src == me}
+            intact = torch.tensor([int(all(t is not None for t in held.values()))])
             dist.all_reduce(intact, op=dist.ReduceOp.MIN)
-            if held is not None and intact.item():
-                return step, held | _completed(held, group_of)
-            if held is None:  # the next slot of that step, if any, else the step is gone
-                mine[step] = mine[step][1:]
-                mine = {s: snaps for s, snaps in mine.items() if snaps}
+            if intact.item():
+                own = _from_holders(held, source, into)
+                return step, own | _completed(own, group_of)
+            for owner, tensors in held.items():  # that copy is gone; the next, if any
+                if tensors is None:
+                    mine[(owner, step)] = mine[(owner, step)][1:]
+            mine = {key: snaps for key, snaps in mine.items() if snaps}
 
-    def _candidates(self, head: FlatManifest | None) -> dict[int, list[Snapshot]]:
-        """This rank's snapshots by step (newest first) that continue ``head``'s lineage
-        and are newer than it, checksums not yet checked (:meth:`_tensors`: only those a
-        load takes)."""
-        mine: dict[int, list[Snapshot]] = {}
+    def _candidates(self, head: FlatManifest | None
+                    ) -> dict[tuple[int, int], list[Snapshot]]:
+        """The snapshots this rank holds by (owner rank, step) (its own, and the replicas
+        it keeps of its predecessor's: the slot header's rank), each newest first, that
+        continue ``head``'s lineage and are newer than it, checksums not yet checked
+        (:meth:`_tensors`: only those a load takes)."""
+        mine: dict[tuple[int, int], list[Snapshot]] = {}
         if head is not None and self._tier is None:
             self._open(0)
-        if head is not None and self._tier is not None:
+        tier = self._tier
+        if head is not None and tier is not None:
             lineage = {head.uid} | {uid for _, uid in head.ancestors}
             lineage.discard("")
-            for snap in self._tier.recovered(lambda meta: meta.run_id in lineage,
-                                             verify=False):
-                if snap.step > head.step and snap.origin != "replica" \
-                        and snap.meta.run_id in lineage:
-                    mine.setdefault(snap.step, []).append(snap)
+            for snap in tier.recovered(lambda meta: meta.run_id in lineage, verify=False):
+                if snap.step > head.step and snap.meta.run_id in lineage:
+                    owner = tier.replicas.rank if snap.origin == "replica" and \
+                        tier.replicas is not None else dist.get_rank()
+                    mine.setdefault((owner, snap.step), []).append(snap)
         return mine
 
     def _tensors(self, snap: Snapshot, into: Mapping[str, Any] | None
                  ) -> dict[str, torch.Tensor] | None:
         """``snap``'s tensors (views), or None when its slot is torn: a slot an earlier
-        worker left is mapped and checked against its checksums here, by the load that
-        takes it (this process's own snapshot was sealed by it)."""
-        slots = self._tier.slots if self._tier is not None else None
-        if snap.verified or snap.slot is None or slots is None:
+        worker left (this rank's or a replica) is mapped and checked against its
+        checksums here, by the load that takes it (this process's own snapshot was
+        sealed by it)."""
+        tier = self._tier
+        store = None if tier is None else \
+            tier.replicas if snap.origin == "replica" else tier.slots
+        if snap.verified or snap.slot is None or store is None:
             return dict(snap.tensors)
-        return slots.intact(snap.slot, into)
+        return store.intact(snap.slot, into)
 
     def settle(self, step: int | None) -> None:
         """All ranks, after a load: keep the snapshot of ``step`` (the load's source;
@@ -208,10 +247,71 @@ class FlatRam:
 
     def close(self, unlink: bool = False) -> None:
         """Drop the mappings (after the last snapshot's seal); with ``unlink`` (a clean
-        end) remove this rank's slots."""
+        end) remove this rank's slots (and the replicas it keeps). The replica exchange
+        stops first (after the snapshots handed to it)."""
+        if self._replicator is not None:
+            self._replicator.close()
+            self._replicator = None
         if self._tier is not None:
             self._tier.close(unlink)
             self._tier = None
+
+
+def choose_copies(offers: Sequence[Sequence[tuple[int, int]]]
+                  ) -> tuple[int, dict[int, int]] | None:
+    """Pure: from the (owner rank, step) of the slots each rank holds (``offers[r]``:
+    rank r's, its own and replicas), the newest step of which every rank's slot is held
+    by some rank, and for each rank the one that serves its slot: itself when it holds
+    it (read into its own tensors), else the lowest rank keeping a replica. None when no
+    step is held whole."""
+    holders: dict[tuple[int, int], list[int]] = {}
+    for rank, keys in enumerate(offers):
+        for owner, step in keys:
+            holders.setdefault((owner, step), []).append(rank)
+    for step in sorted({step for _, step in holders}, reverse=True):
+        ranks = [holders.get((owner, step)) for owner in range(len(offers))]
+        if all(ranks):
+            return step, {owner: owner if owner in held else min(held)
+                          for owner, held in enumerate(ranks)}
+    return None
+
+
+def _from_holders(held: Mapping[int, Mapping[str, torch.Tensor]], source: Mapping[int, int],
+                  into: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
+    """All ranks, once the copies ``source`` names are read (``held``: this rank's, by
+    owner): this rank's tensors, its own slot's, or sent by the holder of its replica
+    (each key's bytes, owners then keys in order; into ``into``'s tensor of the same
+    shape and dtype where it is a contiguous CPU one)."""
+    me = dist.get_rank()
+    if all(src == owner for owner, src in source.items()):
+        return dict(held[me])
+    specs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(specs, {owner: {k: (list(t.shape), str(t.dtype))
+                                           for k, t in tensors.items()}
+                                   for owner, tensors in held.items() if owner != me})
+    out = dict(held.get(me, {}))
+    for owner, src in sorted(source.items()):
+        if src == owner or me not in (owner, src):
+            continue
+        for key, (shape, dtype) in sorted(specs[src][owner].items()):
+            if me == src:
+                t = held[owner][key].contiguous()
+            else:
+                t = out[key] = _target((into or {}).get(key), shape,
+                                       getattr(torch, dtype.removeprefix("torch.")))
+            data = t.reshape(-1).view(torch.uint8)
+            if data.numel():
+                (dist.send if me == src else dist.recv)(data, owner if me == src else src)
+    return out
+
+
+def _target(mine: Any, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Where a key sent from a replica is received: the loader's own tensor when it fits
+    (a contiguous CPU tensor of that shape and dtype), else a new one."""
+    if isinstance(mine, torch.Tensor) and mine.device.type == "cpu" and mine.dtype == dtype \
+            and list(mine.shape) == shape and mine.is_contiguous():
+        return mine
+    return torch.empty(shape, dtype=dtype)
 
 
 def ram_report(head: RestoreReport, step: int) -> RestoreReport:
