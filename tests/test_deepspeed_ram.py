@@ -57,3 +57,20 @@ def test_a_kill_during_a_snapshot_leaves_the_previous_one(attempts):
         assert (r["tier"], r["step"], r["checkpoint"], r["global_steps"]) == \
             ("ram", 9, "ram:9", 9)
         assert r["bad"] == [] and r["checked"] > 80 and r["rng"]
+
+
+def test_the_sections_ram_replicas_is_checked_like_the_managers():
+    from moepec.errors import ConfigError
+    from moepec.integrations.ds_ram import check_ram_fields
+
+    pytest.importorskip("deepspeed")
+    from moepec.integrations.deepspeed import _DOOR_FIELDS
+
+    assert "ram_replicas" in _DOOR_FIELDS  # a field of the "moepec" section
+    for fine in ({"ram_replicas": None}, {"ram_replicas": 0}, {"ram_replicas": 1},
+                 {"ram_dir": None, "ram_replicas": 0}):
+        check_ram_fields({"snapshot_every": 5, **fine})
+    with pytest.raises(ConfigError, match="ram_replicas must be 0, 1 or None"):
+        check_ram_fields({"snapshot_every": 5, "ram_replicas": 2})
+    with pytest.raises(ConfigError, match="set ram_dir"):
+        check_ram_fields({"snapshot_every": 5, "ram_dir": None, "ram_replicas": 1})

@@ -293,6 +293,7 @@ def test_a_rank_whose_node_was_lost_loads_its_slot_from_the_replica(tmp_path, to
 
 def test_ram_replicas_is_checked_and_needs_several_nodes(ram):
     from moepec.errors import ConfigError
+    from moepec.flat import RamLevel
 
     root, folder = ram
     for bad in (2, True, "1"):
@@ -308,6 +309,13 @@ def test_ram_replicas_is_checked_and_needs_several_nodes(ram):
     auto.snapshot(6, state(6), "U1")
     assert not auto.replicated and auto.in_shared_memory
     auto.close(unlink=True)
+    level = RamLevel(lambda: None)  # the doors' level hands the option to its tiers
+    level.configure(True, folder, ram_replicas=0)
+    assert level.ram(root).ram_replicas == 0
+    with pytest.raises(ConfigError, match="ram_replicas must be"):
+        level.configure(True, folder, ram_replicas=3)
+    assert level.on and level.ram_replicas == 0  # a refusal changes nothing
+    level.close()
 
 
 def test_the_ranks_choose_the_newest_step_every_ranks_slot_is_held_for():

@@ -85,6 +85,10 @@ def test_snapshot_refuses_without_the_ram_level_or_with_iteration_in_the_common_
             pec.snapshot(sd(), 5, str(tmp_path))
         with pytest.raises(moepec.ConfigError, match="ram_dir must be"):
             pec.register(ram_dir="")
+        with pytest.raises(moepec.ConfigError, match="ram_replicas must be 0, 1 or None"):
+            pec.register(ram_dir="auto", ram_replicas=2)
+        with pytest.raises(moepec.ConfigError, match="set ram_dir"):
+            pec.register(ram_replicas=1)  # no RAM level to replicate
     finally:
         pec.register()
         dist.destroy_process_group()

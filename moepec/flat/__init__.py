@@ -6,7 +6,7 @@ from moepec.flat.front import FlatFrontEnd
 from moepec.flat.level import RamFound, RamLevel
 from moepec.flat.lineage import Choice
 from moepec.flat.plan import FLAT_FIELDS, FlatPlan, Unit, natural
-from moepec.flat.ram import FlatRam, check_ram_dir, ram_report
+from moepec.flat.ram import FlatRam, check_ram_dir, check_ram_replicas, ram_report
 from moepec.flat.regions import Region, parse_shard_key, shard_key
 from moepec.state.objects import decode_object, encode_object
 from moepec.store.flat import (  # read_manifest: a folder's validated manifest (its needs)
@@ -17,6 +17,6 @@ from moepec.store.flat import (  # read_manifest: a folder's validated manifest 
 from moepec.store.reader import read_small  # a framework's small file (DeepSpeed's latest)
 
 __all__ = ["FLAT_FIELDS", "Choice", "FlatFrontEnd", "FlatPlan", "FlatRam", "RamFound", "RamLevel", "Region",
-           "Unit", "check_ram_dir", "decode_object", "encode_object", "natural",
+           "Unit", "check_ram_dir", "check_ram_replicas", "decode_object", "encode_object", "natural",
            "parse_shard_key", "ram_report", "read_manifest", "read_small", "shard_key",
            "split_folder", "write_rank"]

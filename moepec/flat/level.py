@@ -32,6 +32,7 @@ from moepec.flat.lineage import Choice
 from moepec.flat.ram import FlatRam, check_ram_dir, ram_report
 from moepec.hooks import FaultHooks
 from moepec.ram import placement
+from moepec.ram.replica import check_ram_replicas
 from moepec.recovery.outcome import RestoreReport
 from moepec.store.flat import FlatManifest
 
@@ -59,26 +60,32 @@ class RamLevel:
         self.on = False
         self.ram_dir: str | None = placement.AUTO
         self.hooks: FaultHooks | None = None
+        self.ram_replicas: int | None = None
         self._rams: dict[str, FlatRam] = {}
         self._told: set[str] = set()
         self.report: RestoreReport | None = None
         """The report of the last load if it was from RAM (:meth:`take`), else None."""
 
     def configure(self, on: bool, ram_dir: str | None = placement.AUTO,
-                  hooks: FaultHooks | None = None) -> None:
-        """Any rank: turn the level on or off; ``ram_dir`` as ``CheckpointConfig.ram_dir``
-        (``"auto"``, a folder, or None: in the process); ``hooks``: the snapshots'
-        fault-injection seams (for tests). Raises ConfigError for a bad ``ram_dir``
-        (changing nothing); drops the mappings of an earlier configuration."""
+                  hooks: FaultHooks | None = None, ram_replicas: int | None = None) -> None:
+        """Any rank: turn the level on or off; ``ram_dir`` and ``ram_replicas`` as
+        ``CheckpointConfig``'s (``"auto"``, a folder, or None: in the process; 0, 1, or
+        None: slots kept on the next node too when the ranks span nodes); ``hooks``: the
+        snapshots' fault-injection seams (for tests). Raises ConfigError for a bad
+        ``ram_dir`` or ``ram_replicas`` (changing nothing); drops the mappings of an
+        earlier configuration."""
         check_ram_dir(ram_dir)
+        check_ram_replicas(ram_replicas, ram_dir)
         self.close(unlink=False)
         self.on, self.ram_dir, self.hooks, self.report = on, ram_dir, hooks, None
+        self.ram_replicas = ram_replicas
 
     def ram(self, root: str) -> FlatRam:
         """The RAM tier of save directory ``root`` (opened at its first collective use)."""
         root = os.path.abspath(root)
         if root not in self._rams:
-            self._rams[root] = FlatRam(root, ram_dir=self.ram_dir, hooks=self.hooks)
+            self._rams[root] = FlatRam(root, ram_dir=self.ram_dir, hooks=self.hooks,
+                                       ram_replicas=self.ram_replicas)
         return self._rams[root]
 
     def snapshot(self, root: str, step: int,

@@ -13,9 +13,9 @@ whose config has the section saves K of N experts per MoE layer::
 
 or, without the section, :func:`attach` ``(engine, k_persist=2)``. The section takes the
 ``CheckpointConfig`` fields that apply (``moepec.flat.FLAT_FIELDS``), ``async_persist``,
-``expert_spec`` (an ``ExpertSpec``'s fields), and the RAM level's ``snapshot_every`` and
-``ram_dir``: with them, :func:`snapshot` ``(engine, save_dir)`` after ``engine.step()``
-copies every rank's state into shared memory (:mod:`moepec.flat.ram`), and a load of
+``expert_spec`` (an ``ExpertSpec``'s fields), and the RAM level's ``snapshot_every``,
+``ram_dir`` and ``ram_replicas`` (as ``CheckpointConfig``'s): with them,
+:func:`snapshot` ``(engine, save_dir)`` after ``engine.step()`` copies every rank's state into shared memory (:mod:`moepec.flat.ram`), and a load of
 ``latest`` after a worker restart takes it when it is newer than storage's. The door is attached when the engine is
 built (a section's mistakes, and a model with no experts found, are said then).
 
@@ -172,7 +172,7 @@ def attach(engine: DeepSpeedEngine, **fields: Any) -> PecCheckpointEngine:
     return door
 
 
-_DOOR_FIELDS = ("async_persist", "expert_spec", "snapshot_every", "ram_dir")
+_DOOR_FIELDS = ("async_persist", "expert_spec", "snapshot_every", "ram_dir", "ram_replicas")
 
 
 def _door_of(engine: DeepSpeedEngine) -> PecCheckpointEngine | None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import moepec
 from moepec.errors import CheckpointError, ConfigError
-from moepec.flat import RamFound, RamLevel, check_ram_dir
+from moepec.flat import RamFound, RamLevel, check_ram_dir, check_ram_replicas
 from moepec.integrations.ds_experts import module_replica, optimizer_index, zero3_fragments
 from moepec.integrations.ds_export import read_latest
 from moepec.integrations.ds_files import file_keys, join_file, location, split_file
@@ -62,6 +62,7 @@ def check_ram_fields(fields: dict[str, Any]) -> None:
         raise ConfigError(f"snapshot_every must be a whole number of steps >= 0 (got "
                           f"{every!r}); 0 (the default) turns the RAM tier off")
     check_ram_dir(fields.get("ram_dir", "auto"))
+    check_ram_replicas(fields.get("ram_replicas"), fields.get("ram_dir", "auto"))
 
 
 class RamFiles:
@@ -81,7 +82,8 @@ class RamFiles:
         """Inside :func:`snapshot`: its save directory (files go to RAM, not storage)."""
         self.level = RamLevel(lambda: self.front)
         self.level.configure(bool(self.fields.get("snapshot_every")),
-                             self.fields.get("ram_dir", "auto"))
+                             self.fields.get("ram_dir", "auto"),
+                             ram_replicas=self.fields.get("ram_replicas"))
         self._from_ram: RamFound | None = None
         """The load in progress from RAM."""
 

@@ -374,9 +374,12 @@ def register(**fields: Any) -> None:
     (``k_persist``, ``selection``, ``full_every``, ``plt_budget``, ``dynamic_k``,
     ``dynamic_k_down``; same names, defaults and validation), and ``ram_dir`` (``"auto"``,
     a folder, or None: in the process) to turn the RAM level on (:func:`snapshot`; loads
-    of the newest folder take RAM when newer). Called at import with the defaults (K = 1,
+    of the newest folder take RAM when newer), with ``ram_replicas`` (0, 1, or None: 1
+    when the ranks span nodes; as ``CheckpointConfig``'s: each slot kept on the next
+    node too, so a rank whose node was lost loads from RAM). Called at import with the defaults (K = 1,
     sequential, no RAM level). Raises moepec.ConfigError for a bad or foreign field."""
-    front = FlatFrontEnd(**{k: v for k, v in fields.items() if k not in ("ram_dir", "hooks")})
+    front = FlatFrontEnd(**{k: v for k, v in fields.items()
+                            if k not in ("ram_dir", "ram_replicas", "hooks")})
     _ram.configure(fields)  # after every field is checked: a refusal changes nothing
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
                               MoepecSaveStrategy(front))

@@ -158,14 +158,16 @@ class MegatronRam:
 
     def configure(self, fields: dict[str, Any]) -> dict[str, Any]:
         """At :func:`~moepec.integrations.megatron.register`: take ``ram_dir`` (turns the
-        level on: ``"auto"``, a folder, or None for in-process snapshots) and ``hooks``
+        level on: ``"auto"``, a folder, or None for in-process snapshots), ``ram_replicas``
+        (as ``CheckpointConfig``'s) and ``hooks``
         (the snapshots' fault-injection seams, :class:`moepec.hooks.FaultHooks`, for
         tests) out of ``fields`` and return the rest. Drops the mappings of an earlier
         configuration. With the level on, Megatron's default ``torch`` common load is
         :class:`CommonLoad` (else its own)."""
         rest = dict(fields)
         on, ram_dir = "ram_dir" in rest, rest.pop("ram_dir", None)
-        self.level.configure(on, ram_dir, rest.pop("hooks", None))
+        self.level.configure(on, ram_dir, rest.pop("hooks", None),
+                             rest.pop("ram_replicas", None))
         self._common = None
         register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1,
                                   CommonLoad(self) if on else TorchCommonLoadStrategy())
