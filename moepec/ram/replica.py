@@ -152,25 +152,36 @@ class Replicator:
                 self._queue.task_done()
 
     def _exchange(self, snap: Snapshot) -> None:
-        """Send ``snap``'s slot to the successor once sealed, receive the predecessor's."""
+        """Send ``snap``'s slot to the successor once sealed, receive the predecessor's.
+        A slot that was not sealed (in time) is announced as empty and nothing of it is
+        sent, so that every exchange still pairs with the peers' (then raises)."""
         assert snap.slot is not None
+        problem = None
         if not snap.done.wait(self.timeout.total_seconds()):
-            raise TimeoutError(f"the slot of step {snap.step} was not sealed in time")
-        if snap.error is not None:
-            raise RuntimeError(f"the slot of step {snap.step} was not sealed: {snap.error}")
-        header, data = self.own.raw(snap.slot)
-        sizes = torch.tensor([len(header), data.numel()], dtype=torch.int64)
+            problem = TimeoutError(f"the slot of step {snap.step} was not sealed in time")
+        elif snap.error is not None:
+            problem = RuntimeError(f"the slot of step {snap.step} was not sealed: {snap.error}")
+        header, data = (b"", None) if problem else self.own.raw(snap.slot)
+        sizes = torch.tensor([len(header), 0 if data is None else data.numel()],
+                             dtype=torch.int64)
         peer = torch.empty(2, dtype=torch.int64)
         self._wait([dist.isend(sizes, self.succ, group=self.group),
                     dist.irecv(peer, self.pred, group=self.group)])
+        works = []
+        if data is not None:
+            out_header = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+            works += [dist.isend(out_header, self.succ, group=self.group),
+                      dist.isend(data.contiguous(), self.succ, group=self.group)]
         in_header = torch.empty(int(peer[0]), dtype=torch.uint8)
         in_data = torch.empty(int(peer[1]), dtype=torch.uint8)
-        out_header = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        self._wait([dist.isend(out_header, self.succ, group=self.group),
-                    dist.isend(data.contiguous(), self.succ, group=self.group),
-                    dist.irecv(in_header, self.pred, group=self.group),
-                    dist.irecv(in_data, self.pred, group=self.group)])
-        self.held.write_raw(in_header.numpy().tobytes(), in_data)
+        if in_header.numel():  # (empty: the predecessor's slot was not sealed)
+            works += [dist.irecv(in_header, self.pred, group=self.group),
+                      dist.irecv(in_data, self.pred, group=self.group)]
+        self._wait(works)
+        if in_header.numel():
+            self.held.write_raw(in_header.numpy().tobytes(), in_data)
+        if problem is not None:
+            raise problem
 
     def _wait(self, works) -> None:
         for w in works:
