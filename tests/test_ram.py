@@ -389,3 +389,35 @@ def test_buffer_pool_take_all_reuses_given_buffers_and_allocates_the_rest():
     assert second["a"].data_ptr() == first["a"].data_ptr()
     assert second["b"].data_ptr() not in (first["a"].data_ptr(), first["b"].data_ptr())
     assert pool.allocated_bytes == 2 * (2 * 48 + 40) - 48
+
+
+def test_a_failed_seal_is_logged_and_never_raised_by_the_wait_for_the_copy(tmp_path, caplog):
+    """The seal (checksums, header) runs after the loop went on: when it fails, the slot
+    stays torn and the failure is logged; the wait for the copy, however late it comes
+    after the seal, returns the snapshot (it used to raise when the seal had failed
+    first: both failures shared one field)."""
+    from moepec.ram.shm import SlotStore
+    from moepec.ram.snapshot import RamTier, Snapshot
+
+    def fail_seal(point, step):
+        if point == "seal":
+            raise OSError("no space left for the header")
+
+    slots = SlotStore(str(tmp_path / "shm"), root=str(tmp_path / "root"), rank=0,
+                      world_size=1)
+    tier = RamTier(background=True, timeout_s=30, slots=slots,
+                   hooks=FaultHooks(on_snapshot=fail_seal))
+    meta = CheckpointMeta(step=3, seq=3, index=0, time=0.0, structure={}, config={},
+                          k_persist=0, k_snapshot=0, full=True, pec_scope="", selection="",
+                          experts_saved=[], experts_snapshot=[], counts=[], ledger={},
+                          plt=0.0, selectors={}, k_history=[], world_size=1,
+                          write_mode="flat", run_id="r", runs=[])
+    snap = Snapshot(tensors={}, persist_keys=frozenset(), meta=meta, persist=False,
+                    all_keys=["w"])
+    tier.start(snap, {"w": torch.arange(6.0)})
+    assert snap.done.wait(30)  # the seal failed before the loop asks for the copy
+    assert isinstance(snap.error, OSError) and snap.copy_error is None
+    assert tier.finish() is snap  # the copy itself succeeded
+    assert "could not be sealed" in caplog.text
+    assert tier.recovered(lambda meta: True, verify=True) == []  # torn: never read
+    tier.close(unlink=True)

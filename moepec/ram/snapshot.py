@@ -106,6 +106,9 @@ class Snapshot:
     done: threading.Event = field(default_factory=threading.Event)
     """Set once the snapshot is sealed (checksums, a slot's header) or has failed."""
     error: BaseException | None = None
+    """Why it is not usable: its copy or (after ``copied``: only logged) its seal failed."""
+    copy_error: BaseException | None = None
+    """Why its copy failed (set before ``copied``): what ``Snapshotter.wait`` raises."""
     copy_seconds: float = 0.0
     """Seconds of the copy the loop waits for (the seal after it not included)."""
     seal_seconds: float = 0.0
@@ -208,9 +211,9 @@ class Snapshotter:
                 f"snapshot of step {snap.step} did not finish within {self.timeout_s}s; "
                 f"raise CheckpointConfig.timeout_s or check host memory pressure")
         self._pending = None
-        if snap.error is not None:
-            raise CheckpointError(f"snapshot of step {snap.step} failed: {snap.error}") \
-                from snap.error
+        if snap.copy_error is not None:
+            raise CheckpointError(f"snapshot of step {snap.step} failed: {snap.copy_error}") \
+                from snap.copy_error
         return snap
 
     @property
@@ -257,7 +260,7 @@ class Snapshotter:
                 tensors = snap.tensors
                 copy_all((tensors[key], src) for key, src in sources.items())
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
-            snap.error = exc
+            snap.error = snap.copy_error = exc
         t1 = time.perf_counter()
         snap.copy_seconds = t1 - t0
         snap.copied.set()
