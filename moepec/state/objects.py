@@ -22,7 +22,12 @@ and ``dict`` with string keys; everything else is a JSON object with exactly one
   handed back as they came, never interpreted (Transformer Engine's ``_extra_state`` is
   an ``io.BytesIO`` that TE itself reads);
 - ``{"__set__": [...]}`` / ``{"__frozenset__": [...]}``: a set of plain keys (None,
-  bool, int, float, str, tuples of them), sorted by their JSON text.
+  bool, int, float, str, tuples of them), sorted by their JSON text;
+- ``{"__namespace__": {...}}``: an ``argparse.Namespace`` (Megatron-LM's ``args``), its
+  attributes as a dict; ``{"__dtype__": "bfloat16"}``: a ``torch.dtype`` (any of torch's);
+- ``{"__enum__": ["module.Class", "member"]}``: a member of an enum class the caller
+  allows (``enums=`` of both functions; decoding looks the class up in that list, never
+  imports a name).
 
 Decoding is ``json.loads`` plus a strict walker that builds only those types:
 anything unexpected (not JSON, an unknown tag, a dtype off the list, data of the wrong
@@ -41,6 +46,10 @@ import io
 import json
 import math
 import types
+from argparse import Namespace
+from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -48,6 +57,7 @@ import torch
 from torch import nn
 
 from moepec.errors import ConfigError, CorruptCheckpointError
+from moepec.state.object_path import ObjectPath as _Path
 
 FORMAT = "moepec-object/1"
 """The document format written; decoding accepts only this one."""
@@ -70,9 +80,17 @@ NDARRAY_DTYPES: dict[str, np.dtype] = {
                              "complex128")
 }
 """Numpy dtypes an object may hold (uint32 for numpy's RNG state), by name."""
+DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in vars(torch).values()
+                                  if isinstance(d, torch.dtype)}
+"""``torch.dtype`` values an object may hold (torch's own, e.g. Megatron-LM's
+``args.params_dtype``), by name."""
+_ENUMS: ContextVar[Mapping[str, type[Enum]]] = ContextVar(
+    "moepec_object_enums", default=types.MappingProxyType({}))
+"""The enum classes the encode or decode in progress allows, by qualified name."""
 
 _TAGS = ("__tuple__", "__dict__", "__float__", "__tensor__", "__ndarray__", "__npscalar__",
-         "__bytes__", "__bytesio__", "__set__", "__frozenset__")
+         "__bytes__", "__bytesio__", "__set__", "__frozenset__", "__namespace__",
+         "__dtype__", "__enum__")
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.BuiltinMethodType, functools.partial)
@@ -82,36 +100,6 @@ _PICKLE_PROTO = b"\x80"
 
 def _is_tag(key: str) -> bool:
     return len(key) >= 4 and key.startswith("__") and key.endswith("__")
-
-
-class _Path:
-    """Where a value sits in an object, e.g. ``['lr_lambdas'][0]``; built as the walkers
-    descend, formatted (at most 200 characters) only for an error message."""
-
-    __slots__ = ("parent", "step", "kind")
-
-    def __init__(self, parent: _Path | None, step: Any, kind: str) -> None:
-        self.parent, self.step, self.kind = parent, step, kind  # kind: root, item, key
-
-    @staticmethod
-    def root(name: str) -> _Path:
-        return _Path(None, name, "root")
-
-    def __truediv__(self, step: Any) -> _Path:
-        return _Path(self, step, "item")
-
-    def key(self, k: Any) -> _Path:
-        """The path of a dict key itself (not of its value)."""
-        return _Path(self, k, "key")
-
-    def __str__(self) -> str:
-        parts, p = [], self
-        while p is not None:
-            parts.append(p.step if p.kind == "root" else
-                         f" key {p.step!r}" if p.kind == "key" else f"[{p.step!r}]")
-            p = p.parent
-        text = "".join(reversed(parts))
-        return text if len(text) <= 200 else f"{text[:200]}..."
 
 
 # -- encoding ----------------------------------------------------------------------------
@@ -131,13 +119,19 @@ def _describe(x: Any) -> str:
     return f"a {name}"
 
 
-def encode_object(obj: Any, where: str,
-                  fix: str = "make state_dict() return plain data") -> torch.Tensor:
+def _allowed(enums: Iterable[type[Enum]]) -> dict[str, type[Enum]]:
+    return {f"{c.__module__}.{c.__qualname__}": c for c in enums}
+
+
+def encode_object(obj: Any, where: str, fix: str = "make state_dict() return plain data",
+                  enums: Iterable[type[Enum]] = ()) -> torch.Tensor:
     """``obj`` as a uint8 tensor holding its JSON document (see the module docstring).
 
     Any thread; reads ``obj`` only. ``where`` names the object in errors, e.g.
-    ``"extra_state['sched'] state_dict()"``. Raises ConfigError, one line naming the
+    ``"extra_state['sched'] state_dict()"``; ``enums``: the enum classes whose members
+    it may hold (those its reader allows). Raises ConfigError, one line naming the
     offending path and type, for a value moepec does not store, ending with ``fix``."""
+    token = _ENUMS.set(_allowed(enums))
     try:
         doc = json.dumps({"format": FORMAT, "value": _enc(obj, _Path.root(""), 0)},
                          allow_nan=False, separators=(",", ":"))
@@ -146,6 +140,8 @@ def encode_object(obj: Any, where: str,
                           f"and tensors: {fix}") from None
     except ValueError as exc:  # an int beyond Python's int-to-str digit limit
         raise ConfigError(f"{where} cannot be written as JSON ({exc}); {fix}") from None
+    finally:
+        _ENUMS.reset(token)
     data = doc.encode("ascii")
     if len(data) > MAX_OBJECT_BYTES:
         raise ConfigError(f"{where} takes {len(data)} bytes as JSON, more than moepec's "
@@ -160,6 +156,8 @@ def _enc(x: Any, path: _Path, depth: int) -> Any:
         return x
     if type(x) is float:
         return x if math.isfinite(x) else {"__float__": repr(x)}
+    if isinstance(x, (Enum, torch.dtype, Namespace)):
+        return _enc_named(x, path, depth)
     if isinstance(x, torch.Tensor):
         return {"__tensor__": _enc_tensor(x, path)}
     if isinstance(x, np.ndarray):
@@ -179,6 +177,21 @@ def _enc(x: Any, path: _Path, depth: int) -> Any:
     if type(x) in (set, frozenset):
         return _enc_set(x, path, depth)
     raise _Refused(path, _describe(x))
+
+
+def _enc_named(x: Enum | torch.dtype | Namespace, path: _Path, depth: int) -> Any:
+    """An enum member of an allowed class, a torch.dtype or an argparse.Namespace."""
+    if isinstance(x, torch.dtype):
+        return {"__dtype__": str(x).removeprefix("torch.")}
+    if type(x) is Namespace:
+        return {"__namespace__": _enc_dict(vars(x), path, depth)}
+    name = f"{type(x).__module__}.{type(x).__qualname__}"
+    if not isinstance(x, Enum):  # a subclass of Namespace: it would come back as one
+        raise _Refused(path, _describe(x))
+    if _ENUMS.get().get(name) is not type(x):
+        raise _Refused(path, f"{_describe(x)} (enums stored: "
+                             f"{', '.join(_ENUMS.get()) or 'none here'})")
+    return {"__enum__": [name, x.name]}
 
 
 def _enc_set(x: set | frozenset, path: _Path, depth: int) -> Any:
@@ -229,12 +242,12 @@ class _Bad(Exception):
     """Why a document is malformed; decode_object turns it into CorruptCheckpointError."""
 
 
-def decode_object(t: torch.Tensor, key: str) -> Any:
+def decode_object(t: torch.Tensor, key: str, enums: Iterable[type[Enum]] = ()) -> Any:
     """The object a tensor from :func:`encode_object` holds; runs no code from the data.
 
-    Any thread. Tensors in the object come back on the CPU. Raises
-    CorruptCheckpointError (one line, naming ``key``) for anything but a well-formed
-    document, pickle bytes included."""
+    Any thread. Tensors in the object come back on the CPU; an enum member only of a
+    class in ``enums``. Raises CorruptCheckpointError (one line, naming ``key``) for
+    anything but a well-formed document, pickle bytes included."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
         raise _corrupt(key, "not a 1-d uint8 tensor")
     if t.numel() > MAX_OBJECT_BYTES:
@@ -242,6 +255,7 @@ def decode_object(t: torch.Tensor, key: str) -> Any:
     data = t.detach().cpu().contiguous().numpy().tobytes()
     if data.startswith(_PICKLE_PROTO):
         raise _corrupt(key, "pickle bytes, which moepec never loads (unpickling can run code)")
+    token = _ENUMS.set(_allowed(enums))
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant,
                          object_pairs_hook=_no_duplicates)
@@ -252,6 +266,8 @@ def decode_object(t: torch.Tensor, key: str) -> Any:
         raise _corrupt(key, f"not a JSON document ({type(exc).__name__})") from None
     except TypeError as exc:  # not expected (every field's type is checked); never escapes
         raise _corrupt(key, f"a field of the wrong type ({exc})") from None
+    finally:
+        _ENUMS.reset(token)
 
 
 def _corrupt(key: str, reason: str) -> CorruptCheckpointError:
@@ -320,8 +336,28 @@ def _dec_tagged(tag: str, body: Any, path: _Path, depth: int) -> Any:
         if not all(_plain_key(v) for v in members) or len(set(members)) != len(members):
             raise _Bad(f"{path}: a set member is of a type moepec does not write, or repeated")
         return set(members) if tag == "__set__" else frozenset(members)
+    if tag in ("__namespace__", "__dtype__", "__enum__"):
+        return _dec_named(tag, body, path, depth)
     arr = _dec_array(body, path)
     return arr if tag == "__ndarray__" else _scalar(arr, path)
+
+
+def _dec_named(tag: str, body: Any, path: _Path, depth: int) -> Any:
+    if tag == "__namespace__":
+        attrs = _dec(body, path, depth + 1)
+        if type(attrs) is not dict or not all(type(k) is str for k in attrs):
+            raise _Bad(f"{path}: a __namespace__ is not a dict with string keys")
+        return Namespace(**attrs)
+    if tag == "__dtype__":
+        if type(body) is not str or body not in DTYPES:
+            raise _Bad(f"{path}: {str(body)[:40]!r} is not a torch dtype")
+        return DTYPES[body]
+    cls = _ENUMS.get().get(body[0]) if type(body) is list and len(body) == 2 \
+        and type(body[0]) is str else None
+    if cls is None or type(body[1]) is not str or body[1] not in cls.__members__:
+        raise _Bad(f"{path}: {str(body)[:80]} is not a member of an enum this reader "
+                   f"allows ({', '.join(_ENUMS.get()) or 'none'})")
+    return cls.__members__[body[1]]
 
 
 def _list(x: Any, path: _Path) -> list:
