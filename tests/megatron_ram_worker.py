@@ -12,6 +12,13 @@ every 4) under ``torchrun --max-restarts 3``, 2 ranks, gloo, EP 2, K = 1 of 4 ex
   takes storage (the snapshot of 9 was an abandoned future); 9 again (a snapshot), then
   at 10 rank 1 SIGKILLs itself inside its snapshot, its slot copied and not sealed;
 - attempt 3: the load takes RAM at 9 (rank 1's slot of 10 is torn: never read).
+
+Every save and snapshot is of a Megatron-LM-shaped state dict (:func:`lm_state`): its
+common state holds ``iteration``, ``args`` (an ``argparse.Namespace`` with the sample
+counts, a dtype, Megatron's enums), the scheduler's dict and the FLOP count, and an
+``rng_state`` ShardedObject numpy's and torch's RNG states; every load returns them as
+``lm`` (they must be those of the step the load names). In attempt 0 a snapshot whose
+``args`` holds a function is refused (``refused``: the message).
 """
 
 from __future__ import annotations
@@ -21,15 +28,20 @@ import os
 import shutil
 import signal
 import sys
+from argparse import Namespace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.transformer.enums import AttnBackend
 from megatron_model import build, sharded, snapshot
 from megatron_worker import expert_of, make_folder, train_a_bit
 from ram_attempts import die_inside_snapshot, write_results
 
+import moepec
 import moepec.integrations.megatron as pec
 from moepec.hooks import FaultHooks
 
@@ -42,6 +54,35 @@ def newest(save_dir: str) -> str:
     """The newest saved folder (what Megatron-LM's tracker file names)."""
     return max(n for n in os.listdir(save_dir)
                if os.path.exists(os.path.join(save_dir, n, "metadata.json")))
+
+
+def lm_state(model, opt, it: int, loading: bool = False, **args) -> dict:
+    """The model's and optimizer's shards with Megatron-LM's common values and RNG
+    states of iteration ``it`` (as its generate_state_dict puts them)."""
+    rng = {"np_rng_state": np.random.RandomState(it).get_state(),
+           "torch_rng_state": torch.Generator().manual_seed(it).get_state()}
+    return {**sharded(model, opt, loading), "iteration": it, "checkpoint_version": 3.0,
+            "args": Namespace(consumed_train_samples=8 * it, params_dtype=torch.float32,
+                              attention_backend=AttnBackend.auto,
+                              exit_signal=signal.SIGTERM, **args),
+            "opt_param_scheduler": {"num_steps": 8 * it, "max_lr": 1e-3},
+            "num_floating_point_operations_so_far": 1.5 * it,
+            "rng_state": ShardedObject("rng_state", [rng], (2,), (dist.get_rank(),),
+                                       replica_id=0)}
+
+
+def lm_values(state: dict, it: int) -> list:
+    """What Megatron-LM's load_checkpoint reads after the load, and whether it is
+    iteration ``it``'s (the RNG states bit for bit)."""
+    rng = state["rng_state"][0]
+    return [state["iteration"], state["args"].consumed_train_samples,
+            str(state["args"].params_dtype), state["args"].attention_backend.name,
+            state["opt_param_scheduler"]["num_steps"],
+            state["num_floating_point_operations_so_far"],
+            rng["np_rng_state"][0], bool(np.array_equal(
+                rng["np_rng_state"][1], np.random.RandomState(it).get_state()[1])),
+            bool(torch.equal(rng["torch_rng_state"],
+                             torch.Generator().manual_seed(it).get_state()))]
 
 
 def adam_step(opt) -> float:
@@ -65,9 +106,7 @@ def load(model, opt, path: str, out: str) -> dict:
     """A plain dist_checkpointing.load of ``path``; the report, every weight and Adam
     moment that differs from its value at the step the report names for it, and Adam's
     step count with its value at the report's step."""
-    model_sd = model.sharded_state_dict()
-    state = dist_checkpointing.load({"model": model_sd, "optimizer": opt.sharded_state_dict(
-        model_sd, is_loading=True)}, path)
+    state = dist_checkpointing.load(lm_state(model, opt, 0, loading=True), path)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     r = pec.last_load_report()
@@ -80,7 +119,8 @@ def load(model, opt, path: str, out: str) -> dict:
             "checked": len(got), "units_from": r.units_from,
             "sources": sorted({s["step"] for s in r.sources.values()}),
             "adam_step": adam_step(opt),
-            "adam_step_then": float(expected(out, r.step)["adam_step"])}
+            "adam_step_then": float(expected(out, r.step)["adam_step"]),
+            "lm": lm_values(state, r.step)}
 
 
 def run(model, opt, save_dir: str, out: str, start: int, until: int) -> None:
@@ -89,10 +129,10 @@ def run(model, opt, save_dir: str, out: str, start: int, until: int) -> None:
         train_a_bit(model, opt, seed=it)
         if it % 4 == 0:
             make_folder(folder(save_dir, it))
-            dist_checkpointing.save(sharded(model, opt), folder(save_dir, it),
+            dist_checkpointing.save(lm_state(model, opt, it), folder(save_dir, it),
                                     sharded_strategy=("moepec", 1))
             record(out, it, model, opt)
-        if it % 3 == 0 and pec.snapshot(sharded(model, opt), it, save_dir):
+        if it % 3 == 0 and pec.snapshot(lm_state(model, opt, it), it, save_dir):
             record(out, it, model, opt)
 
 
@@ -108,6 +148,10 @@ def main(out: str, ram_dir: str) -> None:
     results: dict = {}
     if attempt == 0:
         run(model, opt, save_dir, out, 0, 7)
+        try:
+            pec.snapshot(lm_state(model, opt, 7, init=print), 7, save_dir)
+        except moepec.ConfigError as exc:
+            results["refused"] = str(exc)
     else:
         results["newest"] = load(model, opt, folder(save_dir, int(
             newest(save_dir).removeprefix("iter_"))), out)
@@ -124,7 +168,7 @@ def main(out: str, ram_dir: str) -> None:
 
         def iteration_10() -> None:
             train_a_bit(model, opt, seed=10)
-            pec.snapshot(sharded(model, opt), 10, save_dir)  # rank 1 dies at its seal
+            pec.snapshot(lm_state(model, opt, 10), 10, save_dir)  # rank 1 dies at its seal
         die_inside_snapshot(hooks, 10, out, attempt, results, iteration_10)
     write_results(out, attempt, results)
     if attempt < 2:

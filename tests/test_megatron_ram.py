@@ -64,8 +64,48 @@ def test_adam_step_count_after_a_load_is_the_uninterrupted_runs(attempts):
         assert r["adam_step"] == r["adam_step_then"] == r["step"], r
 
 
-def test_snapshot_refuses_without_the_ram_level_or_with_iteration_in_the_common_state(
-        tmp_path):
+def test_megatron_lms_common_values_and_rng_states_are_the_loaded_steps(attempts):
+    # Megatron-LM's load_checkpoint reads them from the merged dict after the load: from
+    # a RAM load the snapshot's (6, 9), from storage the folder's (4, 8).
+    loads = [got[c] for a in (1, 2, 3) for got in attempts[a]
+             for c in ("newest", "named", "after_named") if c in got]
+    assert sorted({r["step"] for r in loads}) == [4, 6, 8, 9]
+    for r in loads:
+        s = r["step"]
+        assert r["lm"] == [s, 8 * s, "torch.float32", "auto", 8 * s, 1.5 * s, "MT19937",
+                           True, True], r
+
+
+def test_a_common_value_that_is_not_data_is_refused_naming_it(attempts):
+    for got in attempts[0]:
+        assert got["refused"] == (
+            "snapshot()'s common state['args']['init'] is a function; moepec stores only "
+            "JSON values and tensors: keep the common (non-sharded) values JSON values, "
+            "tensors, numpy values, Namespaces, torch dtypes or Megatron's enums "
+            "(megatron_checks.ENUMS), or move them into sharded objects")
+
+
+def test_megatron_lms_args_with_megatrons_enums_round_trip():
+    import signal
+    from argparse import Namespace
+
+    import torch
+    from megatron.core.rerun_state_machine import RerunMode, RerunState
+    from megatron.core.transformer.enums import AttnBackend, CudaGraphScope
+
+    from moepec.flat import decode_object, encode_object
+    from moepec.integrations.megatron_checks import ENUMS
+
+    common = {"args": Namespace(attention_backend=AttnBackend.flash, exit_signal=signal.SIGINT,
+                                cuda_graph_scope=[CudaGraphScope.attn], params_dtype=torch.half),
+              "rerun_state_machine": {"mode": RerunMode.DISABLED,
+                                      "state": RerunState.NOT_RUNNING_YET}}
+    back = decode_object(encode_object(common, "c", enums=ENUMS), "c", enums=ENUMS)
+    assert vars(back["args"]) == vars(common["args"])
+    assert back["rerun_state_machine"] == common["rerun_state_machine"]
+
+
+def test_snapshot_refuses_without_the_ram_level_or_with_another_iteration(tmp_path):
     import torch
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -81,8 +121,8 @@ def test_snapshot_refuses_without_the_ram_level_or_with_iteration_in_the_common_
         with pytest.raises(moepec.ConfigError, match="ram_dir="):
             pec.snapshot(sd(), 5, str(tmp_path))  # registered at import: no RAM level
         pec.register(k_persist=1, ram_dir=None)
-        with pytest.raises(moepec.ConfigError, match="'iteration'"):
-            pec.snapshot(sd(), 5, str(tmp_path))
+        with pytest.raises(moepec.ConfigError, match="'iteration' is 5, not the 6 given"):
+            pec.snapshot(sd(), 6, str(tmp_path))
         with pytest.raises(moepec.ConfigError, match="ram_dir must be"):
             pec.register(ram_dir="")
         with pytest.raises(moepec.ConfigError, match="ram_replicas must be 0, 1 or None"):

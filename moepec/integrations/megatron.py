@@ -82,6 +82,7 @@ from moepec.flat import (
     write_rank,
 )
 from moepec.integrations.megatron_checks import (
+    ENUMS,
     OBJECT,
     check_version,
     overlap_key,
@@ -114,6 +115,7 @@ _ITER = re.compile(r"(\d+)$")
 _door: list[FlatFrontEnd] = []
 _ram = MegatronRam(lambda: _door[-1])
 snapshot = _ram.snapshot  # public: the RAM level (moepec.integrations.megatron_ram)
+snapshot_megatron_lm = _ram.snapshot_megatron_lm  # public: the same, in Megatron-LM
 close_ram = _ram.close  # public: at the clean end of a run, this rank's slots removed
 
 
@@ -348,7 +350,7 @@ def _loaded(sh: Shard, key: str, read: str | None, targets: Mapping[str, torch.T
             saved: Mapping[str, tuple[tuple[int, ...], str]], name: str) -> Any:
     """A shard's loaded value from what was read (:func:`_to_read`)."""
     if isinstance(sh, ShardedObject):
-        return decode_object(targets[key], f"{name}:{key}")
+        return decode_object(targets[key], f"{name}:{key}", enums=ENUMS)
     if _empty(sh):
         return _into(sh, torch.empty(0, dtype=sh.dtype))
     if read != key:  # allow_shape_mismatch: what overlaps, zeros elsewhere

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import signal
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -24,6 +25,15 @@ from megatron.core.dist_checkpointing.mapping import (
     CheckpointingException,
     ShardedObject,
     ShardedTensor,
+)
+from megatron.core.rerun_state_machine import RerunMode, RerunState
+from megatron.core.transformer.enums import (
+    AttnBackend,
+    AttnMaskType,
+    AttnType,
+    CudaGraphScope,
+    LayerType,
+    ModelType,
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -35,6 +45,11 @@ TESTED_VERSIONS = ("0.16.1",)
 """megatron-core versions the door's tests ran against (docs/megatron.md)."""
 OBJECT = "object:"
 """The flat-key prefix of a ShardedObject (its unique key follows)."""
+ENUMS = (AttnBackend, AttnMaskType, AttnType, CudaGraphScope, LayerType, ModelType, RerunMode,
+         RerunState, signal.Signals)
+"""The enum classes whose members the door's objects may hold (tagged JSON,
+:mod:`moepec.state.objects`): those of Megatron-LM's ``args`` (``--attention-backend``,
+``--cuda-graph-scope``, ``--exit-signal``, ...) and of its rerun state machine's state."""
 Shape = tuple[int, ...]
 
 

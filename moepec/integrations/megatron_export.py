@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get
 
 from moepec.errors import CheckpointError
 from moepec.flat import FlatFrontEnd, decode_object, shard_key, split_folder
-from moepec.integrations.megatron_checks import OBJECT
+from moepec.integrations.megatron_checks import ENUMS, OBJECT
 from moepec.keys import MANIFEST_NAME
 
 
@@ -63,7 +63,7 @@ def materialize(path: str, out: str) -> Materialized:
         state[f"moepec.tensor:{key}"] = ShardedTensor.from_rank_offsets(key, values[flat])
     for flat in objects:
         obj = ShardedObject.empty_from_unique_key(flat.removeprefix(OBJECT))
-        obj.data = decode_object(values[flat], f"{name}:{flat}")
+        obj.data = decode_object(values[flat], f"{name}:{flat}", enums=ENUMS)
         state[f"moepec.object:{obj.unique_key}"] = obj
     with _one_rank():
         os.makedirs(out)

@@ -14,11 +14,15 @@ A snapshot holds every ShardedTensor's data and every ShardedObject (as tagged J
 :mod:`moepec.state.objects`: nothing is pickled, nor unpickled at a load) this rank holds,
 replicas included, so a restarted rank reads its own shards alone at the same parallel
 layout (another layout: storage serves); and the *common* state (the non-sharded values
-Megatron writes to ``common.pt``, here e.g. the optimizer's ``common_step``), as tagged
-JSON. ``dist_checkpointing.load`` reads the folder's ``common.pt`` before any sharded
+Megatron writes to ``common.pt``: the optimizer's ``common_step``; of Megatron-LM's state
+dict also its ``args``, ``iteration``, scheduler and FLOP count), as tagged JSON. ``dist_checkpointing.load`` reads the folder's ``common.pt`` before any sharded
 strategy runs and refuses to merge a second value over it, so the RAM level's common load
 strategy (:class:`CommonLoad`, Megatron's ``torch`` one that also hands the RAM level the
-dict it read) lets a load from RAM set the snapshot's common values in that dict.
+dict it read) lets a load from RAM set the snapshot's common values in that dict: what
+Megatron-LM's ``load_checkpoint`` reads after the load (iteration, ``args``' sample
+counts, scheduler, FLOP count; the RNG states are a sharded object) is the snapshot's.
+:meth:`MegatronRam.snapshot_megatron_lm` builds the snapshot's dict with Megatron-LM's
+own code (:mod:`moepec.integrations.megatron_lm`).
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ from moepec.flat import (
     encode_object,
     split_folder,
 )
-from moepec.integrations.megatron_checks import OBJECT
+from moepec.integrations.megatron_checks import ENUMS, OBJECT
 from moepec.integrations.megatron_keys import flat_key, split_experts
+from moepec.integrations.megatron_lm import megatron_lm_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +116,7 @@ def value(x: Shard) -> torch.Tensor:
     moepec.state.objects)."""
     if isinstance(x, ShardedTensor):
         return x.data
-    return encode_object(x.data, f"ShardedObject {x.key!r}",
+    return encode_object(x.data, f"ShardedObject {x.key!r}", enums=ENUMS,
                          fix="keep _extra_state and other sharded objects plain data")
 
 
@@ -187,31 +192,46 @@ class MegatronRam:
         ``checkpoint_dir`` (the save directory, holding the ``iter_*`` folders) takes it
         when it is newer. Returns whether a snapshot was taken: none before the first
         save or load of ``checkpoint_dir`` in this process (nothing would name its
-        lineage). Raises
-        ConfigError when the RAM level is off, the common state holds ``iteration``
-        (Megatron-LM's: a RAM load would mix iterations) or a value that is not plain
-        data (JSON values and tensors); CheckpointError when the copy failed."""
+        lineage). Megatron-LM's own state dict (:meth:`snapshot_megatron_lm`) is taken
+        whole, its ``iteration`` and ``args`` in the common state included. Raises
+        ConfigError when the RAM level is off, the common state's ``iteration`` is not
+        ``iteration``, or a value is of a type moepec does not store (naming it);
+        CheckpointError when the copy failed."""
         if not self.level.on:
             raise ConfigError("snapshot() needs the RAM level: call pec.register(ram_dir="
                               "'auto', ...) (or use_for_torch_dist(ram_dir=...)) on every "
                               "rank before the first load or save")
         sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
-        if "iteration" in common:
-            raise ConfigError(
-                "snapshot(): this state dict keeps 'iteration' in its common state (as "
-                "Megatron-LM's checkpointing does): Megatron-LM's own --load reads the "
-                "folder's common state (its args, iteration, sample counts) on paths the "
-                "RAM level does not serve, so a load from RAM would mix iterations; the "
-                "RAM level serves a loop that keeps its step outside the common state "
-                "(resume after last_load_report().step): leave 'iteration' out of the "
-                "snapshot's state dict")
+        if common.get("iteration", iteration) != iteration:
+            raise ConfigError(f"snapshot(): the state dict's 'iteration' is "
+                              f"{common['iteration']!r}, not the {iteration} given: a load "
+                              f"from RAM would resume at the wrong iteration; pass the same")
 
         def tensors() -> dict[str, torch.Tensor]:
             out = {k: value(sh) for k, sh in shards(sharded).items() if not empty(sh)}
             return out | ({COMMON: encode_object(
-                common, "snapshot()'s common state", fix="keep the common (non-sharded) "
-                "values plain data, or move them into sharded objects")} if common else {})
+                common, "snapshot()'s common state", enums=ENUMS, fix="keep the common "
+                "(non-sharded) values JSON values, tensors, numpy values, Namespaces, "
+                "torch dtypes or Megatron's enums (megatron_checks.ENUMS), or move them "
+                "into sharded objects")} if common else {})
         return self.level.snapshot(checkpoint_dir, iteration, tensors)
+
+    def snapshot_megatron_lm(self, iteration: int, model: Any, optimizer: Any,
+                             opt_param_scheduler: Any,
+                             num_floating_point_operations_so_far: float,
+                             train_data_iterator: Any = None) -> bool:
+        """:meth:`snapshot` of Megatron-LM's own state dict (its ``save_checkpoint``'s
+        arguments; :func:`~moepec.integrations.megatron_lm.megatron_lm_state_dict`) into
+        its ``--save`` directory: all ranks, in Megatron-LM's ``train()`` after
+        ``train_step`` (and the increments of ``iteration`` and the sample and FLOP
+        counts that follow it). A restarted run's ``--load`` of that directory resumes at
+        this iteration when the snapshot is newer than its newest folder. Returns and
+        raises as :meth:`snapshot`."""
+        state, save_dir = megatron_lm_state_dict(model, optimizer, opt_param_scheduler,
+                                                 iteration,
+                                                 num_floating_point_operations_so_far,
+                                                 train_data_iterator)
+        return self.snapshot(state, iteration, save_dir)
 
     def load(self, root: str, name: str, reads: Sequence[str],
              into: Mapping[str, Any] | None = None, known: Choice | None = None
@@ -233,7 +253,7 @@ class MegatronRam:
             self.level.take(found, known)
             targets = self.level.copies(found, reads, into)
             if COMMON in found.tensors and folder == (root, name):
-                _overlay(common, decode_object(found.tensors[COMMON], COMMON))
+                _overlay(common, decode_object(found.tensors[COMMON], COMMON, enums=ENUMS))
             elif COMMON in found.tensors:
                 self.level.once("common", "moepec: a load from RAM with a common strategy "
                                 "of its own returns the storage folder's common values",
