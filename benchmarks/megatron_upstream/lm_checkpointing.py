@@ -15,12 +15,18 @@ iteration 20). Prints ``rank R LM OK ...``. CPU stand-ins beyond the shims: ``to
 read (:func:`read_tracker`). Not run: ``--async-save`` (its persistent
 worker calls ``torch.cuda.set_device``), ``--ckpt-fully-parallel-load`` (its exchange
 moves CUDA tensors).
+
+With moepec, the RAM level too (``ram_dir``; :func:`ram_resume`): a ``save_checkpoint``
+at 50, ``pec.snapshot_megatron_lm`` at 53, then ``load_checkpoint`` into a fresh model,
+optimizer and scheduler resumes at 53 (its sample count, scheduler and FLOP count, every
+tensor bit for bit). Prints ``rank R LM RAM OK ...``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 
@@ -46,6 +52,7 @@ if __name__ == "__main__":
     from megatron.core.num_microbatches_calculator import (
         init_num_microbatches_calculator,
     )
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.training import checkpointing
     from megatron.training.arguments import parse_args
     from megatron.training.global_vars import (
@@ -104,8 +111,9 @@ def main() -> None:
     set_args(lm_args(OUT))
     checkpointing.read_metadata = read_tracker
     init_num_microbatches_calculator(rank, None, 2, 1, 1)  # what pretrain() sets up
-    if BACKEND == "moepec":
-        pec.use_for_torch_dist(k_persist=1)  # the one line of docs/megatron.md
+    ram = f"/dev/shm/moepec-lm-{os.path.basename(os.path.abspath(OUT))}"
+    if BACKEND == "moepec":  # the one line of docs/megatron.md; ram_dir: the RAM level
+        pec.use_for_torch_dist(k_persist=1, ram_dir=ram)
     model, opt = build(seed=1)
     context: dict = {}
     states = {}
@@ -143,6 +151,11 @@ def main() -> None:
           f"of 8; tensors from older saves here: {stale} of {len(got)}", flush=True)
     if BACKEND == "moepec":
         last_saves(model_b, opt_b, context)
+        ram_resume(model_b, opt_b, context)
+        pec.close_ram()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ram, ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -171,6 +184,51 @@ def last_saves(model, opt, context: dict) -> None:
     assert counts == [8, 2, 8], counts
     print(f"rank {dist.get_rank()} LM LAST SAVES OK experts saved at 30 (SIGTERM on rank 1), "
           f"35, 40 (--train-iters): {counts}", flush=True)
+
+
+def scheduler(opt):
+    return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-5,
+                                   lr_warmup_steps=80, lr_decay_steps=8000,
+                                   lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                   wd_incr_steps=8000, wd_incr_style="constant")
+
+
+def ram_resume(model, opt, context: dict) -> None:
+    """Megatron-LM's ``--load`` from the RAM level: ``save_checkpoint`` at 50 (A), the
+    snapshot of 53 (B) through ``pec.snapshot_megatron_lm`` (Megatron-LM's own
+    generate_state_dict), then ``load_checkpoint`` into a fresh model, optimizer and
+    scheduler with the sample count reset (a restarted worker's state) returns B's
+    iteration, ``args.consumed_train_samples``, scheduler steps and FLOP count, and B's
+    tensors bit for bit (8 samples an iteration here)."""
+    args = get_args()
+    args.train_iters = 1000  # not an exit save: the door rotates experts again
+    sched, states = scheduler(opt), {}
+    for it in (50, 53):
+        change(opt, seed=it)
+        sched.step(increment=8 * it - sched.num_steps)
+        args.consumed_train_samples = 8 * it
+        if it == 50:
+            checkpointing.save_checkpoint(it, [model], opt, sched, 1e12 * it,
+                                          checkpointing_context=context)
+        else:
+            assert pec.snapshot_megatron_lm(it, [model], opt, sched, 1e12 * it)
+        states[it] = snapshot(model, opt)
+    model_c, opt_c = build(seed=3)
+    sched_c = scheduler(opt_c)
+    args.consumed_train_samples = 0
+    iteration, flops = checkpointing.load_checkpoint([model_c], opt_c, sched_c)
+    report = pec.last_load_report()
+    got = snapshot(model_c, opt_c)
+    same = sum(torch.equal(v, states[53][k]) for k, v in got.items())
+    lr = opt_c.param_groups[0]["lr"]
+    assert (iteration, report.tier, report.checkpoint) == (53, "ram", "ram:53"), report
+    assert (args.consumed_train_samples, sched_c.num_steps, flops) == (424, 424, 53e12)
+    assert same == len(got) and lr == opt.param_groups[0]["lr"], (same, lr)
+    print(f"rank {dist.get_rank()} LM RAM OK saved 50, snapshot 53; load_checkpoint: "
+          f"iteration {iteration} from {report.checkpoint}, consumed_train_samples "
+          f"{args.consumed_train_samples}, scheduler num_steps {sched_c.num_steps}, FLOPs "
+          f"{flops:.3g}, lr {lr:.6g}; tensors equal to 53's: {same} of {len(got)}",
+          flush=True)
 
 
 if __name__ == "__main__":
