@@ -41,7 +41,9 @@ once; ``moepec materialize`` turns a folder into a ``torch_dist`` checkpoint
 (:mod:`moepec.integrations.megatron_export`). :func:`use_for_torch_dist`: moepec for
 Megatron-LM's ``--ckpt-format torch_dist`` (:mod:`moepec.integrations.megatron_switch`).
 :func:`snapshot` (with ``register(ram_dir=...)``): the RAM level, next to the training
-step; a load of the newest folder takes it when newer (:mod:`.megatron_ram`).
+step; a load of the newest folder takes it when newer (:mod:`.megatron_ram`);
+:func:`snapshot_megatron_lm`: the same in Megatron-LM's ``train()`` (its ``--load``
+resumes at the snapshot: :mod:`.megatron_lm`).
 :func:`complete_next_save`: the run's last save writes every expert (Megatron-LM's own
 last saves are told apart: ``megatron_switch.megatron_lm_stops_at``).
 """
