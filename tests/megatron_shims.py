@@ -4,6 +4,8 @@ line below says which one it stands in for. ``install()`` is idempotent."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -15,6 +17,30 @@ def install() -> None:
     # AsyncCallsQueue.maybe_finalize_async_calls / sync_all_async_calls allocate their
     # all_reduce flags on torch.cuda.current_device(): gloo reduces CPU tensors.
     torch.cuda.current_device = lambda: torch.device("cpu")
+    if "megatron.core.jit" not in sys.modules:
+        _eager_jit()
+
+
+def _eager_jit() -> None:
+    """Import Megatron-Core with its fused kernels eager, as its own
+    ``megatron.core.jit.disable_jit_fuser()`` makes them. Megatron binds ``torch.compile``
+    as its ``jit_fuser`` when ``megatron.core`` is imported, and each function decorated
+    with it then imports TorchDynamo and TorchInductor: 4.6 of the 8.1 s of CPU that
+    importing ``megatron.core.models.gpt`` takes here, paid by every worker process of
+    the tests. Nothing on the checkpointing path is compiled; ``torch.compile`` itself is
+    restored once ``megatron.core`` is imported."""
+    compile_ = torch.compile
+
+    def eager(model=None, **kwargs):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = eager
+    try:
+        import megatron.core.jit as jit
+
+        jit.disable_jit_fuser()  # modules imported later bind the eager one too
+    finally:
+        torch.compile = compile_
 
 
 def fp32_optimizer(optimizer: torch.optim.Optimizer, config, init_state_fn):
