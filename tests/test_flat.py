@@ -114,7 +114,7 @@ def test_one_format_for_both_front_ends(tmp_path):
     data = m.to_json()
     assert (data["format"], data["kind"]) == (FORMAT, "flat")
     with pytest.raises(ManifestError, match="flat folder's manifest"):
-        Manifest.from_json(data, "x", read_view=lambda ref: b"")
+        Manifest.from_json(data, "x", read_side=lambda ref: b"")
     # the schedule's fields pass the manager's own bookkeeping check
     data |= {"layers": ["l"], "schedule": {
         "index": 0, "k_persist": 1, "k_snapshot": 1, "counts": [[1, 2]], "ledger": {},

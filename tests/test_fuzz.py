@@ -22,6 +22,7 @@ from moepec import CheckpointConfig, CheckpointManager
 from moepec.errors import MoepecError
 from moepec.recovery.offline import export_view, inspect_path, verify_path
 from moepec.store.checksum import tensor_checksum
+from tests import manifest_docs
 from tests.toy import Counter, full_state, make, run_loop
 
 CASES = int(os.environ.get("MOEPEC_FUZZ_CASES", "300"))
@@ -167,18 +168,18 @@ def _mutate_data(rng, root, marker):
 def _mutate_object(rng, root, marker):
     """Junk or a pickle payload in an object item, with its checksum recomputed."""
     path = rng.choice(_manifests(root))
-    doc = json.loads(path.read_text())
-    keys = [k for k in doc["keys"] if k.startswith("objects/")]
+    doc, entries = manifest_docs.load(path)
+    keys = [k for k in entries if k.startswith("objects/")]
     if not keys:
         return "no object item"
-    item = doc["keys"][rng.choice(keys)]
+    item = entries[rng.choice(keys)]
     junk = pickle.dumps(_Payload(marker)) if rng.random() < 0.5 else rng.randbytes(64)
     data = junk[:item["length"]].ljust(item["length"], b"\0")
     blob = bytearray((path.parent / item["file"]).read_bytes())
     blob[item["offset"]:item["offset"] + len(data)] = data
     (path.parent / item["file"]).write_bytes(bytes(blob))
     item["checksum"] = tensor_checksum(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    path.write_text(json.dumps(doc))
+    manifest_docs.save(path, doc, entries)
     return "object item replaced (checksum forged)"
 
 

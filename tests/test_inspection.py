@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import torch
@@ -13,6 +12,7 @@ from moepec.cli.main import main
 from moepec.keys import parse_key
 from moepec.recovery.offline import export_view, format_inspect, inspect_path, verify_path
 from moepec.store.storage import single_process_dcp
+from tests import manifest_docs
 from tests.test_commit import _corrupt, _train, crash, fresh
 
 
@@ -84,9 +84,9 @@ def test_cli_inspect_verify_export_exit_codes(tmp_path, capsys):
 def _damage_entry(root, name: str, key: str, field: str, value) -> None:
     """Set one field of ``key``'s item entry in checkpoint ``name``'s manifest."""
     path = root / name / "moepec.json"
-    m = json.loads(path.read_text())
-    m["keys"][key][field] = value
-    path.write_text(json.dumps(m))
+    m, entries = manifest_docs.load(path)
+    entries[key][field] = value
+    manifest_docs.save(path, m, entries)
 
 
 def _restored(ckpt):
@@ -107,7 +107,7 @@ def test_export_stitches_a_damaged_item_entry_as_restore_does(tmp_path, capsys):
     pristine = tmp_path / "pristine"
     manager, _ = _train(pristine, steps=8, keep_last=5)
     newest = manager._storage.committed()[-1]
-    keys = json.loads((pristine / newest / "moepec.json").read_text())["keys"]
+    keys = manifest_docs.load(pristine / newest / "moepec.json")[1]
     expert_key = next(k for k in sorted(keys) if k.startswith("experts/") and "/model/" in k)
     info = parse_key(expert_key)
     plain_key = next(k for k in sorted(keys) if k.startswith("model/"))
@@ -145,7 +145,7 @@ def test_export_with_no_intact_copy_of_an_expert_fails_in_one_line(tmp_path, cap
     manager, _ = _train(ckpt, steps=8, keep_last=5)
     key = None
     for name in manager._storage.committed():  # every copy of one expert's weights
-        keys = json.loads((ckpt / name / "moepec.json").read_text())["keys"]
+        keys = manifest_docs.load(ckpt / name / "moepec.json")[1]
         key = key or next(k for k in sorted(keys) if k.startswith("experts/") and "/model/" in k)
         if key in keys:
             _damage_entry(ckpt, name, key, "offset", -1)

@@ -19,6 +19,7 @@ from moepec.errors import LeaseError, MoepecError
 from moepec.recovery.offline import export_view, inspect_path, verify_path
 from moepec.store.checksum import tensor_checksum
 from moepec.store.storage import Storage
+from tests import manifest_docs
 from tests.toy import Counter, full_state, make, run_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,8 +95,8 @@ def test_a_pickle_payload_in_every_object_item_runs_nothing(tmp_path):
     poisoned = 0
     for name in st.committed():
         path = root / name / "moepec.json"
-        m = json.loads(path.read_text())
-        for key, item in m["keys"].items():
+        m, entries = manifest_docs.load(path)
+        for key, item in entries.items():
             if not key.startswith("objects/"):
                 continue
             payload = pickle.dumps(_Payload(marker))
@@ -109,7 +110,7 @@ def test_a_pickle_payload_in_every_object_item_runs_nothing(tmp_path):
             # a careful attacker recomputes the checksum too
             item["checksum"] = tensor_checksum(torch.frombuffer(bytearray(data),
                                                                 dtype=torch.uint8))
-        path.write_text(json.dumps(m))
+        manifest_docs.save(path, m, entries)
     assert poisoned >= 2 * len(st.committed())
     results = _all_tools(root, tmp_path / "out.safetensors")
     assert not marker.exists()
@@ -125,10 +126,10 @@ def test_item_paths_never_leave_the_root(tmp_path):
     st = Storage(str(root))
     newest = st.committed()[-1]
     path = root / newest / "moepec.json"
-    m = json.loads(path.read_text())
-    key = next(k for k in m["keys"] if k.startswith("model/"))
-    m["keys"][key]["file"] = "../../secret.bin"
-    path.write_text(json.dumps(m))
+    m, entries = manifest_docs.load(path)
+    key = next(k for k in entries if k.startswith("model/"))
+    entries[key]["file"] = "../../secret.bin"
+    manifest_docs.save(path, m, entries)
     assert newest in verify_path(str(root)).damaged_manifests[0]
     # a data file that is a symlink out of the root is not followed
     older = st.committed()[-2]
@@ -159,10 +160,10 @@ def test_a_bad_item_entry_is_never_used_and_restore_falls_back(tmp_path, caplog)
     _, saved = _train(root)
     newest = Storage(str(root)).committed()[-1]
     path = root / newest / "moepec.json"
-    m = json.loads(path.read_text())
-    key = next(k for k in sorted(m["keys"]) if k.startswith("model/"))
-    m["keys"][key]["dtype"] = "object"
-    path.write_text(json.dumps(m))
+    m, entries = manifest_docs.load(path)
+    key = next(k for k in sorted(entries) if k.startswith("model/"))
+    entries[key]["dtype"] = "object"
+    manifest_docs.save(path, m, entries)
     _falls_back(root, saved, newest, caplog, "dtype 'object'")
 
 

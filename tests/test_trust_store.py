@@ -31,6 +31,7 @@ from moepec.store.flat import (
     write_rank,
 )
 from moepec.store.storage import Storage
+from tests import manifest_docs
 from tests.toy import Counter, full_state, make, run_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,11 +121,11 @@ def test_a_manifest_linked_to_a_fifo_or_device_is_a_damaged_checkpoint(tmp_path,
 
 def _tamper_torch_save_item(path: str, fs, change) -> str:
     man = sorted(p for p in fs.find(path) if p.endswith("moepec.json"))[-1]
-    m = json.loads(fs.cat(man))
-    key = next(k for k, v in sorted(m["keys"].items())
+    m, entries = manifest_docs.load(man, fs)
+    key = next(k for k, v in sorted(entries.items())
                if k.startswith("model/") and v["encoding"] == "torch_save")
-    change(m["keys"][key], fs, man)
-    fs.pipe(man, json.dumps(m).encode())
+    change(entries[key], fs, man)
+    manifest_docs.save(man, m, entries, fs)
     return key
 
 

@@ -32,9 +32,9 @@ def test_checkpoint_wrapped_experts_saved_once(tmp_path):
             saved.append({n: p.detach().clone() for n, p in model.named_parameters()})
     # every parameter is saved under its own name once: no second copy under the names
     # the wrapper gives state_dict keys (which would hold every expert, every time)
-    import json
+    from tests import manifest_docs
     for c in commits:
-        keys = json.loads((tmp_path / "ckpt" / c.name / "moepec.json").read_text())["keys"]
+        keys = manifest_docs.load(tmp_path / "ckpt" / c.name / "moepec.json")[1]
         assert keys and not [k for k in keys if k.startswith("model/moe.") and
                     "_checkpoint_wrapped_module" not in k], c.name
     fresh = ToyMoE()

@@ -28,7 +28,7 @@ from moepec.errors import CorruptCheckpointError, ManifestError, NoCheckpointErr
 from moepec.keys import parse_key
 from moepec.state.objects import decode_object
 from moepec.store.checksum import Verifier, checksum_matches
-from moepec.store.items import Item
+from moepec.store.items import Item, Items
 from moepec.store.manifest import Manifest
 from moepec.store.meta import CheckpointMeta
 
@@ -250,8 +250,14 @@ def recover(bases: Sequence[Source], lineage_of: Callable[[Source], list[Source]
             log.warning(msg)
             warnings.append(msg)
             continue
-        ne_keys = [k for k in base.keys if not parse_key(k).is_expert
-                   and (wanted is None or wanted(k))]
+        try:  # a stored base's non-expert items are read (from their file) here
+            ne_keys = [k for k in base.keys if not parse_key(k).is_expert
+                       and (wanted is None or wanted(k))]
+        except ManifestError as exc:
+            msg = f"{base.name}: {exc}; trying an older checkpoint"
+            log.warning(msg)
+            warnings.append(msg)
+            continue
         [(values, bad)] = read_all([(base, ne_keys)], verify, target)
         if bad:
             msg = (f"{base.name}: {len(bad)} non-expert item(s) corrupt or missing "
@@ -314,15 +320,22 @@ def _stitch(units: Mapping[Unit, set[str]], lineage: Sequence[Source],
     return unit_source
 
 
+def held_experts(keys: Mapping[str, Item]):  # noqa: ANN201 - a set-like keys view
+    """A source's keys for set operations with expert keys: a manifest's expert keys alone
+    (its non-expert items are not read: store.items.Items), all keys of any other
+    mapping."""
+    return keys.expert_keys() if isinstance(keys, Items) else keys.keys()
+
+
 def _candidates(units: Mapping[Unit, set[str]], lineage: Sequence[Source]
                 ) -> dict[Unit, list[Source]]:
     """Per unit, the sources of ``lineage`` holding all its keys, newest first (set
     operations per source, not per unit and source: a K=1 view of E experts has E+1
-    sources and E units per layer)."""
+    sources and E units per layer). A manifest's non-expert items are never read here."""
     required = set().union(*units.values())
     holders: dict[str, list[int]] = defaultdict(list)
     for i, src in enumerate(lineage):
-        for key in required & src.keys.keys():
+        for key in required & held_experts(src.keys):
             holders[key].append(i)
     out: dict[Unit, list[Source]] = {}
     for u, keys in units.items():

@@ -25,7 +25,7 @@ from moepec.keys import parse_key
 from moepec.ram.snapshot import Snapshot
 from moepec.recovery import restore as single
 from moepec.recovery.outcome import RestoreContext, RestoreOutcome
-from moepec.recovery.stitch import Recovered, Source, Tier, storage_source
+from moepec.recovery.stitch import Recovered, Source, Tier, held_experts, storage_source
 from moepec.recovery.views import same_runs, usable_manifests
 from moepec.store.committed import Committed
 from moepec.store.lineage import lineage
@@ -92,7 +92,11 @@ class StripedViews:
         self.bases: list[Source] = []
         for whole in wholes(manifests):
             parts = [self._source(r, m.name) for r, m in whole.parts]
-            base = _composite(whole, parts, own=0)
+            try:  # reads every part's non-expert items (from their files)
+                base = _composite(whole, parts, own=0)
+            except ManifestError as exc:
+                log.warning("not restoring %s: %s", whole.name, exc)
+                continue
             if self._covered(base, whole):
                 self.wholes[base.name] = whole
                 self.bases.append(base)
@@ -131,7 +135,8 @@ class StripedViews:
             required = self.required_of(base, whole)
         except ManifestError:
             return True  # recover() reports and skips a damaged view
-        held = set().union(*(s.keys.keys() for s in self.lineage_of(base, whole)))
+        held = set(base.keys).union(*(held_experts(s.keys)  # no part's non-expert items
+                                      for s in self.lineage_of(base, whole)))
         missing = required - held
         if missing:
             log.warning("not restoring %s: no copy of %s in the groups' roots (the full "

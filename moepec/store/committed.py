@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from moepec.errors import CheckpointError, ManifestError, ManifestFormatError
 from moepec.keys import newest
+from moepec.store.items import Items
 from moepec.store.manifest import Manifest, StoredView
 from moepec.store.storage import Storage, no_gc
 
@@ -46,9 +47,10 @@ def committed_manifests(storage: Storage, known: Mapping[str, Manifest] | None =
     that restore, retention, inspect, verify and export use.
 
     ``known`` holds manifests read before (a committed manifest never changes), which are
-    not read again. ``views``: read every view now (offline tools), so a damaged view file
-    makes its manifest damaged; otherwise a view is read on first use (a restore reads
-    one). Never raises for a damaged manifest: it is listed in ``damaged``.
+    not read again. ``views``: read every side file now, the view and the non-expert
+    items (offline tools), so a damaged or missing one makes its manifest damaged;
+    otherwise each is read on first use (a restore reads the view and the non-expert items
+    of its base alone). Never raises for a damaged manifest: it is listed in ``damaged``.
     Reads only; any rank may call it, on any thread.
     """
     listing = storage.list_checkpoints()
@@ -78,6 +80,8 @@ def _read_committed(storage: Storage, listing: list[tuple[str, bool]],
             try:
                 if views and isinstance(manifest.view, StoredView):
                     manifest.view.load()
+                if views and isinstance(manifest.keys, Items):
+                    manifest.keys.shared()
             except ManifestError as exc:
                 out.damaged[name] = exc
             else:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from moepec.errors import ManifestError
-from moepec.keys import is_state_key
+from moepec.keys import EXPERT_PREFIX, is_state_key
 
 
 class Serialization(StrEnum):
@@ -109,47 +109,88 @@ class Items(Mapping[str, Item]):
     ``Item.from_json`` the first time it is looked up (ManifestError when it is bad).
 
     A restore of a K=1 view reads the non-expert items of one manifest and one expert of
-    each of E others, yet every manifest lists all of its items: checking each entry on
-    first use instead of all of them up front is what keeps that restore near the cost
-    of one full load. Keys, entry types and the byte total are checked at parse time.
+    each of E others. So the expert entries are held apart from the non-expert ones
+    (*shared*: the state every checkpoint repeats), which a manifest of format moepec/6
+    keeps in a file of its own: ``shared`` is then a callable that reads and checks them
+    on first use (raising ManifestError, kept: every later use raises it too). Looking up
+    an expert key, or :meth:`expert_keys`, never reads them; iterating all keys does.
+    Checking each entry on first use instead of all of them up front is what keeps that
+    restore near the cost of one full load.
     """
 
-    __slots__ = ("_raw", "_parsed", "_where")
+    __slots__ = ("_experts", "_shared", "_load", "_error", "_parsed", "_where", "_all")
 
-    def __init__(self, raw: dict[str, Any], where: str) -> None:
-        self._raw, self._where = raw, where
+    def __init__(self, experts: dict[str, Any],
+                 shared: dict[str, Any] | Callable[[], dict[str, Any]], where: str) -> None:
+        self._experts, self._where = experts, where
+        self._shared: dict[str, Any] | None = shared if isinstance(shared, dict) else None
+        self._load = None if isinstance(shared, dict) else shared
+        self._error: ManifestError | None = None
         self._parsed: dict[str, Item] = {}
+        self._all: dict[str, Any] | None = None
+
+    def shared(self) -> dict[str, Any]:
+        """The raw non-expert entries (read on first use). Raises ManifestError when their
+        file is missing or damaged."""
+        if self._shared is None:
+            if self._error is None:
+                try:
+                    self._shared = self._load()  # type: ignore[misc]
+                except ManifestError as exc:
+                    self._error = exc
+            if self._error is not None:
+                raise self._error
+        return self._shared  # type: ignore[return-value]
+
+    def _raw(self, key: object) -> Any:
+        if type(key) is not str:
+            return None
+        return (self._experts if key.startswith(EXPERT_PREFIX) else self.shared()).get(key)
 
     def __getitem__(self, key: str) -> Item:
         item = self._parsed.get(key)
         if item is None:
-            item = self._parsed[key] = Item.from_json(self._raw[key], f"{self._where} "
-                                                                      f"item {key}")
+            raw = self._raw(key)
+            if raw is None:
+                raise KeyError(key)
+            item = self._parsed[key] = Item.from_json(raw, f"{self._where} item {key}")
         return item
 
     def __contains__(self, key: object) -> bool:
-        return key in self._raw
+        return self._raw(key) is not None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._raw)
+        return iter(self.keys())
 
     def __len__(self) -> int:
-        return len(self._raw)
+        return len(self._experts) + len(self.shared())
 
     def keys(self):  # noqa: ANN201 - dict_keys: set operations at C speed (stitching)
-        return self._raw.keys()
+        if self._all is None:
+            self._all = {**self._experts, **self.shared()}
+        return self._all.keys()
+
+    def expert_keys(self):  # noqa: ANN201 - dict_keys, as keys()
+        """The expert keys alone, without reading the non-expert entries."""
+        return self._experts.keys()
 
 
-def raw_items(raw: dict[str, Any], where: str) -> tuple[Items, int]:
-    """The items of a manifest with their keys and entry types checked, and their total
-    bytes (each entry in full on first use: :class:`Items`)."""
+def entries_total(raw: dict[str, Any], where: str) -> int:
+    """The total bytes of a manifest's raw entries, with their keys and entry types
+    checked (each entry in full on first use: :class:`Items`). Raises ManifestError."""
     check_keys(raw, where)
     entries = raw.values()
     sizes = ([e.get("nbytes", 0) for e in entries] if set(map(type, entries)) <= {dict}
              else [None])
     if not set(map(type, sizes)) <= {int} or (sizes and min(sizes) < 0):
         raise ManifestError(f"{where}: an item entry is not an object with a byte count")
-    return Items(raw, where), sum(sizes)
+    return sum(sizes)
+
+
+def split_items(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(expert entries, non-expert entries) of one item list (a moepec/5 manifest's)."""
+    experts = {k: v for k, v in raw.items() if k.startswith(EXPERT_PREFIX)}
+    return experts, {k: v for k, v in raw.items() if not k.startswith(EXPERT_PREFIX)}
 
 
 @functools.lru_cache(maxsize=1024)

@@ -245,7 +245,7 @@ class Persister:
         items = self._write_share(snap, name, early)
         manifest = early.get("manifest") or self._manifest(snap.meta, name,
                                                            self._gather(items))
-        self._commit(manifest, early.get("view"))
+        self._commit(manifest, early.get("view"), early.get("items_file"))
         self.set_head(manifest)
         record = PersistRecord(name, snap.step, manifest.bytes, manifest.bytes_per_rank,
                                time.perf_counter() - t0, True)
@@ -260,8 +260,9 @@ class Persister:
         """Write this rank's items of ``snap`` (a DCP save: collective over the group);
         returns their manifest entries, once durable. All ranks. While the data file is
         synced, the entries are made, and with one rank (nothing to gather) the
-        manifest (``early["manifest"]``) and its view file (``early["view"]``): only the
-        manifest's create, after the data is durable, commits."""
+        manifest (``early["manifest"]``) and its side files (``early["view"]``,
+        ``early["items_file"]``): only the manifest's create, after the data is durable,
+        commits."""
         keys = sorted(k for k in snap.persist_keys if k in snap.tensors)
         tensors = {k: snap.tensors[k] for k in keys}
         # The snapshot's seal hashed its copy already (off the loop's path; the same
@@ -278,6 +279,7 @@ class Persister:
             if self.world_size == 1:
                 early["manifest"] = self._manifest(snap.meta, name, early["items"])
                 early["view"] = self.storage.write_view(name, early["manifest"].view)
+                early["items_file"] = self.storage.write_items(name, early["items"])
 
         self.hooks.persist_point("write", name)
         self.storage.write(name, tensors, self.group, meanwhile=meanwhile)
@@ -334,16 +336,17 @@ class Persister:
         except Exception as exc:  # noqa: BLE001 - retention removes it later
             log.warning("could not remove the partial checkpoint %s: %s", name, exc)
 
-    def _commit(self, manifest: Manifest, view: mf.ViewRef | None = None) -> None:
-        """Rank 0 writes the manifest (the commit; ``view``: its view file, written
-        already); every rank learns whether it did."""
+    def _commit(self, manifest: Manifest, view: mf.FileRef | None = None,
+                items: mf.FileRef | None = None) -> None:
+        """Rank 0 writes the manifest (the commit; ``view``, ``items``: its side files,
+        written already); every rank learns whether it did."""
         outcome: list[Any] = [("ok", "")]
         if self.rank == 0:
             self.hooks.persist_point("before_commit", manifest.name)
             try:
                 if self.guard is not None:
                     self.guard()
-                self.storage.write_manifest(manifest, view)
+                self.storage.write_manifest(manifest, view, items)
                 self._known[manifest.name] = manifest
             except FencedError as exc:
                 outcome = [("fenced", str(exc))]

@@ -4,6 +4,10 @@ Layout under the checkpoint root ``PATH``::
 
     PATH/ckpt-000007-step00000064-<run>/      one plain DCP checkpoint (data files +
                                                .metadata), of run <run> (moepec.keys)
+    PATH/ckpt-000007-step00000064-<run>/view-<xxh3>.json, items-<xxh3>.json   its
+                                               side files: the view, the non-expert items
+                                               (written before the manifest, which names
+                                               them with their lengths and checksums)
     PATH/ckpt-000007-step00000064-<run>/moepec.json   the manifest: written last, by an
                                                exclusive create; its presence is the commit
     PATH/moepec.lease, PATH/recoveries/        the root's lease (store.lease) and the
@@ -272,7 +276,7 @@ class Storage(ABC):
             writer.wait_synced()  # its data file's write and fsync ran beside DCP's work
         return where
 
-    def write_view(self, name: str, view: Mapping[str, str]) -> mf.ViewRef:
+    def write_view(self, name: str, view: Mapping[str, str]) -> mf.FileRef:
         """Write checkpoint ``name``'s view file (named by its checksum: never a commit,
         never a file another manifest names changed) and return its reference for
         :meth:`write_manifest`. Rank 0 only; blocks until durable."""
@@ -280,24 +284,35 @@ class Storage(ABC):
         self.put(f"{name}/{ref.file}", blob)
         return ref
 
-    def write_manifest(self, manifest: Manifest, view: mf.ViewRef | None = None) -> None:
-        """Commit checkpoint ``manifest.name``: its view file (unless ``view`` names the
-        one :meth:`write_view` wrote for it), then its manifest by an exclusive create.
+    def write_items(self, name: str, items: Mapping[str, Item]) -> mf.FileRef:
+        """Write the file of checkpoint ``name``'s non-expert items (as :meth:`write_view`)
+        and return its reference for :meth:`write_manifest`. Rank 0 only; blocks until
+        durable."""
+        blob, ref = mf.encode_items(items)
+        self.put(f"{name}/{ref.file}", blob)
+        return ref
+
+    def write_manifest(self, manifest: Manifest, view: mf.FileRef | None = None,
+                       items: mf.FileRef | None = None) -> None:
+        """Commit checkpoint ``manifest.name``: its side files, the view and the non-expert
+        items (unless ``view``/``items`` name the ones :meth:`write_view` and
+        :meth:`write_items` wrote for it), then its manifest by an exclusive create.
         Never overwrites a manifest (CheckpointError: the name is taken). Rank 0 only,
         after every rank's data is written; blocks until durable."""
         name = manifest.name
         final = f"{name}/{MANIFEST_NAME}"
         taken = f"{self.url}/{name} is committed already; a commit never overwrites a manifest"
-        ref = None
-        if not isinstance(manifest.view, mf.StoredView):
-            # The view first, in a file named by its checksum (so it never replaces another
-            # manifest's view); the manifest that names it is the commit.
-            if self.exists(final):
-                raise CheckpointError(taken)
-            ref = view if view is not None else self.write_view(name, manifest.view)
+        if self.exists(final):
+            raise CheckpointError(taken)
+        # The side files first, each in a file named by its checksum (so it never replaces
+        # another manifest's); the manifest that names them is the commit.
+        if view is None and not isinstance(manifest.view, mf.StoredView):
+            view = self.write_view(name, manifest.view)
+        if items is None:
+            items = self.write_items(name, manifest.keys)
         # Compact: json's C encoder runs only without indent (5x faster for the ~1 MB
         # manifest of a large model). `moepec inspect` is the human-readable view.
-        data = json.dumps(manifest.to_json(ref), sort_keys=True,
+        data = json.dumps(manifest.to_json(view, items), sort_keys=True,
                           separators=(",", ":")).encode()
         try:
             self.create(final, data)
@@ -307,7 +322,8 @@ class Storage(ABC):
     def read_manifest(self, name: str) -> Manifest:
         """The manifest of checkpoint ``name``. Raises CheckpointError when it has none,
         ManifestError when it cannot be used (ManifestFormatError: a newer format). Any
-        rank, any thread; the view file is read on first use."""
+        rank, any thread; its side files (the view, the non-expert items) are read on
+        first use."""
         where = f"{self.url}/{name}"
         try:
             raw = self.get(f"{name}/{MANIFEST_NAME}")
@@ -322,13 +338,14 @@ class Storage(ABC):
             raise ManifestError(
                 f"manifest of {where} is not valid JSON ({exc}); the checkpoint "
                 f"is damaged: delete that folder or run `moepec verify {self.url}`") from exc
-        return Manifest.from_json(data, where, lambda ref: self._read_view(name, ref))
+        return Manifest.from_json(data, where, lambda ref: self._read_side(name, ref))
 
-    def _read_view(self, name: str, ref: mf.ViewRef) -> bytes:
-        """The bytes of a manifest's view file (at most one more than it claims: a longer
-        file fails the length check without being read whole). Any thread."""
+    def _read_side(self, name: str, ref: mf.FileRef) -> bytes:
+        """The bytes of a manifest's side file, its view or its non-expert items (at most
+        one more than it claims: a longer file fails the length check without being read
+        whole). Any thread."""
         path = f"{name}/{ref.file}"
-        self.confined(path)  # a view file is data: never read through a link out
+        self.confined(path)  # a side file is data: never read through a link out
         return self.get(path, limit=ref.length + 1)
 
     def list_checkpoints(self) -> list[tuple[str, bool]]:
