@@ -11,7 +11,7 @@ Sections (each a baseline and the method measured in the same run, reported as r
 6. the machine, versions and the command.
 
 Writes OUT/results.md, OUT/results.json (every raw number) and OUT/img/*.png. Seeds are
-fixed; on 2 CPU cores the default settings take ~25-40 minutes, ``--quick`` ~1-2.
+fixed; on 2 CPU cores the default settings take ~25-40 minutes, ``--quick`` ~1.
 
 Run: moepec bench report [--quick] [--out docs]
 """
@@ -93,7 +93,7 @@ QUICK = Settings(
     sharding_measured=(),  # the full report measures; the quick one (tests) computes
     overhead_argv=("--config", "tiny", "--steps", "12", "--warmup", "2", "--interval", "4",
                    "--bw-config", "tiny", "--bw-scale", "1", "--bw-saves", "2"),
-    model="tiny", model_overrides=(("n_experts", 8),), steps=30, interval=4, fault_every=10,
+    model="tiny", model_overrides=(("n_experts", 8),), steps=20, interval=4, fault_every=7,
     eval_interval=10, eval_batches=2,
     plt_ks=(1, 2, 8), plt_intervals=(4, 8), plt_trials=10,
     plt_real=((2, 8),), plt_model="tiny")
