@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moepec import CheckpointConfig, CheckpointManager, PersistError  # noqa: E402
 from tests.toy import Counter, full_state, make, train_step  # noqa: E402
 
-COMMITS = 8
+COMMITS = 5
 """Checkpoints the new holder commits before it stops."""
-AFTER = 5
+AFTER = 3
 """Checkpoints the old writer starts after it learnt it was fenced and was told to stop."""
 DEADLINE_S = 600.0
 """How long a writer waits for its condition (its commits; the stop file; its fencing).
