@@ -37,28 +37,25 @@ def test_demo_end_to_end(tmp_path, monkeypatch):
     # next checkpoint, which a busy machine may still be writing when training reaches step
     # 40; a storage fault there would fire in the life that is killed, and the restarted
     # life (which resumes before it, with the fault spent) would never see storage fail.
-    # Three of the demo's four fault kinds: an exception inside a step ends in the same
-    # torchrun restart as the SIGKILL (each restart costs two fresh workers' imports);
-    # tests/test_recovery.py recovers from exceptions.
     # After it, the replica-group run (300 tiny steps: its kill comes 1 s into training)
     # and the planned stop (SIGTERM to torchrun after step 15 of 30, then the rerun).
     s = DemoSettings(config="tiny", steps=60, ckpt_interval=6, batch_size=8,
-                     faults="sigkill@20:r1,kill_persist@33:r0,enospc@48",
+                     faults="sigkill@20:r1,kill_persist@33:r0,exception@44:r1,enospc@48",
                      ft_steps=300, stop_steps=30)
     lines = []
     report = run_demo(tmp_path, s, say=lines.append)
     _assert_costs_side_by_side(report, tmp_path)
     kinds = [f["kind"] for f in report["faults"]]
-    assert kinds == ["sigkill", "kill_persist", "enospc"]
-    assert report["recoveries"] == 2 and report["persist_errors"] >= 1
+    assert kinds == ["sigkill", "kill_persist", "exception", "enospc"]
+    assert report["recoveries"] == 3 and report["persist_errors"] >= 1
     assert report["final_step"] == 59 and report["data_state"] == report["clean_data_state"]
     assert all(f["recovered_to"] < f["step"] for f in report["faults"] if f["recovered_to"])
     assert 0 < report["bytes_partial"] < report["bytes_full"]
     for name in ("loss.png", "plt.png", "timeline.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (tmp_path / "report.md").read_text()
-    assert "automatic recoveries: 2" in text and "final validation loss" in text
-    assert json.loads((tmp_path / "report.json").read_text())["recoveries"] == 2
+    assert "automatic recoveries: 3" in text and "final validation loss" in text
+    assert json.loads((tmp_path / "report.json").read_text())["recoveries"] == 3
     # the fault-free reference is cached: a second demo (other faults, same reference)
     # reuses it and goes straight to its faulty run, stopped here
     runs = []
