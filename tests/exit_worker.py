@@ -34,6 +34,10 @@ def train(ckpt: str) -> None:
     # The toy model returns a view (it is the test's model, and no in-place op follows).
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    # What precedes this line is the start, not the exit: torch's TCPStore client may
+    # log a retried connection to rank 0's store there (a port the other rank's child
+    # had not yet served, or that another process held a moment before).
+    print("started", flush=True)
     model, opt, sched = make(0, "stacked", 4)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.moe:
