@@ -82,7 +82,8 @@ def test_materialize_refuses_a_file_name_deepspeed_never_writes(tmp_path, capsys
     files = ds_file(MODEL, {"w": torch.ones(3)}) | ds_file(bad, {"w": torch.ones(3)})
     save = ds_save(tmp_path / "save", files)
     out = tmp_path / "out"
-    before = tree(tmp_path.parent, tmp_path, elsewhere)
+    # the parent's own entries (other tests' folders there may still change inside)
+    before = (sorted(p.name for p in tmp_path.parent.iterdir()), tree(tmp_path, elsewhere))
 
     with pytest.raises(CorruptCheckpointError, match="not a name DeepSpeed writes") as exc:
         materialize(str(save), str(out))
@@ -90,7 +91,8 @@ def test_materialize_refuses_a_file_name_deepspeed_never_writes(tmp_path, capsys
     err = one_line_error(capsys, ["materialize", str(save), str(out)])
     assert "not a name DeepSpeed writes" in err
 
-    assert tree(tmp_path.parent, tmp_path, elsewhere) == before  # out/ not even made
+    after = (sorted(p.name for p in tmp_path.parent.iterdir()), tree(tmp_path, elsewhere))
+    assert after == before  # out/ not even made
     assert not (tmp_path / "ESCAPED.pt").exists() and not (elsewhere / "ABS.pt").exists()
 
 
