@@ -68,3 +68,47 @@ def test_copy_all_copies_small_and_large_alike():
     for d, s in zip(dsts, srcs, strict=True):
         assert torch.equal(d, s.detach().to(d.dtype))
         assert not d.requires_grad and d.grad_fn is None
+
+
+@pytest.fixture(params=[1, 2], ids=["one-torch-thread", "two-torch-threads"])
+def torch_threads(request):
+    """Each copy path: one torch thread (one ``torch._foreach_copy_``) and more (memmoves)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_foreach_serial_only_with_one_torch_thread_and_plain_tensors(torch_threads):
+    from moepec.state.bytecopy import foreach_serial
+
+    class Marked(torch.Tensor):
+        pass
+
+    dst, src = torch.zeros(8), torch.randn(8)
+    assert foreach_serial([dst], [src]) is (torch_threads == 1)
+    assert torch.equal(dst, src) is (torch_threads == 1)
+    assert not foreach_serial([dst], [src.as_subclass(Marked)])  # a subclass: copy_ per pair
+
+
+def test_copy_all_and_copy_laid_out_copy_exactly_on_either_path(torch_threads):
+    """The snapshot's two copies (into pooled buffers, into a laid-out slot) land what
+    ``copy_`` lands, with a strided and an empty source among them, and autograd records
+    nothing on the buffers even from sources that require grad."""
+    from moepec.state.bytecopy import SERIAL_NUMEL, copy_all, copy_laid_out
+
+    srcs = [torch.randn(5, requires_grad=True), torch.nn.Parameter(torch.randn(SERIAL_NUMEL + 3)),
+            torch.arange(12.0).view(3, 4).t(), torch.empty(0), torch.randn(2, SERIAL_NUMEL),
+            torch.arange(7, dtype=torch.int64)]
+    dsts = [torch.zeros(s.shape, dtype=s.dtype) for s in srcs]
+    copy_all(zip(dsts, srcs, strict=True))
+    offsets, end = [], 0
+    for s in srcs:
+        offsets.append(end)
+        end += (s.nbytes + 63) // 64 * 64
+    base = torch.zeros(end, dtype=torch.uint8)
+    views = [base[o:o + s.nbytes].view(s.dtype).view(s.shape) for o, s in zip(offsets, srcs)]
+    copy_laid_out(base.data_ptr(), offsets, srcs, views)
+    for s, d, v in zip(srcs, dsts, views, strict=True):
+        assert torch.equal(d, s.detach()) and torch.equal(v, s.detach())
+        assert not d.requires_grad and d.grad_fn is None and v.grad_fn is None

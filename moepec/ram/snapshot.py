@@ -42,7 +42,7 @@ import torch
 from moepec.errors import CheckpointError
 from moepec.hooks import FaultHooks
 from moepec.ram.shm import Slot, SlotHeader, SlotStore
-from moepec.state.bytecopy import copy_all
+from moepec.state.bytecopy import copy_all, copy_laid_out
 from moepec.store.checksum import tensor_checksum
 from moepec.store.meta import CheckpointMeta
 
@@ -245,7 +245,7 @@ class Snapshotter:
         try:
             self.hooks.snapshot_point("copy", snap.step)
             if snap.slot is not None:
-                self._into_slot(snap, sources)
+                self._into_slot(snap, sources)  # (on CPU, the copy too)
             if self._stream is not None:
                 # Side stream: copies overlap compute on the default stream; the
                 # caller waited for the optimizer step before starting us.
@@ -254,7 +254,7 @@ class Snapshotter:
                     for key, src in sources.items():
                         snap.tensors[key].copy_(src.detach(), non_blocking=True)
                 self._stream.synchronize()
-            else:
+            elif snap.slot is None:
                 # On this thread, never in torch's pool (which the training thread keeps
                 # busy), and at little cost per tensor (moepec.state.bytecopy.copy_all).
                 tensors = snap.tensors
@@ -275,16 +275,15 @@ class Snapshotter:
         snap.done.set()
 
     def _into_slot(self, snap: Snapshot, sources: Mapping[str, torch.Tensor]) -> None:
-        """Lay ``snap``'s slot out for the whole snapshot (the tensors still to copy and the
-        objects and buffers captured already, which are copied in now: they are small)
-        and point ``snap.tensors`` at it. Copy thread; the training thread reads
-        ``snap.tensors`` only once ``copied`` is set."""
-        assert self.slots is not None and snap.slot is not None
-        extras = snap.tensors
-        layout = {k: (tuple(t.shape), t.dtype) for k, t in {**sources, **extras}.items()}
-        views = self.slots.prepare(snap.slot, layout)
-        copy_all((views[key], t) for key, t in extras.items())
-        snap.tensors = views
+        """Lay ``snap``'s slot out for the sources and the objects and buffers captured
+        already, copy them in (on CUDA not the device's: the side stream copies those) and
+        point ``snap.tensors`` at it; sources' metadata read once. Copy thread."""
+        slot, both = snap.slot, {**sources, **snap.tensors}
+        tensors = list(both.values())
+        snap.tensors = self.slots.prepare(slot, {k: (t.shape, t.dtype) for k, t in both.items()})
+        skip = len(sources) if self._stream is not None else 0
+        copy_laid_out(slot.base.data_ptr(), slot.plan[1][skip:], tensors[skip:],
+                      slot.views[2][skip:])
 
     def _seal(self, snap: Snapshot) -> None:
         """Checksum ``snap``'s copy and commit its slot (header last). Copy thread, after

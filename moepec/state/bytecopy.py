@@ -20,12 +20,14 @@ from typing import TypeVar
 
 import torch
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+
 
 def _plain(t: torch.Tensor) -> bool:
     """A dense CPU tensor whose bytes are its values in order (no wrapper subclass)."""
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided
-            and t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-            and not t.is_quantized)
+    return (type(t) in _PLAIN_TYPES and t.is_cpu and t.layout is _STRIDED
+            and t.is_contiguous() and not (t.is_conj() or t.is_neg() or t.is_quantized))
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -67,7 +69,15 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], threads: int = 
     :data:`PARALLEL_BYTES` in all are split by bytes over that many threads, the caller
     one of them (a restore's copies into the model: ``memmove`` releases the GIL, so they
     use the cores a ``dcp.load`` uses; the snapshot keeps one). Any thread; blocks until
-    every byte is copied; bumps each ``dst``'s version counter."""
+    every byte is copied; bumps each ``dst``'s version counter.
+
+    With ``threads`` 1 and one torch thread, all of that is one :func:`foreach_serial`
+    instead: torch's copies then never enter the pool, and its loop in C++ reads each
+    pair's metadata for less than Python does (the snapshot at K=1 above: 74-76% of a
+    memcpy before, 83-85% after; docs/results.md, section 3, issue 50's eighth pass)."""
+    pairs = list(pairs)
+    if threads == 1 and foreach_serial([d for d, _ in pairs], [s for _, s in pairs]):
+        return
     small_dst, small_src, moves, other = [], [], [], []
     with torch.no_grad():
         for dst, src in pairs:
@@ -86,6 +96,45 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], threads: int = 
         _move_all(moves, threads)
         for dst, src in other:
             dst.copy_(src)
+
+
+def copy_laid_out(base: int, offsets: Sequence[int], tensors: Sequence[torch.Tensor],
+                  views: Sequence[torch.Tensor]) -> None:
+    """``views[i].copy_(tensors[i])`` for every ``i``, where ``views[i]`` is the tensor at
+    ``base + offsets[i]`` that this library laid out for exactly ``tensors[i]``'s shape
+    and dtype (a shared-memory slot) and no autograd graph holds.
+
+    A snapshot is hundreds of tensors, and reading each one's metadata in Python is
+    what it costs beside its bytes (docs/results.md, section 3, issue 50's eighth pass).
+    So with one torch thread it is one :func:`foreach_serial`; otherwise each source is
+    read once (none of ``views`` is: the addresses are ``base`` and ``offsets``) for a
+    ``memmove`` loop. Any thread; blocks until every byte is copied."""
+    if foreach_serial(views, tensors):
+        return
+    moves, other = [], []
+    for i, (t, offset) in enumerate(zip(tensors, offsets, strict=True)):
+        if (type(t) in _PLAIN_TYPES and t.is_cpu and t.layout is _STRIDED  # _plain, inline
+                and t.is_contiguous() and not (t.is_conj() or t.is_neg() or t.is_quantized)):
+            moves.append((base + offset, t.data_ptr(), t.nbytes))
+        else:
+            other.append(i)
+    _move_all(moves, 1)
+    with torch.no_grad():
+        for i in other:
+            views[i].copy_(tensors[i])
+
+
+def foreach_serial(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> bool:
+    """``dst.copy_(src)`` for every pair as one ``torch._foreach_copy_`` (a loop in C++:
+    no Python per pair) when torch runs its copies on the calling thread (one intra-op
+    thread: ``copy_`` never enters the pool) and every tensor is a plain tensor or
+    parameter (no subclass); returns whether it copied. Under ``no_grad``."""
+    if torch.get_num_threads() != 1 or not (all(type(t) in _PLAIN_TYPES for t in srcs)
+                                            and all(type(t) in _PLAIN_TYPES for t in dsts)):
+        return False
+    with torch.no_grad():
+        torch._foreach_copy_(list(dsts), list(srcs))
+    return True
 
 
 PARALLEL_BYTES = 16 << 20
