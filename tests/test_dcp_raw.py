@@ -440,3 +440,47 @@ def test_a_started_write_is_joined_when_the_save_fails_and_its_own_error_raised(
     monkeypatch.setattr(dcp_raw, "write_all", full_disk)
     with pytest.raises(OSError, match="No space left"):
         _local_write(tmp_path, "d", _state())
+
+
+def test_a_started_writes_metadata_is_fsynced_after_the_data_and_before_wait_synced_returns(
+        tmp_path, monkeypatch):
+    """After start(), DCP's finish writes .metadata without its own fsync (that fsync
+    waited for the data file's and held up the persist's work beside it); wait_synced
+    fsyncs .metadata and then its folder, after the data file's, and raises a failed
+    fsync of .metadata (nothing of the save may then be committed)."""
+    import os
+
+    from moepec.store import atomic, dcp_raw
+
+    state, synced = _state(), []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(dcp_raw.os, "fsync", recording_fsync)
+    monkeypatch.setattr(atomic.os, "fsync", recording_fsync)
+    writer = RawFileSystemWriter(str(tmp_path / "c"), sync_files=True)
+    writer.start(state, 0)
+    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), storage_writer=writer,
+             no_dist=True)
+    assert ".metadata" not in synced and ".metadata.tmp" not in synced
+    writer.wait_synced()
+    assert synced == ["__0_0.distcp", ".metadata", "c"]
+    targets = _targets(state)
+    dcp.load(targets, storage_reader=RawFileSystemReader(str(tmp_path / "c")), no_dist=True)
+    assert all(_equal_bits(targets[k], state[k]) for k in state)
+
+    def metadata_fails(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".metadata"):
+            raise OSError(5, "fsync of .metadata failed")
+        real_fsync(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", metadata_fails)
+    writer = RawFileSystemWriter(str(tmp_path / "d"), sync_files=True)
+    writer.start(state, 0)
+    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), storage_writer=writer,
+             no_dist=True)
+    with pytest.raises(OSError, match="fsync of .metadata failed"):
+        writer.wait_synced()

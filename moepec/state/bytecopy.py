@@ -24,7 +24,7 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 
 
-def _plain(t: torch.Tensor) -> bool:
+def plain(t: torch.Tensor) -> bool:
     """A dense CPU tensor whose bytes are its values in order (no wrapper subclass)."""
     return (type(t) in _PLAIN_TYPES and t.is_cpu and t.layout is _STRIDED
             and t.is_contiguous() and not (t.is_conj() or t.is_neg() or t.is_quantized))
@@ -35,7 +35,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     tensors of one dtype and shape, else torch's own copy (another device, a cast, a
     broadcast, a strided view, a copy autograd records). Any thread; blocks until the
     bytes are copied. Bumps ``dst``'s version counter, as ``copy_`` does."""
-    if (dst.dtype == src.dtype and dst.shape == src.shape and _plain(dst) and _plain(src)
+    if (dst.dtype == src.dtype and dst.shape == src.shape and plain(dst) and plain(src)
             and not (dst.requires_grad and torch.is_grad_enabled())):
         n = dst.numel() * dst.element_size()
         if n:
@@ -84,8 +84,8 @@ def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], threads: int = 
             if dst.numel() < SERIAL_NUMEL and dst.is_cpu and src.is_cpu:
                 small_dst.append(dst)
                 small_src.append(src)
-            elif (dst.dtype == src.dtype and dst.shape == src.shape and _plain(dst)
-                  and _plain(src) and not (dst.requires_grad and torch.is_grad_enabled())):
+            elif (dst.dtype == src.dtype and dst.shape == src.shape and plain(dst)
+                  and plain(src) and not (dst.requires_grad and torch.is_grad_enabled())):
                 if n := dst.nbytes:
                     moves.append((dst.data_ptr(), src.data_ptr(), n))
                     torch.autograd.graph.increment_version(dst)
@@ -113,7 +113,7 @@ def copy_laid_out(base: int, offsets: Sequence[int], tensors: Sequence[torch.Ten
         return
     moves, other = [], []
     for i, (t, offset) in enumerate(zip(tensors, offsets, strict=True)):
-        if (type(t) in _PLAIN_TYPES and t.is_cpu and t.layout is _STRIDED  # _plain, inline
+        if (type(t) in _PLAIN_TYPES and t.is_cpu and t.layout is _STRIDED  # plain, inline
                 and t.is_contiguous() and not (t.is_conj() or t.is_neg() or t.is_quantized)):
             moves.append((base + offset, t.data_ptr(), t.nbytes))
         else:

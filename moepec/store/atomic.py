@@ -47,7 +47,12 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *,
 
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
     """Make the names in ``folder`` durable (a created, renamed or removed entry)."""
-    fd = os.open(folder, os.O_RDONLY)
+    fsync_file(folder)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Make the file (or folder) at ``path`` durable, written already by anyone."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

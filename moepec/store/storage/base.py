@@ -280,15 +280,19 @@ class Storage(ABC):
         """Write checkpoint ``name``'s view file (named by its checksum: never a commit,
         never a file another manifest names changed) and return its reference for
         :meth:`write_manifest`. Rank 0 only; blocks until durable."""
-        blob, ref = mf.encode_view(view)
-        self.put(f"{name}/{ref.file}", blob)
-        return ref
+        return self.write_side(name, mf.encode_view(view))
 
     def write_items(self, name: str, items: Mapping[str, Item]) -> mf.FileRef:
         """Write the file of checkpoint ``name``'s non-expert items (as :meth:`write_view`)
         and return its reference for :meth:`write_manifest`. Rank 0 only; blocks until
         durable."""
-        blob, ref = mf.encode_items(items)
+        return self.write_side(name, mf.encode_items(items))
+
+    def write_side(self, name: str, encoded: tuple[bytes, mf.FileRef]) -> mf.FileRef:
+        """Write a side file of checkpoint ``name`` encoded already (``mf.encode_view``,
+        ``mf.encode_items``: its bytes and reference) and return the reference. Rank 0
+        only; blocks until durable."""
+        blob, ref = encoded
         self.put(f"{name}/{ref.file}", blob)
         return ref
 
