@@ -274,7 +274,7 @@ def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path,
     scratch = [workdir / f"scratch{i}.bin" for i in range(len(cpus))]
     records, hooks = Records(), FaultHooks()
     manager = CheckpointManager(model, opt, CheckpointConfig(
-        path=str(root), interval=1, k_persist=1, keep_last=saves + 2,
+        path=str(root), interval=1, k_persist=1, keep_last=saves + 3,
         serialization=serialization, ram_dir=ram_dir), hooks=hooks, **records.callbacks())
     copy_src = copy_dst = torch.empty(0, dtype=torch.uint8)
     memcpy_s: list[float] = []
@@ -309,35 +309,39 @@ def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path,
             unlink_s.append(time.perf_counter() - t0)
 
     filler = os.urandom(1 << 20) * (save(0) >> 20)  # the first, full checkpoint: untimed
+    save(1)  # the first K=1 one, untimed too: each timed snapshot reuses memory (below)
     hooks.on_persist = unlink_before_write
     try:
-        nbytes = persist_write(1)  # sizes the plain writes and the memcpys
+        nbytes = persist_write(2)  # sizes the plain writes and the memcpys
         copy_src = torch.empty(records.checkpoints[-1].snapshot_bytes, dtype=torch.uint8)
         copy_dst = torch.empty_like(copy_src.fill_(1)).fill_(0)
         data = os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes % (1 << 20))
         plain = []
-        for step in range(1, saves + 1):
-            # alternate which goes first; persist 1 already ran
-            for what in ("persist", "plain") if step % 2 else ("plain", "persist"):
+        for step in range(2, saves + 2):
+            # alternate which goes first; persist 2 already ran
+            for what in ("persist", "plain") if step % 2 == 0 else ("plain", "persist"):
                 if what == "plain":
                     plain.append(plain_write(step))
-                elif step > 1:
+                elif step > 2:
                     persist_write(step)
     finally:
         hooks.on_persist = None
     manager.close()
     events = [(e, records.snapshots[e.seq]) for e in records.checkpoints if not e.full]
-    recs = records.commits[1:]
+    recs = records.commits[2:]
     persist_s = [r.seconds - u for r, u in zip(recs, unlink_s, strict=True)]
     # Medians: the typical persist against the typical plain write. The VM stalls some
     # writes 3x for reasons outside both (see the module docstring); the ratio over all
     # pairs, stalls included, is reported beside it.
     persist_bps = len(data) / statistics.median(persist_s)
     write_bps = len(data) / statistics.median(plain)
-    # Snapshots: medians per checkpoint over the ones paired with a memcpy (every one but
-    # the first K=1 snapshot, which runs before the memcpy buffers exist and is also the
-    # first into a new slot or new buffers: first-touch page faults; the mean over all
-    # shows them). Until issue 50's fourth pass that unpaired one was in the median too.
+    # Snapshots: medians per checkpoint over the ones paired with a memcpy. The first two
+    # K=1 snapshots are not (the memcpy buffers are sized from the second), and with the
+    # full one before them each buffer of the triple buffer has been used once: every
+    # paired snapshot copies into memory used before, as in a run's steady state. A
+    # buffer's first use takes its page faults (the mean over all shows them). Until
+    # issue 50's fourth pass the first K=1 one was in the median, until its eighth the
+    # second (the third buffer's first use) was.
     paired = events[len(events) - len(memcpy_s):]
     snap_bps = statistics.median(e.snapshot_bytes / s.copy_s for e, s in paired)
     memcpy_bps = statistics.median(copy_src.numel() / t for t in memcpy_s)
