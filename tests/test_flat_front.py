@@ -468,3 +468,20 @@ def test_a_read_that_fails_on_one_rank_fails_the_load_on_every_rank(tmp_path):
     assert results[0]["error"] == results[1]["error"], results
     assert "iter_0000020 not loaded; rank 1: " in results[0]["error"], results
     assert "rank 0:" not in results[0]["error"], results
+
+
+def test_a_load_says_what_it_read_and_a_load_of_no_keys_says_nothing(tmp_path, caplog):
+    """One INFO line per load from storage (the folder, its step, the experts from older
+    folders, the PLT); a load of no keys (a RAM load taking over the folder's lineage,
+    which logs what it loaded itself) reads nothing and says nothing."""
+    front = FlatFrontEnd(k_persist=1, dynamic_k=False)
+    for step in (0, 10, 20):
+        save(front, tmp_path, step)
+    with caplog.at_level("INFO", logger="moepec.flat.front"):
+        FlatFrontEnd(k_persist=1).load(str(tmp_path), "iter_0000020", [])
+        assert not [r for r in caplog.records if "loaded" in r.getMessage()]
+        out, _ = FlatFrontEnd(k_persist=1).load(str(tmp_path), "iter_0000020", list(UNITS))
+    said = [r.getMessage() for r in caplog.records if "loaded" in r.getMessage()]
+    assert said == ["moepec: loaded iter_0000020 (step 20): 6 of 8 expert(s) from older "
+                    "folders, PLT 0.000%"]
+    assert torch.equal(out["dense"], values(20)["dense"])

@@ -301,6 +301,11 @@ class FlatFrontEnd(FinalSaves):
             return self.read(root, name, keys, choice)
         out = settled(read, f"{root}/{name}") if agree else read()
         report, ledger = self._report_of(head, manifests, time.monotonic() - started)
+        if keys:  # (none: a RAM load takes over this head's lineage; it says what it loaded)
+            log.info("moepec: loaded %s (step %d): %d of %d expert(s) from older folders, "
+                     "PLT %.3f%%", head.name, head.step, sum(
+                         s["checkpoint"] != head.name for s in report.sources.values()),
+                     len(report.sources), 100 * report.plt)
         report.warnings.extend(choice.warnings)
         self._loaded = _Known(root, _parent_of(
             head, ledger.state_dict() if ledger is not None else None), head.committed_at)
@@ -386,14 +391,11 @@ class FlatFrontEnd(FinalSaves):
 
     def _report_of(self, head: Any, manifests: Mapping[str, Any], seconds: float):
         sources, lost, ledger = account_load(head, manifests, head.view)
-        stale = sum(1 for s in sources.values() if s["checkpoint"] != head.name)
         report = RestoreReport(step=head.step, checkpoint=head.name, tier="storage",
                                sources=sources, lost=lost,
                                plt=ledger.plt() if ledger is not None else 0.0,
                                warnings=[], seconds=seconds,
                                units_from={"storage": len(sources)})
-        log.info("moepec: loaded %s (step %d): %d of %d expert(s) from older folders, "
-                 "PLT %.3f%%", head.name, head.step, stale, len(sources), 100 * report.plt)
         return report, ledger
 
     def last_load_report(self) -> RestoreReport | None:

@@ -271,7 +271,7 @@ def corrupt_newest(storage_url: str, rng: random.Random) -> str | None:
     if not names:
         return None
     name = names[-1]
-    fqns = sorted(k for k in st.read_manifest(name).keys if k.startswith("experts/"))
+    fqns = sorted(st.read_manifest(name).keys.expert_keys())  # (the items file unread)
     if not fqns:
         return None
     fqn = fqns[rng.randrange(len(fqns))]
