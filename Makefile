@@ -63,11 +63,14 @@ bench: $(STAMP)
 # at >= 80% of a plain fsync'd write of the same bytes, the stitched restore at <= 1.0x a
 # full dcp.load at 64 and 128 experts; each within BENCH_TOLERANCE (docs/testing.md).
 BENCH_TOLERANCE ?= 0.05
+# Both parts run (a failed check of the first does not skip the second); fails if either did.
 bench-check: $(STAMP)
+	@rc=0; \
 	$(PY) -m moepec --log-level WARNING bench overhead --methods none moepec-pec \
-	  moepec-pec-shm --check $(BENCH_TOLERANCE) --out runs/bench/check-overhead.json
+	  moepec-pec-shm --check $(BENCH_TOLERANCE) --out runs/bench/check-overhead.json || rc=1; \
 	$(PY) -m moepec --log-level WARNING bench restore --experts 64 128 --repeats 5 \
-	  --check $(BENCH_TOLERANCE)
+	  --check $(BENCH_TOLERANCE) --out runs/bench/check-restore.json || rc=1; \
+	exit $$rc
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -89,6 +89,14 @@ def test_foreach_serial_only_with_one_torch_thread_and_plain_tensors(torch_threa
     assert foreach_serial([dst], [src]) is (torch_threads == 1)
     assert torch.equal(dst, src) is (torch_threads == 1)
     assert not foreach_serial([dst], [src.as_subclass(Marked)])  # a subclass: copy_ per pair
+    assert foreach_serial([], []) is (torch_threads == 1)  # nothing to copy: no error
+
+
+def test_nothing_to_copy_is_no_error(torch_threads):
+    from moepec.state.bytecopy import copy_all, copy_laid_out
+
+    copy_all([])
+    copy_laid_out(0, [], [], [])
 
 
 def test_copy_all_and_copy_laid_out_copy_exactly_on_either_path(torch_threads):

@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['dcp_load_full_s']:>11.3f} {r['ratio']:>5.2f}x {r['ratio_in_place']:>8.2f}x  "
               f"{'met' if min(r['ratio'], r['ratio_in_place']) <= GOAL else 'MISSED'}")
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     if args.check is not None:
         failed = [f"restore_le_{GOAL}x_dcp_load at {r['experts']} experts ({r['ratio']:.2f}x)"

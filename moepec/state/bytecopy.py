@@ -132,8 +132,9 @@ def foreach_serial(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -
     if torch.get_num_threads() != 1 or not (all(type(t) in _PLAIN_TYPES for t in srcs)
                                             and all(type(t) in _PLAIN_TYPES for t in dsts)):
         return False
-    with torch.no_grad():
-        torch._foreach_copy_(list(dsts), list(srcs))
+    if dsts or srcs:  # (torch refuses empty lists; nothing to copy)
+        with torch.no_grad():
+            torch._foreach_copy_(list(dsts), list(srcs))
     return True
 
 
