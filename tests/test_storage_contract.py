@@ -254,3 +254,44 @@ def test_local_links_are_removed_never_followed(tmp_path):
     assert st.file_sizes("link") == {}
     st.remove("link")
     assert (outside / "keep").read_bytes() == b"k" and st.listdir() == []
+
+
+def test_the_link_check_refuses_and_accepts_exactly_what_full_resolution_does(tmp_path):
+    """reader.confined and LocalStorage.confined resolve a path only when a component
+    below the root is a link (links_below); for every layout they refuse and accept what
+    resolving every path does: a link out of the root (folder or file, absolute or
+    relative) is refused, a link inside it, a missing part, and a root that is itself a
+    link are not."""
+    import os
+
+    from moepec.errors import CorruptCheckpointError
+    from moepec.store.reader import confined
+    from moepec.store.storage.local import LocalStorage
+
+    real, outside = tmp_path / "real", tmp_path / "outside"
+    (real / "ckpt-a").mkdir(parents=True)
+    outside.mkdir()
+    (real / "ckpt-a" / "data").write_bytes(b"d")
+    (outside / "data").write_bytes(b"o")
+    (real / "ckpt-in").symlink_to(real / "ckpt-a")  # inside the root
+    (real / "ckpt-out").symlink_to(outside)  # out of it, absolute
+    (real / "ckpt-rel").symlink_to("../outside")  # out of it, relative
+    (real / "ckpt-a" / "leak").symlink_to(outside / "data")  # a file out of it
+    (tmp_path / "root-link").symlink_to(real)  # the root itself a link
+    cases = [("ckpt-a", "data"), ("ckpt-in", "data"), ("ckpt-out", "data"),
+             ("ckpt-rel", "data"), ("ckpt-a", "leak"), ("ckpt-missing", "data"),
+             ("ckpt-a", "missing")]
+    for root in (str(real), str(tmp_path / "root-link")):
+        real_root = os.path.realpath(root) + os.sep
+        for parts in cases:
+            inside = os.path.realpath("/".join((root,) + parts)).startswith(real_root)
+            for check in (lambda: confined(root, *parts, local=True),
+                          lambda: LocalStorage(root).confined("/".join(parts))):
+                if inside:
+                    assert check() == "/".join((root,) + parts)
+                else:
+                    with pytest.raises(CorruptCheckpointError, match="outside"):
+                        check()
+    assert {p for p in cases if not os.path.realpath(
+        "/".join((str(real),) + p)).startswith(str(real) + os.sep)} == {
+        ("ckpt-out", "data"), ("ckpt-rel", "data"), ("ckpt-a", "leak")}

@@ -44,13 +44,30 @@ def confined(root: str, *parts: str, local: bool) -> str:
         if not part or part in (".", "..") or "/" in part or "\\" in part:
             raise CorruptCheckpointError(f"{part!r} is not a plain name inside {root}")
     path = "/".join((root,) + parts)
-    if local:
+    if local and links_below(root, parts):
         real_root = os.path.realpath(root)
         real = os.path.realpath(path)
         if not real.startswith(real_root.rstrip(os.sep) + os.sep):
             raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint "
                                          f"root {real_root}")
     return path
+
+
+def links_below(root: str, parts: Iterable[str]) -> bool:
+    """Whether ``root/parts...`` (each part a plain name) passes through a symbolic link
+    below ``root``: only then can it resolve outside ``root``, so only then does the
+    caller resolve the whole path (``os.path.realpath``: an ``lstat`` per component of
+    ``root`` too, ~60-130 us a path, which a restore of a 64-expert view paid ~260 times).
+    An absent part ends the walk: nothing below it exists to resolve."""
+    path = root
+    for part in parts:
+        path = f"{path}/{part}"
+        try:
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                return True
+        except OSError:
+            return False
+    return False
 
 
 SMALL_FILE_LIMIT = 256 << 20

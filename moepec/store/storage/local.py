@@ -25,7 +25,7 @@ from moepec.store.atomic import write_atomic
 from moepec.store.checksum import Verifier
 from moepec.store.dcp_raw import RawFileSystemWriter
 from moepec.store.items import Item, Serialization
-from moepec.store.reader import CAN_MAP, map_items, read_items, read_small
+from moepec.store.reader import CAN_MAP, links_below, map_items, read_items, read_small
 from moepec.store.storage.base import Storage, is_local_url
 
 
@@ -107,6 +107,8 @@ class LocalStorage(Storage):
 
     def confined(self, path: str) -> str:
         full = self._full(path)
+        if not links_below(self.root, path.split("/")):
+            return full  # (plain names, no link: it resolves to a path under the root's)
         real_root = os.path.realpath(self.root)
         real = os.path.realpath(full)
         if not real.startswith(real_root.rstrip(os.sep) + os.sep):
