@@ -242,6 +242,19 @@ class FaultPlan:
                 and f.key not in fired and (kinds is None or f.kind in kinds)]
 
 
+def remove_tree(folder: str, tries: int = 50) -> None:
+    """Remove ``folder`` whole although a thread of this process may still be writing a
+    file in it (the snapshot's seal writes its slot's header while the loop runs on): a
+    file created after ``rmtree`` listed its folder leaves that folder behind, so it is
+    removed again until it is gone (a writer cannot create a folder again; seen once in
+    a full suite run)."""
+    for _ in range(tries):
+        shutil.rmtree(folder, ignore_errors=True)
+        if not os.path.lexists(folder):
+            return
+        time.sleep(0.01)
+
+
 def kill_self() -> None:
     """SIGKILL this process (no cleanup, no atexit: a real crash)."""
     logging.shutdown()
@@ -355,7 +368,7 @@ class FaultInjector:
                     raise ConfigError("ram_lost needs the shared-memory RAM tier's folder "
                                       "(FaultInjector.use_ram)")
                 self._fire(fault, step, ram_dir=self.ram_folder)
-                shutil.rmtree(self.ram_folder, ignore_errors=True)
+                remove_tree(self.ram_folder)
                 kill_self()
             elif fault.kind == "corrupt":
                 target = corrupt_newest(self.ckpt_url, self.rng) if self.ckpt_url else None
