@@ -106,9 +106,7 @@ class Restoring:
 
     def _apply(self, outcome: RestoreOutcome) -> None:
         """Load the restored values and resume the bookkeeping of the base."""
-        shapes = {k: (list(v.shape), str(v.dtype).removeprefix("torch."))
-                  for k, v in outcome.values.items()}
-        self._catalog.ensure_optimizer_state(shapes)
+        self._catalog.ensure_optimizer_state(outcome.values)
         self._catalog.load(outcome.values)
         self._keys.invalidate()  # restored optimizer state may be new tensors
         meta = outcome.base.meta

@@ -29,7 +29,15 @@ import torch
 from torch import nn
 
 from moepec.errors import ConfigError, StructureMismatchError
-from moepec.keys import EXPERT_PREFIX, OBJECT_PREFIX, chunk_key, expert_key, parse_key, split_chunk
+from moepec.keys import (
+    CHUNK_MARK,
+    EXPERT_PREFIX,
+    OBJECT_PREFIX,
+    chunk_key,
+    expert_key,
+    parse_key,
+    split_chunk,
+)
 from moepec.state import chunks
 from moepec.state.bytecopy import copy_all, copy_into, restore_threads
 from moepec.state.chunks import Block, Layout
@@ -312,12 +320,13 @@ class StateCatalog:
         placement), so it works before a fresh optimizer has state."""
         if key.startswith(OBJECT_PREFIX):
             return True
+        if CHUNK_MARK not in key:  # a whole tensor (a restore asks this of every key)
+            info = parse_key(key)
+            return not info.is_expert or self.owns(info.layer, info.expert)
         base, chunk = split_chunk(key)
         info = parse_key(base)
         if info.is_expert and not self.owns(info.layer, info.expert):
             return False
-        if chunk is None:
-            return True
         try:
             _, block, glob = self._target(self._param_key(base))
         except KeyError:
@@ -352,16 +361,13 @@ class StateCatalog:
         except (KeyError, AssertionError):
             return None
 
-    def ensure_optimizer_state(self, shapes: Mapping[str, tuple[list[int], str]]) -> None:
-        """Create missing optimizer state (a fresh optimizer has none) from saved shapes.
-
-        ``shapes`` maps non-expert optim keys and expert optim keys to
-        (shape, dtype) as recorded in the manifest.
-        """
+    def ensure_optimizer_state(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Create missing optimizer state (a fresh optimizer has none) of the shapes and
+        dtypes of the restored ``values`` (key -> tensor as read) of optim keys."""
         if self.optimizer is None:
             return
-        for key, (shape, dtype) in shapes.items():
-            base, chunk = split_chunk(key)
+        for key, value in values.items():
+            base, chunk = split_chunk(key) if CHUNK_MARK in key else (key, None)
             info = parse_key(base)
             if info.part != "optim":
                 continue
@@ -379,7 +385,7 @@ class StateCatalog:
             state = self.optimizer.state[p]
             if sk in state:
                 continue
-            dt = getattr(torch, dtype)
+            dt, shape = value.dtype, value.shape
             # Per-element state (an expert's, a chunk's, or one of the parameter's shape)
             # takes the parameter's shape and placement; anything else is a plain tensor.
             if info.is_expert or chunk is not None or list(shape) == list(p.shape):

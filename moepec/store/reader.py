@@ -34,7 +34,7 @@ import torch
 from moepec.errors import CheckpointError, CorruptCheckpointError
 from moepec.store.checksum import Verifier, checksum_matches, stored_matches, tensor_bytes
 from moepec.store.dcp_raw import read_exact
-from moepec.store.items import Encoding, Item
+from moepec.store.items import DTYPE_SIZES, Encoding, Item
 
 
 def confined(root: str, *parts: str, local: bool) -> str:
@@ -99,6 +99,9 @@ def read_small(path: str, limit: int | None = None) -> bytes:
         return f.read(-1 if limit is None else limit)
 
 
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
+"""torch dtypes by the names an item records (checked against DTYPE_SIZES)."""
+
 CAN_MAP = hasattr(mmap, "MAP_PRIVATE")
 """Whether this platform maps files copy-on-write (POSIX); elsewhere items are read."""
 
@@ -117,26 +120,28 @@ def map_items(folder_parts: tuple[str, str], keys: Sequence[str],
     root, name = folder_parts
     out: dict[str, torch.Tensor] = {}
     bad: list[str] = []
-    for file, file_keys in _by_file(name, keys, items).items():
+    verifier = verify if isinstance(verify, Verifier) else None
+    for file, file_items in _by_file(name, keys, items).items():
         path = confined(root, name, file, local=True)
         with open(path, "rb") as stream:
             size = os.fstat(stream.fileno()).st_size
             mapped = (mmap.mmap(stream.fileno(), 0, flags=mmap.MAP_PRIVATE,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None)
-            for key in file_keys:
-                item = items[key]
-                dtype = getattr(torch, item.dtype)
-                if item.offset + item.length > size:
+            view = memoryview(mapped) if mapped is not None else None
+            for key, item in file_items:
+                dtype = _DTYPES[item.dtype]
+                start, length = item.offset, item.length
+                if start + length > size:
                     raise CheckpointError(f"{key}: {path} ends at byte {size}, the item at "
-                                          f"{item.offset}+{item.length} (truncated)")
-                if (mapped is not None and item.encoding == Encoding.RAW and item.length
-                        and item.offset % dtype.itemsize == 0):
+                                          f"{start}+{length} (truncated)")
+                if (view is not None and item.encoding == Encoding.RAW and length
+                        and start % dtype.itemsize == 0):
                     out[key] = torch.frombuffer(mapped, dtype=dtype,
-                                                count=item.length // dtype.itemsize,
-                                                offset=item.offset).view(item.shape)
-                    data = memoryview(mapped)[item.offset:item.offset + item.length]
-                    if isinstance(verify, Verifier):
-                        verify.add(key, data, dtype, tuple(item.shape), item.checksum)
+                                                count=length // dtype.itemsize,
+                                                offset=start).view(item.shape)
+                    data = view[start:start + length]
+                    if verifier is not None:
+                        verifier.add(key, data, dtype, tuple(item.shape), item.checksum)
                     elif verify and not stored_matches(data, dtype, tuple(item.shape),
                                                        item.checksum):
                         bad.append(key)
@@ -149,9 +154,10 @@ def map_items(folder_parts: tuple[str, str], keys: Sequence[str],
 
 
 def _by_file(name: str, keys: Iterable[str], items: Mapping[str, Item]
-             ) -> dict[str, list[str]]:
-    """``keys`` grouped by data file, each group in offset order."""
-    by_file: dict[str, list[str]] = defaultdict(list)
+             ) -> dict[str, list[tuple[str, Item]]]:
+    """``(key, item)`` of ``keys`` grouped by data file, each group in offset order (each
+    item looked up once: a manifest's Items checks an entry on first use)."""
+    by_file: dict[str, list[tuple[str, Item]]] = defaultdict(list)
     for key in keys:
         item = items[key]
         if item.file is None:
@@ -159,10 +165,14 @@ def _by_file(name: str, keys: Iterable[str], items: Mapping[str, Item]
                 f"{name} was written by an older moepec whose manifest does not record where "
                 f"items are; this moepec does not read it (it would have to unpickle DCP's "
                 f".metadata). Restore it with the moepec that wrote it, or start a new run")
-        by_file[item.file].append(key)
-    for file_keys in by_file.values():
-        file_keys.sort(key=lambda k: items[k].offset)
+        by_file[item.file].append((key, item))
+    for file_items in by_file.values():
+        file_items.sort(key=_offset)
     return by_file
+
+
+def _offset(entry: tuple[str, Item]) -> int:
+    return entry[1].offset
 
 
 def read_items(fs, folder_parts: tuple[str, str], targets: Mapping[str, torch.Tensor],
@@ -172,11 +182,11 @@ def read_items(fs, folder_parts: tuple[str, str], targets: Mapping[str, torch.Te
     any thread. Raises CheckpointError (or OSError) for anything missing, short or
     inconsistent: the caller isolates the bad key."""
     root, name = folder_parts
-    for file, keys in _by_file(name, targets, items).items():
+    for file, file_items in _by_file(name, targets, items).items():
         path = confined(root, name, file, local=local)
         with (open(path, "rb") if local else fs.open(path, "rb")) as stream:
-            for key in keys:
-                _read_one(stream, key, items[key], targets[key])
+            for key, item in file_items:
+                _read_one(stream, key, item, targets[key])
 
 
 def _read_one(stream, key: str, item: Item, target: torch.Tensor) -> None:
