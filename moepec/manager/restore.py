@@ -68,6 +68,7 @@ class Restoring:
             self._ram_tier.settle(-1, keep=False)
             return None
         self._apply(outcome)
+        self._persister.remember(found.manifests)
         base = outcome.base
         kept = self._ram_tier.settle(base.seq, keep=base.tier == Tier.RAM)
         persisted = persist_on_failure(kept, found, persister=self._persister,

@@ -154,6 +154,11 @@ class Persister:
             manifest.view.keys()
         self._head = manifest
 
+    def remember(self, manifests: Mapping[str, Manifest]) -> None:
+        """Committed manifests read by a restore: retention reads them no more (a
+        committed manifest never changes). Training thread, while no persist runs."""
+        self._known.update(manifests)
+
     def submit(self, snap: Snapshot) -> None:
         """Persist ``snap`` (inline or in the background). Caller checked ``busy`` and
         took any earlier error. Inline, raises PersistError if this persist fails."""

@@ -228,12 +228,16 @@ class Storage(ABC):
         probe = f".moepec-write-probe-{os.getpid()}-{os.urandom(4).hex()}"
         try:
             self.makedirs()
-            self.put(probe, b"ok")
-            self.remove(probe)
+            self._probe(probe)
         except Exception as exc:  # noqa: BLE001 - report any storage failure the same way
             raise CheckpointError(
                 f"cannot write to checkpoint path {self.url!r} ({type(exc).__name__}: {exc}); "
                 f"choose a writable --ckpt-dir or fix its permissions/credentials") from exc
+
+    def _probe(self, path: str) -> None:
+        """Write a small file at ``path`` and remove it (:meth:`check_writable`)."""
+        self.put(path, b"ok")
+        self.remove(path)
 
     def write(self, name: str, tensors: Mapping[str, torch.Tensor],
               process_group: dist.ProcessGroup | None = None, *,

@@ -46,6 +46,16 @@ class LocalStorage(Storage):
     def serves(cls, url: str) -> bool:
         return is_local_url(url)
 
+    def _probe(self, path: str) -> None:
+        # Nothing to keep: no fsync (a put's two took ~1 ms of every restore's claim).
+        full = self._full(path)
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, b"ok")
+        finally:
+            os.close(fd)
+            os.unlink(full)
+
     def put(self, path: str, data: bytes) -> None:
         write_atomic(self._full(path), data)
 
