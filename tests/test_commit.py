@@ -433,3 +433,30 @@ def test_a_failed_fsync_of_the_data_commits_nothing_though_its_view_was_written(
     again, _, counter = fresh(ckpt)
     assert again.restore().step == 3 and counter.position == 4
     again.close()
+
+
+def test_retention_after_a_restore_reads_no_manifest_the_restore_read(tmp_path, monkeypatch):
+    """The manifests a restore read are the persister's known ones (a committed manifest
+    never changes): the next save's retention reads none of them, nor the one it
+    committed itself."""
+    import moepec.store.persist as persist
+
+    ckpt = tmp_path / "c"
+    _train(ckpt, steps=8, keep_last=2)
+    manager, model, _ = fresh(ckpt, keep_last=2, async_persist=False)
+    before = set(manager._storage.committed())
+    read: list[str] = []
+    real = Storage.read_manifest
+    monkeypatch.setattr(Storage, "read_manifest",
+                        lambda self, name: read.append(name) or real(self, name))
+    retained: list[set[str]] = []
+    real_committed = persist.committed_manifests
+    monkeypatch.setattr(persist, "committed_manifests", lambda st, known=None: (
+        retained.append(set(known or ())) or real_committed(st, known)))
+    manager.restore()
+    assert sorted(read) == sorted(before)
+    read.clear()
+    manager.save(100)
+    manager.close()
+    assert len(retained) == 1 and retained[0] >= before  # retention ran, knowing them
+    assert read == []
