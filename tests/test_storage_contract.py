@@ -295,3 +295,48 @@ def test_the_link_check_refuses_and_accepts_exactly_what_full_resolution_does(tm
     assert {p for p in cases if not os.path.realpath(
         "/".join((str(real),) + p)).startswith(str(real) + os.sep)} == {
         ("ckpt-out", "data"), ("ckpt-rel", "data"), ("ckpt-a", "leak")}
+
+
+def _mapped(folder) -> set[str]:
+    """The files under ``folder`` this process maps now."""
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f
+                if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith(
+                    str(folder))}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux: /proc/self/maps")
+def test_a_restore_unmaps_its_data_files_on_a_helper_thread(tmp_path, monkeypatch):
+    """A local restore reads its data files over private mappings; once the values are in
+    the model they are dropped on a helper thread (release_later): nothing of the root
+    stays mapped, and the restored state is the saved one."""
+    import moepec.manager.restore as manager_restore
+    from moepec.store.reader import release_later
+
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(manager_restore, "release_later",
+                        lambda values: threads.append(release_later(values)))
+    model, opt, sched = make(seed=3, n_experts=4)
+    cfg = CheckpointConfig(path=str(tmp_path / "c"), interval=1, k_persist=1,
+                           async_persist=False, async_snapshot=False)
+    with CheckpointManager(model, opt, cfg) as mgr:
+        for step in range(5):
+            mgr.save(step)
+        saved = full_state(model, opt)
+    model2, opt2, _ = make(seed=4, n_experts=4)
+    seen: dict[str, set[str]] = {}
+    real_apply = manager_restore.Restoring._apply
+
+    def apply(self, outcome):
+        real_apply(self, outcome)
+        seen["during"] = _mapped(tmp_path / "c")
+
+    monkeypatch.setattr(manager_restore.Restoring, "_apply", apply)
+    with CheckpointManager(model2, opt2, CheckpointConfig(path=str(tmp_path / "c"))) as mgr:
+        mgr.restore()
+        assert len(threads) == 1
+        threads[0].join(10)
+        assert seen["during"] and not _mapped(tmp_path / "c")
+    restored = full_state(model2, opt2)
+    assert restored.keys() == saved.keys()
+    assert all(torch.equal(restored[k], saved[k]) for k in saved)

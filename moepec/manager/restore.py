@@ -22,6 +22,7 @@ from moepec.recovery.restore import persist_on_failure, restore_state
 from moepec.recovery.stitch import Tier
 from moepec.recovery.striped import restore_striped
 from moepec.store.committed import committed_manifests
+from moepec.store.reader import release_later
 from moepec.store.storage import no_gc
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Restoring:
             self._ram_tier.settle(-1, keep=False)
             return None
         self._apply(outcome)
+        release_later(outcome.values)  # copied in: their mappings go on a helper thread
         self._persister.remember(found.manifests)
         base = outcome.base
         kept = self._ram_tier.settle(base.seq, keep=base.tier == Tier.RAM)
