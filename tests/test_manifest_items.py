@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 import xxhash
 
@@ -148,3 +149,46 @@ def test_a_moepec_5_root_restores_bit_exact_and_continues_in_moepec_6(tmp_path):
     assert all(torch.equal(now[k], v) for k, v in full_state(model, opt).items()
                if ".experts." not in k)
     assert verify_path(str(root)).ok
+
+
+def test_parse_json_gives_what_json_loads_gives(monkeypatch):
+    """The manifests' parser (orjson, the standard library for what orjson refuses) reads
+    every value json.loads reads, type for type; what is not JSON is a ValueError, deep
+    nesting included (never a RecursionError); an integer beyond 64 bits is a float,
+    which a count check refuses."""
+    import moepec.store.items as items
+
+    assert items.orjson is not None  # a dependency: the fast path is the one tested
+    same = [b'{"a":1,"a":2,"b":[1,-0,2.5,1e-7,123456789012345678],"c":"\\u00e9\\n"}',
+            b'[1e400,-1e400]', b'[NaN,Infinity]', b'["\\ud800"]', '{"x":[true,null]}',
+            '{"u": 1}'.encode("utf-16"), b'{"k":{"n":[[0,1],[2,3]]}}', b'1.0', b'[]']
+    for raw in same:
+        expected = json.loads(raw)
+        got = items.parse_json(raw)
+        assert repr(got) == repr(expected), raw  # (nan != nan: compared by repr)
+    for bad in (b"", b"{", b'{"a":1,}', b"\xff\xfe\x00", b"[" * 100_000 + b"]" * 100_000):
+        with pytest.raises(ValueError):
+            items.parse_json(bad)
+    assert type(items.parse_json(b"[18446744073709551616]")[0]) is float
+    assert not items.is_count(items.parse_json(b"[18446744073709551616]")[0])
+    monkeypatch.setattr(items, "orjson", None)  # without orjson: the standard library
+    assert items.parse_json(same[0]) == json.loads(same[0])
+    with pytest.raises(ValueError):
+        items.parse_json(b"[" * 100_000 + b"]" * 100_000)
+
+
+def test_a_manifest_with_a_huge_count_is_damaged_not_a_traceback(tmp_path):
+    """A stranger's manifest whose step is an integer beyond 64 bits is skipped as damaged,
+    and the restore takes the checkpoint before it."""
+    ckpt = tmp_path / "c"
+    _train(ckpt, 4)
+    st = Storage(str(ckpt))
+    names = st.committed()
+    path = ckpt / names[-1] / "moepec.json"
+    data = json.loads(path.read_text())
+    data["step"] = 2**70
+    path.write_text(json.dumps(data))
+    from moepec.store.committed import committed_manifests
+
+    found = committed_manifests(st)
+    assert names[-1] in found.damaged and names[-2] in found.manifests

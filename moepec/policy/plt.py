@@ -137,22 +137,25 @@ class PLTLedger:
 
         Raises StructureMismatchError if the experts per layer differ.
         """
-        if tuple(d["n_experts"]) != self.n_experts:
-            raise StructureMismatchError(
-                f"PLT state is for experts per layer {list(d['n_experts'])} but this model "
-                f"has {list(self.n_experts)}; restore into the same MoE structure"
-            )
-        loaded = PLTLedger(
-            n_experts=self.n_experts,
-            cumulative=[list(r) for r in d["cumulative"]],
-            lost=[list(r) for r in d["lost"]],
-            recoveries=int(d["recoveries"]),
-        )
+        loaded = PLTLedger.loaded(self.n_experts, d)
         self.cumulative, self.lost, self.recoveries = (
             loaded.cumulative,
             loaded.lost,
             loaded.recoveries,
         )
+
+    @classmethod
+    def loaded(cls, n_experts: Sequence[int], d: dict[str, Any]) -> PLTLedger:
+        """A new ledger holding the state ``d``: what ``create(n_experts)
+        .load_state_dict(d)`` holds, with its checks and errors, built once."""
+        n_experts = tuple(int(n) for n in n_experts)
+        if tuple(d["n_experts"]) != n_experts:
+            raise StructureMismatchError(
+                f"PLT state is for experts per layer {list(d['n_experts'])} but this model "
+                f"has {list(n_experts)}; restore into the same MoE structure"
+            )
+        return cls(n_experts=n_experts, cumulative=[list(r) for r in d["cumulative"]],
+                   lost=[list(r) for r in d["lost"]], recoveries=int(d["recoveries"]))
 
 
 def plt_from_history(

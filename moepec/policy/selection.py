@@ -317,37 +317,39 @@ class Selector:
         only. Raises StructureMismatchError if the experts per layer differ, ConfigError
         for a malformed state.
         """
-        if not isinstance(d.get("policy", ""), str):
-            raise ConfigError(f"selector state names policy {d['policy']!r}, not a name")
-        if tuple(d["n_experts"]) != self.n_experts:
-            raise StructureMismatchError(
-                f"selector state is for experts per layer {list(d['n_experts'])} but this "
-                f"model has {list(self.n_experts)}; restore into the same MoE structure"
-            )
-        loaded = Selector(
-            n_experts=self.n_experts,
-            policy=self.policy,
-            cursors=list(d["cursors"]),
-            last_saved=[list(r) for r in d["last_saved"]],
-            tokens_since_save=[list(r) for r in d["tokens_since_save"]],
-            policy_state=self._loaded_policy_state(d),
-        )
+        loaded = Selector.loaded(self.n_experts, d, self.policy)
         self.cursors = loaded.cursors
         self.last_saved = loaded.last_saved
         self.tokens_since_save = loaded.tokens_since_save
         self.policy_state = loaded.policy_state
 
-    def _loaded_policy_state(self, d: dict[str, Any]) -> list[Any]:
-        """``d``'s policy state when it is this policy's, else this policy's initial one
-        (empty list); its shape checked either way."""
+    @classmethod
+    def loaded(cls, n_experts: Sequence[int], d: dict[str, Any],
+               policy: Selection | str = Selection.SEQUENTIAL) -> Selector:
+        """A new selector of ``policy`` holding the state ``d``: what
+        ``create(n_experts, policy).load_state_dict(d)`` holds, with its checks and
+        errors, built once (a restore checks two selectors of every manifest)."""
+        n_experts = tuple(int(n) for n in n_experts)
+        policy = resolve_selection(policy, "selection policy")
+        if not isinstance(d.get("policy", ""), str):
+            raise ConfigError(f"selector state names policy {d['policy']!r}, not a name")
+        if tuple(d["n_experts"]) != n_experts:
+            raise StructureMismatchError(
+                f"selector state is for experts per layer {list(d['n_experts'])} but this "
+                f"model has {list(n_experts)}; restore into the same MoE structure"
+            )
         states = d.get("policy_state")
         if states is None:
-            states = [None] * len(self.n_experts)
-        if not isinstance(states, list) or len(states) != len(self.n_experts):
+            states = [None] * len(n_experts)
+        if not isinstance(states, list) or len(states) != len(n_experts):
             raise ConfigError(f"policy_state needs one entry per MoE layer "
-                              f"({len(self.n_experts)})")
-        same = d.get("policy") == str(self.policy) and user_policy(self.policy) is not None
-        return list(states) if same else []
+                              f"({len(n_experts)})")
+        # d's policy state when it is this policy's, else this policy's initial one
+        same = d.get("policy") == str(policy) and user_policy(policy) is not None
+        return cls(n_experts=n_experts, policy=policy, cursors=list(d["cursors"]),
+                   last_saved=[list(r) for r in d["last_saved"]],
+                   tokens_since_save=[list(r) for r in d["tokens_since_save"]],
+                   policy_state=list(states) if same else [])
 
 
 def snapshot_offsets(n_experts: int, k_persist: int, k_snapshot: int) -> tuple[int, ...]:

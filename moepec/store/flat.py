@@ -43,7 +43,7 @@ from moepec.keys import MANIFEST_NAME
 from moepec.store.atomic import write_atomic
 from moepec.store.checksum import checksum_matches, tensor_checksum
 from moepec.store.dcp_raw import RAW_DESCRIPTOR, RawFileSystemWriter
-from moepec.store.items import Encoding, Item
+from moepec.store.items import Encoding, Item, parse_json
 from moepec.store.manifest import FORMAT, MAX_ANCESTORS, check_format
 from moepec.store.meta import check_schedule
 from moepec.store.reader import confined, read_items, read_small
@@ -324,7 +324,7 @@ def read_manifest(root: str, name: str) -> FlatManifest:
     none (not committed), ManifestError when it cannot be used."""
     path = confined(root, name, MANIFEST_NAME, local=True)
     try:
-        data = json.loads(read_small(path))
+        data = parse_json(read_small(path))
     except FileNotFoundError:
         raise CheckpointError(f"{root}/{name} has no moepec manifest (not committed)") from None
     except (OSError, ValueError, CorruptCheckpointError) as exc:

@@ -34,6 +34,7 @@ from moepec.store.items import (
     check_keys,
     entries_total,
     need_field,
+    parse_json,
     plain_file,
     split_items,
 )
@@ -265,8 +266,8 @@ def read_side_file(read: Callable[[FileRef], bytes], ref: FileRef, where: str
         raise ManifestError(f"{where} does not match the length and checksum the manifest "
                             f"records; the checkpoint is damaged")
     try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        obj = parse_json(data)
+    except ValueError:  # (UnicodeDecodeError too)
         raise ManifestError(f"{where} is not valid JSON") from None
     if type(obj) is not dict:
         raise ManifestError(f"{where} is not a JSON object")

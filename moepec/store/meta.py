@@ -199,9 +199,9 @@ def check_schedule(fields: Mapping[str, Any], n_experts: list[int], where: str) 
                    for h in fields["k_history"]):
             raise ValueError("k_history")
         if n_experts and min(n_experts) > 0:
-            PLTLedger.create(n_experts).load_state_dict(fields["ledger"])
+            PLTLedger.loaded(n_experts, fields["ledger"])
             for tier in ("persist", "ram"):
-                Selector.create(n_experts).load_state_dict(fields["selectors"][tier])
+                Selector.loaded(n_experts, fields["selectors"][tier])
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, MoepecError) as exc:
         raise ManifestError(f"{where}: the manifest's bookkeeping (counts, PLT ledger, "
                             f"selectors, K) is malformed ({type(exc).__name__})") from None

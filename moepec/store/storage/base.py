@@ -44,7 +44,7 @@ from moepec.store import manifest as mf
 from moepec.store.checksum import Verifier
 from moepec.store.dcp_planner import ROOT_KEY, KeySavePlanner, keys_of
 from moepec.store.dcp_raw import RAW_DESCRIPTOR
-from moepec.store.items import Encoding, Item, Serialization
+from moepec.store.items import Encoding, Item, Serialization, parse_json
 from moepec.store.manifest import Manifest
 from moepec.store.quiet import single_process_dcp
 
@@ -341,8 +341,8 @@ class Storage(ABC):
             raise ManifestError(f"manifest of {where} cannot be read ({exc}); the checkpoint "
                                 f"is damaged: delete that folder") from exc
         try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            data = parse_json(raw)
+        except ValueError as exc:  # (UnicodeDecodeError too)
             raise ManifestError(
                 f"manifest of {where} is not valid JSON ({exc}); the checkpoint "
                 f"is damaged: delete that folder or run `moepec verify {self.url}`") from exc
