@@ -165,17 +165,18 @@ class SlotStore:
             slot.in_use = True
         return slot
 
-    def prepare(self, slot: Slot, layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-                ) -> dict[str, torch.Tensor]:
-        """Views of ``slot`` (from :meth:`reserve`) laid out for ``layout``: its header is
-        removed first (the slot is torn from here until ``commit``), then its file is
-        created or grown and mapped. The copy thread calls it, so that file creation and
-        first-touch page faults never block training."""
-        shapes = tuple(layout.values())
-        # Checkpoints of one K lay a slot out alike (other experts' keys, same shapes):
-        # the offsets and views of the last layout are reused (building ~500 entries
-        # and views cost ~1.5 ms of the copy at every checkpoint); the header's entries
-        # are built by ``commit``, after the copy.
+    def prepare(self, slot: Slot, layout: Mapping[str, tuple[tuple[int, ...], Any]] | list[str],
+                shapes: tuple[tuple[tuple[int, ...], Any], ...] | None = None) -> dict[str, Any]:
+        """Views of ``slot`` (from :meth:`reserve`) laid out for ``layout`` (key -> (shape,
+        dtype); or the keys, their (shape, dtype) in ``shapes``): its header is removed
+        first (the slot is torn from here until ``commit``), then its file is created or
+        grown and mapped. The copy thread calls it, so that file creation and first-touch
+        page faults never block training."""
+        keys = list(layout)
+        shapes = tuple(layout.values()) if shapes is None else shapes  # type: ignore[union-attr]
+        # Checkpoints of one K lay a slot out alike (other experts' keys, same shapes): the
+        # last layout's offsets and views are reused (building ~500 entries and views cost
+        # ~1.5 ms of every copy); the header's entries are built by ``commit``, after it.
         if slot.plan is None or slot.plan[0] != shapes:
             offsets, offset = [], 0
             for shape, dtype in shapes:
@@ -183,11 +184,11 @@ class SlotStore:
                 offset = _align(offset + _nbytes(shape, dtype))
             slot.plan = (shapes, offsets, max(offset, 1))
         self._open(slot, slot.plan[2])
-        slot.keys = list(layout)
+        slot.keys = keys
         if slot.views is None or slot.views[0] is not slot.plan or slot.views[1] is not slot.mm:
             slot.views = (slot.plan, slot.mm, [_at(slot.base, o, shape, dtype) for o, (
                 shape, dtype) in zip(slot.plan[1], shapes, strict=True)])
-        return dict(zip(slot.keys, slot.views[2], strict=True))
+        return dict(zip(keys, slot.views[2], strict=True))
 
     def commit(self, slot: Slot, header: SlotHeader) -> dict[str, str]:
         """Checksum the slot's data (laid out by ``prepare``) and write its header last

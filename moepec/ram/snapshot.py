@@ -11,10 +11,9 @@ memory (:mod:`moepec.ram.shm`) that outlive the process: a snapshot's slot is
 committed (header written last) once its copy is complete, and a restarted worker
 loads the committed slots of its rank (``RamTier.recovered``).
 
-On CUDA the buffers are pinned and the copies run non-blocking on a side
-stream; on CPU they are plain reused tensors copied by one worker thread while
-the training thread runs the next forward and backward (torch releases the GIL
-inside ``copy_``).
+On CUDA the buffers are pinned and the copies run non-blocking on a side stream; on
+CPU they are plain reused tensors copied by one worker thread while the training thread
+runs the next forward and backward (torch releases the GIL inside ``copy_``).
 
 A snapshot is *copied* once the live tensors are in RAM: the training loop waits for
 that and nothing more (before ``optimizer.step()`` mutates the weights). Its *seal*
@@ -35,6 +34,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -47,6 +47,7 @@ from moepec.store.checksum import tensor_checksum
 from moepec.store.meta import CheckpointMeta
 
 log = logging.getLogger(__name__)
+_SHAPE = attrgetter("shape", "dtype")  # a tensor's, read in C (the slot's layout)
 
 
 class BufferPool:
@@ -280,7 +281,7 @@ class Snapshotter:
         point ``snap.tensors`` at it; sources' metadata read once. Copy thread."""
         slot, both = snap.slot, {**sources, **snap.tensors}
         tensors = list(both.values())
-        snap.tensors = self.slots.prepare(slot, {k: (t.shape, t.dtype) for k, t in both.items()})
+        snap.tensors = self.slots.prepare(slot, list(both), tuple(map(_SHAPE, tensors)))
         skip = len(sources) if self._stream is not None else 0
         copy_laid_out(slot.base.data_ptr(), slot.plan[1][skip:], tensors[skip:],
                       slot.views[2][skip:])
