@@ -143,6 +143,8 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
         self._sync: tuple[threading.Thread, list[BaseException]] | None = None
         self._early: tuple[str, dict[str, tuple[int, int]]] | None = None
         self._unsynced: str | None = None
+        self._written: threading.Event | None = None
+        """Set once a started write's ``writev`` returned (its fsync may still run)."""
 
     def start(self, tensors: Mapping[str, torch.Tensor], rank: int) -> None:
         """Begin writing ``tensors`` (key -> CPU tensor, key order) into this rank's data
@@ -166,8 +168,9 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
         bufs = [_bytes_of(t) for t in tensors.values()]
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         errors: list[BaseException] = []
+        self._written = threading.Event()
         thread = threading.Thread(target=_write_close, name="moepec-data-write", args=(
-            fd, bufs, list(tensors.values()), self.sync_files, errors))
+            fd, bufs, list(tensors.values()), self.sync_files, errors, self._written))
         thread.start()
         self._sync, self._early = (thread, errors), (path, layout)
 
@@ -200,6 +203,12 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
         data file's (ext4's ordered journal) and held up the caller's work beside it
         (~25 ms of a ~100 ms persist: docs/results.md, section 3, issue 50's eighth
         pass)."""
+        if self._written is not None:
+            # .metadata is written once the data's writev returned: a small file written
+            # into the file system during a large write stalled that write 8-20x in 13 of
+            # 40 tries here, against 1 of 40 alone (docs/results.md, section 3, issue 50's
+            # ninth pass); during its fsync it does not.
+            self._written.wait()
         if self._sync is None or not self.sync_files:
             super().finish(metadata, results)
             return
@@ -243,11 +252,15 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 def _write_close(fd: int, bufs: list[memoryview], tensors: list[torch.Tensor], sync: bool,
-                 errors: list[BaseException]) -> None:
-    """Write ``bufs`` (views of ``tensors``, held here until written) at ``fd``, fsync
-    it (``sync``) and close it; errors go to ``errors``."""
+                 errors: list[BaseException], written: threading.Event | None = None) -> None:
+    """Write ``bufs`` (views of ``tensors``, held here until written) at ``fd``, set
+    ``written``, fsync it (``sync``) and close it; errors go to ``errors``."""
     try:
-        write_all(fd, bufs)
+        try:
+            write_all(fd, bufs)
+        finally:
+            if written is not None:
+                written.set()
         if sync:
             os.fsync(fd)
     except BaseException as exc:  # noqa: BLE001 - raised by wait_synced
