@@ -340,3 +340,17 @@ def test_a_restore_unmaps_its_data_files_on_a_helper_thread(tmp_path, monkeypatc
     restored = full_state(model2, opt2)
     assert restored.keys() == saved.keys()
     assert all(torch.equal(restored[k], saved[k]) for k in saved)
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="Linux: sysfs")
+def test_a_folder_that_exists_but_takes_no_file_is_found_unwritable(tmp_path):
+    """The write probe writes a file: a root whose folder exists (so makedirs succeeds)
+    but in which no file can be created (sysfs refuses even root) is named unwritable,
+    with the fix; a writable one is probed and left as it was."""
+    from moepec.store.storage.local import LocalStorage
+
+    with pytest.raises(CheckpointError, match="cannot write to checkpoint path.*choose a "
+                                              "writable"):
+        LocalStorage("/sys/kernel").check_writable()
+    LocalStorage(str(tmp_path)).check_writable()
+    assert list(tmp_path.iterdir()) == []
