@@ -178,8 +178,9 @@ def test_parse_json_gives_what_json_loads_gives(monkeypatch):
 
 
 def test_a_manifest_with_a_huge_count_is_damaged_not_a_traceback(tmp_path):
-    """A stranger's manifest whose step is an integer beyond 64 bits is skipped as damaged,
-    and the restore takes the checkpoint before it."""
+    """A stranger's manifest whose step is an integer beyond 64 bits is listed as damaged
+    (orjson reads it as a float, which the count check refuses), not a traceback, and the
+    checkpoint before it stays usable."""
     ckpt = tmp_path / "c"
     _train(ckpt, 4)
     st = Storage(str(ckpt))
