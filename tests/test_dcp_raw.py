@@ -220,7 +220,7 @@ def test_chunk_keys_are_written_as_dcp_shards(tmp_path, serialization):
     assert torch.equal(whole["model/w"], w) and torch.equal(whole["experts/0/2/model/e"], e)
     for bad in ({"model/w#0,0+3,4:5,4": w[:3]},  # a gap
                 {"model/w#0,0+3,4:5,4": w[:3], "model/w#2,0+3,4:5,4": w[2:]}):  # overlap
-        with pytest.raises(CheckpointException) as err:
+        with pytest.raises((CheckpointException, CheckpointError)) as err:  # (DCP wraps)
             Storage(str(tmp_path / "bad"), serialization=serialization).write(name, bad)
         cause = root_cause(err.value)
         assert isinstance(cause, CheckpointError) and "do not tile" in str(cause)
@@ -410,29 +410,32 @@ def test_a_started_write_stores_the_same_file_as_dcp_would_and_reads_back_bit_ex
 
 def test_a_started_write_is_joined_when_the_save_fails_and_its_own_error_raised(
         tmp_path, monkeypatch):
-    """A dcp.save that fails after the write started (here: its plan) raises its own
-    error, and the writing thread has ended before Storage.write returns (it reads the
-    caller's tensors); a failed write of the data itself is raised by Storage.write."""
+    """A save that fails after the write started (here: building its .metadata) raises
+    its own error, and the writing thread has ended before Storage.write returns (it
+    reads the caller's tensors); a failed write of the data itself is raised by
+    Storage.write."""
     import threading
     import time
 
     from moepec.store import dcp_raw
+    from moepec.store.dcp_planner import StartedIndex
 
-    def bad_plan(self):
-        raise CheckpointError("plan failed")
+    def bad_index(self, entries):
+        raise CheckpointError("index failed")
 
     write_all = dcp_raw.write_all
 
-    def slow_write(fd, bufs):  # still writing when the plan fails
+    def slow_write(fd, bufs):  # still writing when the index fails
         time.sleep(0.3)
         write_all(fd, bufs)
 
     with monkeypatch.context() as m:
-        m.setattr(KeySavePlanner, "create_local_plan", bad_plan)
+        m.setattr(StartedIndex, "build", bad_index)
         m.setattr(dcp_raw, "write_all", slow_write)
-        with pytest.raises(CheckpointException, match="plan failed"):  # DCP wraps it
+        with pytest.raises(CheckpointError, match="index failed"):
             _local_write(tmp_path, "c", _state())
     assert not [t for t in threading.enumerate() if t.name == "moepec-data-write"]
+    assert not (tmp_path / "c" / ".metadata").exists()
 
     def full_disk(fd, bufs):
         raise OSError(28, "No space left on device")
@@ -518,3 +521,75 @@ def test_a_started_writes_metadata_is_written_after_the_datas_writev(tmp_path, m
     targets = _targets(state)
     dcp.load(targets, storage_reader=RawFileSystemReader(str(tmp_path / "c")), no_dist=True)
     assert all(_equal_bits(targets[k], state[k]) for k in state)
+
+
+def _metadata_of(folder) -> tuple[dict, dict]:
+    md = FileSystemReader(str(folder)).read_metadata()
+    return md.state_dict_metadata, md.storage_data
+
+
+def test_a_local_roots_metadata_is_the_one_dcp_save_writes_for_the_same_tensors(tmp_path):
+    """Storage.write on a local root builds .metadata from the items it wrote, without
+    DCP's plans (StartedIndex): the tensors, their chunks and every item's location are
+    those a dcp.save with moepec's planner and raw writer records for the same tensors,
+    save after save (a whole tensor's entry is kept between saves, rebuilt when its shape
+    or dtype changes); the pickle holds nothing but DCP's own classes."""
+    import pickletools
+
+    from moepec.store.storage.local import LocalStorage
+
+    state = _state()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(5, 4, generator=g)
+    state.update({"model/w2#0,0+3,4:5,4": w[:3].clone(), "model/w2#3,0+2,4:5,4": w[3:].clone()})
+    st = LocalStorage(str(tmp_path / "root"))
+    for i, change in enumerate([{}, {}, {"model/w": torch.randn(3, 2, dtype=torch.float64)}]):
+        state.update(change)
+        st.write(f"c{i}", state)
+        dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), no_dist=True,
+                 storage_writer=RawFileSystemWriter(str(tmp_path / f"dcp{i}")))
+        assert _metadata_of(tmp_path / "root" / f"c{i}") == _metadata_of(tmp_path / f"dcp{i}")
+        ops = {op.name for op, *_ in pickletools.genops(
+            (tmp_path / "root" / f"c{i}" / ".metadata").read_bytes())}
+        assert "REDUCE" in ops or "NEWOBJ" in ops  # (a class pickle, read by DCP's reader)
+        whole = {k: v for k, v in state.items() if "#" not in k}
+        targets = {**_targets(whole), "model/w2": torch.zeros(5, 4)}
+        dcp.load(targets, storage_reader=RawFileSystemReader(str(tmp_path / "root" / f"c{i}")),
+                 no_dist=True)
+        assert all(_equal_bits(targets[k], whole[k]) for k in whole)
+        assert _equal_bits(targets["model/w2"], w)
+
+
+def test_the_started_index_of_several_ranks_is_dcps_global_plans(tmp_path):
+    """Several ranks' items (whole tensors and the chunks of one tensor from two ranks):
+    the tensors StartedIndex records are those DCP's global plan makes of the same
+    ranks' plans, each rank's items in its own file; a tensor written by two ranks,
+    whole and in chunks, or in chunks of two shapes or dtypes, is refused by name."""
+    from moepec.store.dcp_planner import StartedIndex
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(6, 3, generator=g)
+    ranks = [{"a": torch.randn(4, generator=g), "w#0,0+2,3:6,3": w[:2].clone()},
+             {"b": torch.ones(2, 2, dtype=torch.int32), "w#2,0+4,3:6,3": w[2:].clone()}]
+
+    def entries(state):
+        out, offset = [], 0
+        for k, t in state.items():
+            out.append((k, t.shape, t.dtype, offset, t.nbytes))
+            offset += t.nbytes
+        return out
+
+    metadata, results = StartedIndex().build([entries(s) for s in ranks])
+    _, expected = KeySavePlanner().create_global_plan([_plan_of(s) for s in ranks])
+    assert metadata.state_dict_metadata == expected.state_dict_metadata
+    assert [[(r.index.fqn, list(r.index.offset), r.storage_data.relative_path,
+              r.storage_data.offset, r.size_in_bytes) for r in rs] for rs in results] == [
+        [("a", [0], "__0_0.distcp", 0, 16), ("w", [0, 0], "__0_0.distcp", 16, 24)],
+        [("b", [0, 0], "__1_0.distcp", 0, 16), ("w", [2, 0], "__1_0.distcp", 16, 48)]]
+    for bad, why in [([{"a": torch.ones(4)}, {"a": torch.ones(4)}], "a is written twice"),
+                     ([{"w": torch.ones(6, 3)}, {"w#2,0+4,3:6,3": w[2:]}], "whole and in"),
+                     ([{"w#0,0+2,3:6,3": w[:2]}, {"w#2,0+4,3:6,3": w[2:].double()}],
+                      "disagree"),
+                     ([{"w#0,0+2,3:6,3": w[:2]}, {"w#1,0+4,3:6,3": w[1:5]}], "do not tile")]:
+        with pytest.raises(CheckpointError, match=why):
+            StartedIndex().build([entries(s) for s in bad])

@@ -130,41 +130,44 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
 
     The data file is written with ``writev`` (a few system calls for all its items,
     not one per item), and fsync'd before ``write_data`` returns, as DCP's own writers
-    do. :meth:`start` (with moepec's :class:`KeySavePlanner`) goes further: the bytes are
-    written and fsync'd on a thread of their own from before ``dcp.save`` plans, so
-    DCP's plans and ``.metadata`` (~15-20 ms of CPU for 600 items, as long as a third of
-    the write itself) run while the kernel copies; :meth:`wait_synced`, which the caller
-    must then call after ``dcp.save`` on every rank before it reports the data written,
+    do. :meth:`start` goes further: the bytes are written and fsync'd on a thread of
+    their own from the start, and the caller's work runs while the kernel copies.
+    What follows it records where each item is: ``dcp.save`` with moepec's
+    :class:`KeySavePlanner`, or (moepec's own saves) ``dcp_planner.StartedIndex``, which
+    builds ``.metadata`` from :attr:`entries` without DCP's plans. :meth:`wait_synced`,
+    which the caller must then call on every rank before it reports the data written,
     waits for that thread and raises its error.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sync: tuple[threading.Thread, list[BaseException]] | None = None
-        self._early: tuple[str, dict[str, tuple[int, int]]] | None = None
+        self._early: str | None = None
+        """A started write's data file, until a ``dcp.save`` records it (``write_data``)."""
         self._unsynced: str | None = None
         self._written: threading.Event | None = None
         """Set once a started write's ``writev`` returned (its fsync may still run)."""
+        self.entries: list[tuple[str, torch.Size, torch.dtype, int, int]] = []
 
     def start(self, tensors: Mapping[str, torch.Tensor], rank: int) -> None:
         """Begin writing ``tensors`` (key -> CPU tensor, key order) into this rank's data
-        file on a thread of its own; the ``dcp.save`` of ``{ROOT_KEY: tensors}`` with a
-        :class:`KeySavePlanner` that must follow records where each already is. The
-        file has the name DCP gives the data of the ``rank``-th plan of the save's
-        group (``__<rank>_0.distcp``; renamed in ``write_data`` if DCP's differs: a
-        rename waits for the write). The caller then calls :meth:`wait_synced`, also
-        when ``dcp.save`` failed (the thread reads ``tensors`` until it returns)."""
+        file on a thread of its own; :attr:`entries` says where each goes. What must
+        follow records that (the class's docstring). The file has the name DCP gives the
+        data of the ``rank``-th plan of the save's group (``__<rank>_0.distcp``; renamed
+        in ``write_data`` if DCP's differs: a rename waits for the write). The caller
+        then calls :meth:`wait_synced`, also when what followed failed (the thread reads
+        ``tensors`` until it returns)."""
         if self._sync is not None:
             raise RuntimeError("start() runs once per save")
         self.fs.mkdir(self.path)
         path = str(self.fs.concat_path(self.path, f"__{rank}_0{DEFAULT_SUFFIX}"))
-        layout, offset = {}, 0
+        offset, entries = 0, []
         for key, t in tensors.items():
             n = t.numel() * t.element_size()
-            layout[key] = (offset, n)
+            entries.append((key, t.shape, t.dtype, offset, n))
             offset += n
         # The buffers are made here, not on the writing thread: it then holds the GIL
-        # never, and its writev runs through DCP's planning (which holds it).
+        # never, and its writev runs through the caller's work (which holds it).
         bufs = [_bytes_of(t) for t in tensors.values()]
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         errors: list[BaseException] = []
@@ -172,12 +175,14 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
         thread = threading.Thread(target=_write_close, name="moepec-data-write", args=(
             fd, bufs, list(tensors.values()), self.sync_files, errors, self._written))
         thread.start()
-        self._sync, self._early = (thread, errors), (path, layout)
+        self._sync, self._early = (thread, errors), path
+        self.entries = entries  # (key, shape, dtype, offset, length): dcp_planner.Entry
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._early is None:
             return super().write_data(plan, planner)
-        (path, layout), self._early = self._early, None
+        path, self._early = self._early, None
+        layout = {key: (offset, length) for key, _, _, offset, length in self.entries}
         key_of = getattr(planner, "key_of", None)
         if key_of is None or len(plan.items) != len(layout):
             raise RuntimeError("a started write needs moepec's KeySavePlanner, one item "

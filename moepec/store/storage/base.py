@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.core import split_protocol, url_to_fs
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from moepec.errors import CheckpointError, CorruptCheckpointError, ManifestError, check_choice
@@ -42,7 +43,7 @@ from moepec.keys import MANIFEST_NAME, is_legacy_name, parse_checkpoint_name
 from moepec.store import dcp_raw
 from moepec.store import manifest as mf
 from moepec.store.checksum import Verifier
-from moepec.store.dcp_planner import ROOT_KEY, KeySavePlanner, keys_of
+from moepec.store.dcp_planner import ROOT_KEY, KeySavePlanner, StartedIndex, keys_of
 from moepec.store.dcp_raw import RAW_DESCRIPTOR
 from moepec.store.items import Encoding, Item, Serialization, parse_json
 from moepec.store.manifest import Manifest
@@ -127,6 +128,7 @@ class Storage(ABC):
         self.fs, self.root = _filesystem(self.url, self.options)
         """fsspec's filesystem and the root's path on it."""
         self._warned_legacy = False
+        self._index = StartedIndex()
 
     # -- the backend: small files, listings, DCP -----------------------------------------
     @classmethod
@@ -255,29 +257,33 @@ class Storage(ABC):
         """
         writer = self.writer(name, raw=self.serialization == Serialization.RAW)
         distributed = dist.is_available() and dist.is_initialized()
-        started = isinstance(writer, dcp_raw.RawFileSystemWriter)
-        if started:  # the bytes go to the kernel while DCP plans and writes .metadata
-            writer.start(tensors, dist.get_rank(process_group) if distributed else 0)
-        try:
-            with contextlib.nullcontext() if distributed else single_process_dcp():
-                metadata = dcp.save({ROOT_KEY: dict(tensors)}, storage_writer=writer,
-                                    planner=KeySavePlanner(),
-                                    process_group=process_group if distributed else None,
-                                    no_dist=not distributed)
-            keys = keys_of(metadata)
-            where = {keys[index]: Location(
-                info.relative_path, info.offset, info.length,
-                Encoding.RAW if RAW_DESCRIPTOR in (
-                    getattr(info, "transform_descriptors", None) or ()) else Encoding.TORCH_SAVE)
-                for index, info in metadata.storage_data.items()}
-            if meanwhile is not None:
-                meanwhile(where)
-        except BaseException:
-            if started:
+        group = process_group if distributed else None
+        if isinstance(writer, dcp_raw.RawFileSystemWriter):  # bytes to the kernel at once,
+            try:  # .metadata from the items written, without DCP's plans (StartedIndex)
+                every = self._index.save(writer, tensors, group, distributed)
+                where = {key: Location(f"__{rank}_0{DEFAULT_SUFFIX}", offset, length,
+                                       Encoding.RAW)
+                         for rank, items in enumerate(every)
+                         for key, _, _, offset, length in items}
+                if meanwhile is not None:
+                    meanwhile(where)
+            except BaseException:
                 writer.wait_synced(raise_error=False)  # nothing reads ``tensors`` after
-            raise
-        if started:
-            writer.wait_synced()  # its data file's write and fsync ran beside DCP's work
+                raise
+            writer.wait_synced()  # its data file's write and fsync ran beside this work
+            return where
+        with contextlib.nullcontext() if distributed else single_process_dcp():
+            metadata = dcp.save({ROOT_KEY: dict(tensors)}, storage_writer=writer,
+                                planner=KeySavePlanner(), process_group=group,
+                                no_dist=not distributed)
+        keys = keys_of(metadata)
+        where = {keys[index]: Location(
+            info.relative_path, info.offset, info.length,
+            Encoding.RAW if RAW_DESCRIPTOR in (
+                getattr(info, "transform_descriptors", None) or ()) else Encoding.TORCH_SAVE)
+            for index, info in metadata.storage_data.items()}
+        if meanwhile is not None:
+            meanwhile(where)
         return where
 
     def write_view(self, name: str, view: Mapping[str, str]) -> mf.FileRef:
