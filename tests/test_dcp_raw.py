@@ -321,7 +321,7 @@ def test_own_one_process_dcp_calls_leave_no_trace_records_others_still_do(tmp_pa
 
 def test_write_all_goes_on_after_short_writes(tmp_path, monkeypatch):
     """writev may write less than asked (and at most IOV_MAX buffers at a time): the
-    file still holds every buffer, whole and in order."""
+    file still holds every buffer (bytes, or a tensor's), whole and in order."""
     import os
 
     from moepec.store import dcp_raw
@@ -331,7 +331,9 @@ def test_write_all_goes_on_after_short_writes(tmp_path, monkeypatch):
     # at most 7 bytes per call: a prefix of what was asked, as a short write is
     monkeypatch.setattr(dcp_raw.os, "writev", lambda fd, bufs: real(
         fd, [b"".join(bytes(b) for b in bufs)[:7]]))
-    bufs = [memoryview(bytes([i]) * (i * 3)) for i in range(9)]
+    tensors = [torch.arange(i, dtype=torch.int16) for i in range(5)]  # kept alive
+    bufs = ([memoryview(bytes([i]) * (i * 3)) for i in range(9)]
+            + [dcp_raw._bytes_of(t) for t in tensors])  # ctypes arrays over tensors
     path = tmp_path / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
     try:

@@ -122,7 +122,7 @@ def write_all(fd: int, bufs: list[memoryview]) -> None:
             n -= len(bufs[i])
             i += 1
         if n:
-            bufs[i] = bufs[i][n:]
+            bufs[i] = memoryview(bufs[i]).cast("B")[n:]
 
 
 class RawFileSystemWriter(_RawWrite, FileSystemWriter):
@@ -248,11 +248,13 @@ class RawFileSystemWriter(_RawWrite, FileSystemWriter):
                 fsync_dir(os.path.dirname(path))
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """``tensor_bytes(t)`` in ~2 us instead of ~9 for a plain CPU tensor (the
-    caller keeps ``t`` alive while the view is used)."""
+def _bytes_of(t: torch.Tensor) -> Any:
+    """The bytes of ``t`` as a buffer for ``writev``: ``tensor_bytes(t)``, or for a plain
+    CPU tensor a ctypes array over its memory (~0.4 us against ~9, and one object the
+    garbage collector tracks instead of three; the caller keeps ``t`` alive while the
+    array is used)."""
     if plain(t) and (n := t.nbytes):
-        return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+        return (ctypes.c_ubyte * n).from_address(t.data_ptr())
     return tensor_bytes(t)
 
 
