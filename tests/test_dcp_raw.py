@@ -525,39 +525,42 @@ def test_a_started_writes_metadata_is_written_after_the_datas_writev(tmp_path, m
     assert all(_equal_bits(targets[k], state[k]) for k in state)
 
 
-def _metadata_of(folder) -> tuple[dict, dict]:
-    md = FileSystemReader(str(folder)).read_metadata()
+def _metadata_of(reader) -> tuple[dict, dict]:
+    md = reader.read_metadata()
     return md.state_dict_metadata, md.storage_data
 
 
-def test_a_local_roots_metadata_is_the_one_dcp_save_writes_for_the_same_tensors(tmp_path):
-    """Storage.write on a local root builds .metadata from the items it wrote, without
-    DCP's plans (StartedIndex): the tensors, their chunks and every item's location are
-    those a dcp.save with moepec's planner and raw writer records for the same tensors,
-    save after save (a whole tensor's entry is kept between saves, rebuilt when its shape
-    or dtype changes); the pickle holds nothing but DCP's own classes."""
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "fsspec"])
+def test_a_raw_roots_metadata_is_the_one_dcp_save_writes_for_the_same_tensors(
+        tmp_path, remote):
+    """Storage.write with raw serialization builds .metadata from the items it wrote,
+    without DCP's plans (StartedIndex), on a local root and an fsspec one alike: the
+    tensors, their chunks and every item's location are those a dcp.save with moepec's
+    planner and raw writer records for the same tensors, save after save (a whole
+    tensor's entry is kept between saves, rebuilt when its shape or dtype changes); the
+    pickle holds nothing but DCP's own classes, and DCP loads it bit for bit."""
     import pickletools
-
-    from moepec.store.storage.local import LocalStorage
 
     state = _state()
     g = torch.Generator().manual_seed(3)
     w = torch.randn(5, 4, generator=g)
     state.update({"model/w2#0,0+3,4:5,4": w[:3].clone(), "model/w2#3,0+2,4:5,4": w[3:].clone()})
-    st = LocalStorage(str(tmp_path / "root"))
+    root = f"memory://started-{uuid.uuid4().hex}" if remote else str(tmp_path / "root")
+    st = Storage(root)
+    reader = RawFsspecReader if remote else RawFileSystemReader
     for i, change in enumerate([{}, {}, {"model/w": torch.randn(3, 2, dtype=torch.float64)}]):
         state.update(change)
         st.write(f"c{i}", state)
         dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), no_dist=True,
                  storage_writer=RawFileSystemWriter(str(tmp_path / f"dcp{i}")))
-        assert _metadata_of(tmp_path / "root" / f"c{i}") == _metadata_of(tmp_path / f"dcp{i}")
-        ops = {op.name for op, *_ in pickletools.genops(
-            (tmp_path / "root" / f"c{i}" / ".metadata").read_bytes())}
+        assert (_metadata_of(reader(f"{root}/c{i}"))
+                == _metadata_of(FileSystemReader(str(tmp_path / f"dcp{i}"))))
+        with st.fs.open(f"{st.root}/c{i}/.metadata", "rb") as f:
+            ops = {op.name for op, *_ in pickletools.genops(f.read())}
         assert "REDUCE" in ops or "NEWOBJ" in ops  # (a class pickle, read by DCP's reader)
         whole = {k: v for k, v in state.items() if "#" not in k}
         targets = {**_targets(whole), "model/w2": torch.zeros(5, 4)}
-        dcp.load(targets, storage_reader=RawFileSystemReader(str(tmp_path / "root" / f"c{i}")),
-                 no_dist=True)
+        dcp.load(targets, storage_reader=reader(f"{root}/c{i}"), no_dist=True)
         assert all(_equal_bits(targets[k], whole[k]) for k in whole)
         assert _equal_bits(targets["model/w2"], w)
 

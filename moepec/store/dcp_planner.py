@@ -1,6 +1,8 @@
-"""The DCP save planner behind ``Storage.write``: one flat dict of keyed tensors in, DCP
-shards of each tensor out (chunk keys, moepec.keys, become shards of their tensor), and
-back from DCP's metadata to our keys (:func:`keys_of`)."""
+"""DCP's ``.metadata`` for ``Storage.write``: one flat dict of keyed tensors in, DCP
+shards of each tensor out (chunk keys, moepec.keys, become shards of their tensor). A raw
+save builds it from the items its ranks wrote (:class:`StartedIndex`, no ``dcp.save``); a
+``torch_save`` one plans with ``dcp.save`` (:class:`KeySavePlanner`, and back from DCP's
+metadata to our keys: :func:`keys_of`)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from moepec.errors import CheckpointError
 from moepec.keys import CHUNK_MARK, Chunk, chunk_key, split_chunk
-from moepec.store.dcp_raw import RAW_DESCRIPTOR, RawFileSystemWriter
+from moepec.store.dcp_raw import RAW_DESCRIPTOR, RawWrite
 
 ROOT_KEY = "moepec"
 """Storage.write hands dcp.save ``{ROOT_KEY: tensors}``; KeySavePlanner unwraps it."""
@@ -127,13 +129,13 @@ def check_tiling(metadata: Metadata) -> None:
 
 
 Entry = tuple[str, torch.Size, torch.dtype, int, int]
-"""One item of a rank's data file written by ``RawFileSystemWriter.start``: (key, shape,
+"""One item of a rank's data file written by ``RawWrite.start``: (key, shape,
 dtype, offset, length)."""
 
 
 class StartedIndex:
     """DCP's ``Metadata`` of a save whose ranks wrote their data files themselves
-    (``RawFileSystemWriter.start``), built from their items: what ``dcp.save`` with a
+    (``RawWrite.start``), built from their items: what ``dcp.save`` with a
     :class:`KeySavePlanner` records for the same tensors (the same tensors, chunks and
     item locations; the deprecated ``TensorProperties`` fields at their defaults), without
     its plans. ``dcp.save`` plans ~600 items in ~10 ms of Python and allocates ~10,000
@@ -170,7 +172,7 @@ class StartedIndex:
             check_tiling(Metadata(sharded))
         return Metadata(md), results
 
-    def save(self, writer: RawFileSystemWriter, tensors: Mapping[str, torch.Tensor],
+    def save(self, writer: RawWrite, tensors: Mapping[str, torch.Tensor],
              group: dist.ProcessGroup | None, distributed: bool) -> list[list[Entry]]:
         """Write this rank's ``tensors`` (``writer.start``) and, on the group's first rank,
         the save's ``.metadata`` from every rank's items; returns every rank's items. The

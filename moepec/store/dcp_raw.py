@@ -55,7 +55,7 @@ SUPPORTED = "transform_descriptors" in {f.name for f in dataclasses.fields(_Stor
 items need to be told apart from torch.save-framed ones."""
 
 
-class _RawWrite:
+class RawWrite:
     """``write_data`` for FileSystemWriter and FsspecWriter: one file per rank, the
     items back to back, fsync'd when the writer syncs files. A shard item (one chunk of a
     sharded tensor: a DTensor's local shard, a moepec chunk key) is stored as the bytes of
@@ -99,9 +99,28 @@ class _RawWrite:
                 except (AttributeError, io.UnsupportedOperation):
                     os.sync()  # what DCP's own writers do on streams without a descriptor
 
-    def wait_synced(self) -> None:
-        """Block until the data file of the last ``write_data`` is durable (at once here:
-        it was fsync'd before ``write_data`` returned)."""
+    entries: list[tuple[str, torch.Size, torch.dtype, int, int]]
+    """Set by :meth:`start`: (key, shape, dtype, offset, length) of every item, in the
+    file's order (moepec.store.dcp_planner.Entry)."""
+
+    def start(self, tensors: Mapping[str, torch.Tensor], rank: int) -> None:
+        """Write ``tensors`` (key -> CPU tensor, key order) back to back into this rank's
+        data file (``__<rank>_0.distcp``) now, through the writer's stream;
+        :attr:`entries` says where each went, for ``dcp_planner.StartedIndex`` to record in
+        ``.metadata`` (no ``dcp.save`` follows). :class:`RawFileSystemWriter` writes on a
+        thread of its own instead."""
+        entries, bufs, offset = [], [], 0
+        for key, t in tensors.items():
+            buf = tensor_bytes(t)
+            entries.append((key, t.shape, t.dtype, offset, len(buf)))
+            bufs.append(buf)
+            offset += len(buf)
+        self._store(self.fs.concat_path(self.path, f"__{rank}_0{DEFAULT_SUFFIX}"), bufs)
+        self.entries = entries
+
+    def wait_synced(self, *, raise_error: bool = True) -> None:
+        """Block until the data file of the last write is durable (at once here: it was
+        fsync'd, where the writer syncs files, before the write returned)."""
 
 
 IOV_MAX = 1024
@@ -125,7 +144,7 @@ def write_all(fd: int, bufs: list[memoryview]) -> None:
             bufs[i] = memoryview(bufs[i]).cast("B")[n:]
 
 
-class RawFileSystemWriter(_RawWrite, FileSystemWriter):
+class RawFileSystemWriter(RawWrite, FileSystemWriter):
     """FileSystemWriter storing raw tensor bytes (local paths; fsync'd by default).
 
     The data file is written with ``writev`` (a few system calls for all its items,
@@ -276,7 +295,7 @@ def _write_close(fd: int, bufs: list[memoryview], tensors: list[torch.Tensor], s
         os.close(fd)
 
 
-class RawFsspecWriter(_RawWrite, FsspecWriter):
+class RawFsspecWriter(RawWrite, FsspecWriter):
     """FsspecWriter storing raw tensor bytes (s3://, memory://, any fsspec URL)."""
 
 

@@ -258,8 +258,9 @@ class Storage(ABC):
         writer = self.writer(name, raw=self.serialization == Serialization.RAW)
         distributed = dist.is_available() and dist.is_initialized()
         group = process_group if distributed else None
-        if isinstance(writer, dcp_raw.RawFileSystemWriter):  # bytes to the kernel at once,
-            try:  # .metadata from the items written, without DCP's plans (StartedIndex)
+        if isinstance(writer, dcp_raw.RawWrite):  # the bytes written at once (locally on
+            # a thread of their own), .metadata from the items written (StartedIndex)
+            try:
                 every = self._index.save(writer, tensors, group, distributed)
                 where = {key: Location(f"__{rank}_0{DEFAULT_SUFFIX}", offset, length,
                                        Encoding.RAW)
