@@ -140,7 +140,7 @@ class StartedIndex:
     item locations; the deprecated ``TensorProperties`` fields at their defaults), without
     its plans. ``dcp.save`` plans ~600 items in ~10 ms of Python and allocates ~10,000
     objects that outlive a young garbage collection; on this project's machine those
-    brought a full collection every ~7 persists, 170-250 ms with every thread held
+    brought a full collection every ~7 persists, 150-250 ms with every thread held
     (docs/results.md, section 3, issue 50's tenth pass). A whole tensor's entries are
     kept from one save to the next (keyed by key, shape and dtype): a key's metadata is
     built once."""
