@@ -525,9 +525,9 @@ def test_a_started_writes_metadata_is_written_after_the_datas_writev(tmp_path, m
     assert all(_equal_bits(targets[k], state[k]) for k in state)
 
 
-def _metadata_of(reader) -> tuple[dict, dict]:
+def _metadata_of(reader) -> tuple:
     md = reader.read_metadata()
-    return md.state_dict_metadata, md.storage_data
+    return md.state_dict_metadata, md.storage_data, md.planner_data, md.version
 
 
 @pytest.mark.parametrize("remote", [False, True], ids=["local", "fsspec"])
