@@ -125,3 +125,37 @@ def test_one_format_for_both_front_ends(tmp_path):
     del data["kind"]
     (tmp_path / "iter_0000000" / "moepec.json").write_text(json.dumps(data))
     assert read_manifest(str(tmp_path), "iter_0000000").items.keys() == {"d"}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")  # (stock DCP's)
+def test_a_ranks_folder_is_the_dcp_checkpoint_dcp_save_writes_and_loads_bit_for_bit(
+        tmp_path):
+    """write_rank writes the data file itself and DCP's .metadata from its items (no
+    dcp.save plans): the tensors and every item's location are those a one-process
+    dcp.save with DCP's default planner and the raw writer records, every key is a
+    whole tensor of its name (a '#' in a flat key is no chunk), and dcp.load reads the
+    folder back bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from moepec.store.dcp_raw import RawFileSystemReader, RawFileSystemWriter
+    from moepec.store.flat import rank_dir, write_rank
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {"module.w": torch.randn(4, 3, generator=g),
+               "odd#name": torch.arange(6, dtype=torch.int32),
+               "optimizer.step": torch.tensor(7, dtype=torch.int64),
+               "half": torch.randn(5, generator=g).to(torch.bfloat16)}
+    write_rank(str(tmp_path / "c"), tensors, 1)
+    sub = tmp_path / "c" / rank_dir(1)
+    dcp.save(dict(tensors), planner=DefaultSavePlanner(), no_dist=True,
+             storage_writer=RawFileSystemWriter(str(tmp_path / "dcp")))
+    ours, theirs = (FileSystemReader(str(p)).read_metadata() for p in (sub, tmp_path / "dcp"))
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.storage_data == theirs.storage_data
+    back = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    dcp.load(back, storage_reader=RawFileSystemReader(str(sub)), no_dist=True)
+    assert all(torch.equal(back[k].view(torch.uint8), tensors[k].view(torch.uint8))
+               for k in tensors if tensors[k].dim())
+    assert torch.equal(back["optimizer.step"], tensors["optimizer.step"])

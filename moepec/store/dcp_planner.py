@@ -145,7 +145,10 @@ class StartedIndex:
     kept from one save to the next (keyed by key, shape and dtype): a key's metadata is
     built once."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, chunks: bool = True) -> None:
+        self.chunks = chunks
+        """Whether a chunk key (moepec.keys) is a chunk of its tensor; False: every key
+        is a whole tensor of that name (the flat front end's keys)."""
         self._whole: dict[str, tuple[torch.Size, torch.dtype, MetadataIndex,
                                      TensorStorageMetadata]] = {}
         self._properties: dict[torch.dtype, TensorProperties] = {}
@@ -162,7 +165,7 @@ class StartedIndex:
         for rank, items in enumerate(entries):
             file, out = f"__{rank}_0{DEFAULT_SUFFIX}", []
             for key, shape, dtype, offset, length in items:
-                chunk = split_chunk(key)[1] if CHUNK_MARK in key else None
+                chunk = split_chunk(key)[1] if self.chunks and CHUNK_MARK in key else None
                 index = (self._whole_tensor(key, shape, dtype, md) if chunk is None
                          else self._chunk(key, chunk, shape, dtype, md, sharded))
                 out.append(WriteResult(index=index, size_in_bytes=length, storage_data=(

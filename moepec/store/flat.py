@@ -35,19 +35,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
 from moepec.errors import CheckpointError, CorruptCheckpointError, ManifestError
 from moepec.keys import MANIFEST_NAME
 from moepec.store.atomic import write_atomic
 from moepec.store.checksum import checksum_matches, tensor_checksum
-from moepec.store.dcp_raw import RAW_DESCRIPTOR, RawFileSystemWriter
+from moepec.store.dcp_planner import StartedIndex
+from moepec.store.dcp_raw import RawFileSystemWriter
 from moepec.store.items import Encoding, Item, parse_json
 from moepec.store.manifest import FORMAT, MAX_ANCESTORS, check_format
 from moepec.store.meta import check_schedule
 from moepec.store.reader import confined, read_items, read_small
-from moepec.store.storage import single_process_dcp
 
 log = logging.getLogger(__name__)
 
@@ -241,18 +240,18 @@ def write_rank(folder: str, tensors: Mapping[str, torch.Tensor], rank: int) -> N
     sub = os.path.join(folder, rank_dir(rank))
     os.makedirs(sub, exist_ok=True)
     writer = RawFileSystemWriter(sub, sync_files=True, overwrite=True)
-    with single_process_dcp():  # no_dist is the intent: no warning about it
-        meta = dcp.save(dict(tensors), storage_writer=writer, planner=DefaultSavePlanner(),
-                        no_dist=True)
+    try:  # the data file written at once, DCP's .metadata from its items (no plans)
+        (entries,) = StartedIndex(chunks=False).save(writer, tensors, None, False)
+    except BaseException:
+        writer.wait_synced(raise_error=False)  # nothing reads ``tensors`` after
+        raise
+    writer.wait_synced()
     items = {}
-    for index, info in meta.storage_data.items():
-        t = tensors[index.fqn]
-        raw = RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ())
-        items[index.fqn] = Item(
-            shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-            nbytes=t.numel() * t.element_size(), checksum=tensor_checksum(t), rank=rank,
-            file=info.relative_path, offset=info.offset, length=info.length,
-            encoding=Encoding.RAW if raw else Encoding.TORCH_SAVE)
+    for key, shape, dtype, offset, length in entries:
+        items[key] = Item(
+            shape=list(shape), dtype=str(dtype).removeprefix("torch."), nbytes=length,
+            checksum=tensor_checksum(tensors[key]), rank=rank, file=f"__0_0{DEFAULT_SUFFIX}",
+            offset=offset, length=length, encoding=Encoding.RAW)
     data = json.dumps({k: v.to_json() for k, v in items.items()}).encode()
     atomic_write(os.path.join(folder, record_name(rank)), data, overwrite=True)
 
