@@ -29,12 +29,15 @@ Run: moepec bench overhead [--steps 60 --interval 10 --threads 1] [--out runs/be
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -263,6 +266,24 @@ def bandwidth_phase(args, workdir: Path) -> dict:
     return out
 
 
+def _full_collections(found: list[float]) -> Callable[[str, dict], None]:
+    """A ``gc.callbacks`` entry that appends the seconds of every full garbage collection
+    (any thread) to ``found``: each holds the GIL, so every thread waits for it, and the
+    objects a persist leaves alive bring them on (docs/results.md, section 3, issue 50's
+    tenth pass)."""
+    started: dict[int, float] = {}
+
+    def timer(phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            started[threading.get_ident()] = time.perf_counter()
+        elif (t0 := started.pop(threading.get_ident(), None)) is not None:
+            found.append(time.perf_counter() - t0)
+
+    return timer
+
+
 def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path,
                       ram_dir: str | None) -> dict:
     """Persists of one serialization, each paired with a plain write of the same bytes,
@@ -311,6 +332,8 @@ def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path,
     filler = os.urandom(1 << 20) * (save(0) >> 20)  # the first, full checkpoint: untimed
     save(1)  # the first K=1 one, untimed too: each timed snapshot reuses memory (below)
     hooks.on_persist = unlink_before_write
+    full_gc_s: list[float] = []
+    gc.callbacks.append(timer := _full_collections(full_gc_s))
     try:
         nbytes = persist_write(2)  # sizes the plain writes and the memcpys
         copy_src = torch.empty(records.checkpoints[-1].snapshot_bytes, dtype=torch.uint8)
@@ -326,6 +349,7 @@ def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path,
                     persist_write(step)
     finally:
         hooks.on_persist = None
+        gc.callbacks.remove(timer)
     manager.close()
     events = [(e, records.snapshots[e.seq]) for e in records.checkpoints if not e.full]
     recs = records.commits[2:]
@@ -352,6 +376,7 @@ def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path,
             "persist_frac_write": persist_bps / write_bps,
             "persist_frac_write_all": sum(plain) / sum(persist_s),
             "persist_s": persist_s, "write_s": plain, "unlink_s": unlink_s,
+            "full_gc_s": full_gc_s,
             "ram": ram_dir or "process",
             "snapshot_bytes": statistics.mean(e.snapshot_bytes for e, _ in events),
             "snapshot_Bps": snap_bps, "memcpy_paired_Bps": memcpy_bps,
@@ -359,6 +384,11 @@ def _persist_vs_plain(model, opt, serialization: str, saves: int, workdir: Path,
             "snapshot_mean_Bps": sum(e.snapshot_bytes for e, _ in events) / sum(
                 s.copy_s for _, s in events),
             "snapshot_s": [s.copy_s for _, s in events], "memcpy_s": memcpy_s}
+
+
+def _collections(seconds: list[float]) -> str:
+    return (f"{len(seconds)}, " + ", ".join(f"{1e3 * x:.0f}" for x in seconds) + " ms"
+            if seconds else "none")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -482,7 +512,8 @@ def report(res: dict) -> None:
                   f"{100 * r['persist_frac_write']:.0f}% of the {r['write_Bps'] / 1e9:.2f} GB/s "
                   f"of plain fsync'd writes of the same bytes (medians over "
                   f"{len(r['persist_s'])} pairs; over all pairs, stalls included: "
-                  f"{100 * r['persist_frac_write_all']:.0f}%)")
+                  f"{100 * r['persist_frac_write_all']:.0f}%; full garbage collections "
+                  f"meanwhile: {_collections(r['full_gc_s'])})")
     for name, ok in res.get("targets", {}).items():
         shown = ("not measured (--bw-saves 0)" if ok is None
                  else ok if isinstance(ok, bool) else f"{ok:.1f}x")

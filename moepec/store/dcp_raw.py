@@ -109,6 +109,7 @@ class RawWrite:
         :attr:`entries` says where each went, for ``dcp_planner.StartedIndex`` to record in
         ``.metadata`` (no ``dcp.save`` follows). :class:`RawFileSystemWriter` writes on a
         thread of its own instead."""
+        self.fs.mkdir(self.path)  # (what DCP's prepare_local_plan does)
         entries, bufs, offset = [], [], 0
         for key, t in tensors.items():
             buf = tensor_bytes(t)

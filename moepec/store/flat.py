@@ -234,7 +234,7 @@ def split_folder(checkpoint_dir: str | os.PathLike) -> tuple[str, str]:
 def write_rank(folder: str, tensors: Mapping[str, torch.Tensor], rank: int) -> None:
     """Write rank ``rank``'s tensors (flat key -> CPU tensor) into checkpoint folder
     ``folder`` and then their record (locations, checksums) beside them. Any process, no
-    collective (a one-process DCP save into the rank's own subfolder); the record is
+    collective (a one-process DCP checkpoint in the rank's own subfolder); the record is
     written last and atomically, so a killed writer leaves no record. Raises what the
     disk raised."""
     sub = os.path.join(folder, rank_dir(rank))
