@@ -231,3 +231,35 @@ def restore_worker(rank: int, world: int, store: str, out: str, ep: int, layout:
     Path(out, f"result-r{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def started_write_worker(rank: int, world: int, store: str, out: str, root: str,
+                         fail_rank: int) -> None:
+    """Storage.write of two ranks' keys (a whole tensor each, the chunks of one shared
+    tensor); rank ``fail_rank`` (-1: none) cannot start its data file. Records what
+    each rank saw and how long its write took."""
+    import time
+
+    from moepec.store import dcp_raw
+    from moepec.store.storage import Storage
+
+    init(rank, world, store, timeout_s=60)
+    result: dict = {"rank": rank}
+    if rank == fail_rank:
+        def no_room(self, tensors, r):
+            raise OSError(28, "No space left on device (this test's)")
+        dcp_raw.RawFileSystemWriter.start = no_room
+    w = torch.arange(12, dtype=torch.float32).view(4, 3)
+    tensors = {f"own{rank}": torch.full((5,), float(rank)),
+               f"w#{2 * rank},0+2,3:4,3": w[2 * rank:2 * rank + 2].clone()}
+    t0 = time.perf_counter()
+    try:
+        where = Storage(root).write("c", tensors, None)
+        result.update(ok=True, where=sorted(
+            (k, loc.file, loc.offset, loc.length) for k, loc in where.items()))
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    result["seconds"] = time.perf_counter() - t0
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(out, f"result-r{rank}.json").write_text(json.dumps(result))

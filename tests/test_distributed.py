@@ -184,3 +184,36 @@ def test_different_expert_count_refused_on_every_rank(tmp_path):
     assert len(errors) == 1
     (msg,) = errors
     assert msg.startswith("StructureMismatchError") and "MoE layer 0" in msg
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")  # (the test's load)
+def test_a_raw_save_of_two_ranks_writes_one_metadata_and_a_failed_rank_fails_both_at_once(
+        tmp_path):
+    """Storage.write over two gloo ranks (no dcp.save: each rank writes its data file,
+    the first writes .metadata from both ranks' items): every rank learns where every
+    item landed, and DCP loads the whole tensor from both ranks' chunks bit for bit. A
+    rank that cannot start its data file fails the save on both ranks at once (the
+    other is told which rank, never left waiting for a collective), and no .metadata
+    is written."""
+    import torch.distributed.checkpoint as dcp
+
+    from moepec.store.dcp_raw import RawFileSystemReader
+
+    root = tmp_path / "root"
+    results, _ = spawn(dw.started_write_worker, 2, tmp_path, str(root), -1)
+    ok(results)
+    assert results[0]["where"] == results[1]["where"]
+    assert {k for k, *_ in results[0]["where"]} == {"own0", "own1", "w#0,0+2,3:4,3",
+                                                    "w#2,0+2,3:4,3"}
+    back = {"w": torch.zeros(4, 3), "own0": torch.ones(5), "own1": torch.zeros(5)}
+    dcp.load(back, storage_reader=RawFileSystemReader(str(root / "c")), no_dist=True)
+    assert torch.equal(back["w"], torch.arange(12, dtype=torch.float32).view(4, 3))
+    assert torch.equal(back["own0"], torch.zeros(5)) and torch.equal(back["own1"], torch.ones(5))
+
+    root = tmp_path / "failing"
+    results, _ = spawn(dw.started_write_worker, 2, tmp_path, str(root), 1)
+    assert not results[0]["ok"] and not results[1]["ok"]
+    assert "No space left" in results[1]["error"]
+    assert "rank 1 could not write its data" in results[0]["error"], results[0]["error"]
+    assert max(r["seconds"] for r in results) < 30  # (the group's timeout is 60 s)
+    assert not (root / "c" / ".metadata").exists()

@@ -182,29 +182,35 @@ class StartedIndex:
         caller then calls ``writer.wait_synced`` on every rank, also when this raised.
         Collective over ``group`` when ``distributed``: one gather of the ranks' items and
         one broadcast of the first rank's outcome (``dcp.save`` has two of each). Raises
-        on every rank when the first could not write ``.metadata`` (its own error there,
-        CheckpointError elsewhere)."""
+        on every rank when a rank could not start its write or the first could not write
+        ``.metadata`` (that rank's own error there, CheckpointError elsewhere)."""
         rank, world = ((dist.get_rank(group), dist.get_world_size(group)) if distributed
                        else (0, 1))
-        writer.start(tensors, rank)
-        every: list[Any] = [writer.entries]
-        if world > 1:
+        error: Exception | None = None
+        try:
+            writer.start(tensors, rank)
+            mine: Any = writer.entries
+        except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
+            error, mine = exc, f"{type(exc).__name__}: {exc}"
+        every: list[Any] = [mine]
+        if world > 1:  # a rank that failed still meets the others: none waits for it
             every = [None] * world
-            dist.all_gather_object(every, writer.entries, group=group)
-        error, failed = None, [None]
-        if rank == 0:
+            dist.all_gather_object(every, mine, group=group)
+        failed = [next((f"rank {r} could not write its data ({e})"
+                        for r, e in enumerate(every) if isinstance(e, str)), None)]
+        if rank == 0 and failed[0] is None:
             writer.set_up_storage_writer(True, rank=0, use_collectives=True)
             try:
                 writer.finish(*self.build(every))
             except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
-                error, failed = exc, [f"{type(exc).__name__}: {exc}"]
+                error, failed = exc, [f"the first rank could not write the checkpoint's "
+                                      f".metadata ({type(exc).__name__}: {exc})"]
         if world > 1:
             dist.broadcast_object_list(failed, group=group, group_src=0)
         if error is not None:
             raise error
         if failed[0] is not None:
-            raise CheckpointError(f"the first rank could not write the checkpoint's "
-                                  f".metadata ({failed[0]}); none of it is committed")
+            raise CheckpointError(f"{failed[0]}; none of this checkpoint is committed")
         return every
 
     def _whole_tensor(self, key: str, shape: torch.Size, dtype: torch.dtype,
