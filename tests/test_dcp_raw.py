@@ -343,16 +343,22 @@ def test_write_all_goes_on_after_short_writes(tmp_path, monkeypatch):
     assert path.read_bytes() == b"".join(bytes(b) for b in bufs)
 
 
+def _started_save(writer, state):
+    """moepec's own raw save of ``state`` by one process: the data file's write started,
+    .metadata from its items (what Storage.write does; the caller then waits)."""
+    from moepec.store.dcp_planner import StartedIndex
+
+    return StartedIndex().save(writer, state, None, False)
+
+
 def test_a_started_write_is_waited_for_and_its_fsync_error_raised(tmp_path, monkeypatch):
-    """start(): dcp.save returns while the data file's write and fsync may still run;
+    """start(): the save returns while the data file's write and fsync may still run;
     wait_synced joins them, and a failed fsync is raised there (the data is not durable)."""
     from moepec.store import dcp_raw
 
     state = _state()
     writer = RawFileSystemWriter(str(tmp_path / "c"))
-    writer.start(state, 0)
-    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), storage_writer=writer,
-             no_dist=True)
+    _started_save(writer, state)
     writer.wait_synced()
     reader_targets = _targets(state)
     dcp.load(reader_targets, storage_reader=RawFileSystemReader(str(tmp_path / "c")))
@@ -364,9 +370,7 @@ def test_a_started_write_is_waited_for_and_its_fsync_error_raised(tmp_path, monk
     monkeypatch.setattr(dcp_raw.os, "fsync", failing_fsync)
     writer = RawFileSystemWriter(str(tmp_path / "d"), sync_files=True)
     monkeypatch.setattr(writer, "finish", lambda *a, **k: None)  # .metadata: not fsync'd here
-    writer.start(state, 0)
-    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), storage_writer=writer,
-             no_dist=True)
+    _started_save(writer, state)
     with pytest.raises(OSError, match="fsync failed"):
         writer.wait_synced()
 
@@ -379,7 +383,7 @@ def _local_write(tmp_path, name, state):
 
 def test_a_started_write_stores_the_same_file_as_dcp_would_and_reads_back_bit_exact(
         tmp_path, monkeypatch):
-    """Storage.write on a local root starts the data file's write before dcp.save plans
+    """Storage.write on a local root starts the data file's write at once
     (RawFileSystemWriter.start): the file is the one DCP's own raw write would store
     (same name, same bytes), no temporary name is left, and a stock dcp.load with the
     raw reader reads every tensor back bit for bit."""
@@ -399,13 +403,13 @@ def test_a_started_write_stores_the_same_file_as_dcp_would_and_reads_back_bit_ex
     targets = _targets(state)
     dcp.load(targets, storage_reader=RawFileSystemReader(str(tmp_path / "c")), no_dist=True)
     assert all(_equal_bits(targets[k], state[k]) for k in state)
-    # A rank DCP numbers otherwise (not moepec's case): the file takes DCP's name.
+    # A dcp.save through a started writer would write the data a second time: refused.
     writer = RawFileSystemWriter(str(tmp_path / "e"), sync_files=True)
-    writer.start(state, 3)
-    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), no_dist=True,
-             storage_writer=writer)
+    writer.start(state, 0)
+    with pytest.raises(CheckpointException, match="indexed by moepec"):
+        dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), no_dist=True,
+                 storage_writer=writer)
     writer.wait_synced()
-    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == [".metadata", "__0_0.distcp"]
     assert ((tmp_path / "e" / "__0_0.distcp").read_bytes()
             == (tmp_path / "stock" / "__0_0.distcp").read_bytes())
 
@@ -467,9 +471,7 @@ def test_a_started_writes_metadata_is_fsynced_after_the_data_and_before_wait_syn
     monkeypatch.setattr(dcp_raw.os, "fsync", recording_fsync)
     monkeypatch.setattr(atomic.os, "fsync", recording_fsync)
     writer = RawFileSystemWriter(str(tmp_path / "c"), sync_files=True)
-    writer.start(state, 0)
-    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), storage_writer=writer,
-             no_dist=True)
+    _started_save(writer, state)
     assert ".metadata" not in synced and ".metadata.tmp" not in synced
     writer.wait_synced()
     assert synced == ["__0_0.distcp", ".metadata", "c"]
@@ -484,9 +486,7 @@ def test_a_started_writes_metadata_is_fsynced_after_the_data_and_before_wait_syn
 
     monkeypatch.setattr(atomic.os, "fsync", metadata_fails)
     writer = RawFileSystemWriter(str(tmp_path / "d"), sync_files=True)
-    writer.start(state, 0)
-    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), storage_writer=writer,
-             no_dist=True)
+    _started_save(writer, state)
     with pytest.raises(OSError, match="fsync of .metadata failed"):
         writer.wait_synced()
 
@@ -503,7 +503,7 @@ def test_a_started_writes_metadata_is_written_after_the_datas_writev(tmp_path, m
     real_write_all, real_finish = dcp_raw.write_all, FileSystemWriter.finish
 
     def slow_write_all(fd, bufs):
-        time.sleep(0.3)  # DCP plans meanwhile, and would write .metadata now
+        time.sleep(0.3)  # the index is built meanwhile, and would write .metadata now
         real_write_all(fd, bufs)
         events.append(("writev returned", time.perf_counter()))
 
@@ -515,9 +515,7 @@ def test_a_started_writes_metadata_is_written_after_the_datas_writev(tmp_path, m
     monkeypatch.setattr(FileSystemWriter, "finish", finish)
     state = _state()
     writer = RawFileSystemWriter(str(tmp_path / "c"), sync_files=True)
-    writer.start(state, 0)
-    dcp.save({ROOT_KEY: dict(state)}, planner=KeySavePlanner(), storage_writer=writer,
-             no_dist=True)
+    _started_save(writer, state)
     writer.wait_synced()
     assert [name for name, _ in events] == ["writev returned", "metadata written"]
     targets = _targets(state)

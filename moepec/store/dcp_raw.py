@@ -152,9 +152,9 @@ class RawFileSystemWriter(RawWrite, FileSystemWriter):
     not one per item), and fsync'd before ``write_data`` returns, as DCP's own writers
     do. :meth:`start` goes further: the bytes are written and fsync'd on a thread of
     their own from the start, and the caller's work runs while the kernel copies.
-    What follows it records where each item is: ``dcp.save`` with moepec's
-    :class:`KeySavePlanner`, or (moepec's own saves) ``dcp_planner.StartedIndex``, which
-    builds ``.metadata`` from :attr:`entries` without DCP's plans. :meth:`wait_synced`,
+    ``dcp_planner.StartedIndex`` (which calls it) then builds ``.metadata`` from
+    :attr:`entries`, without DCP's plans; a ``dcp.save`` through a started writer is
+    refused (it would write the data again). :meth:`wait_synced`,
     which the caller must then call on every rank before it reports the data written,
     waits for that thread and raises its error.
     """
@@ -162,8 +162,6 @@ class RawFileSystemWriter(RawWrite, FileSystemWriter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sync: tuple[threading.Thread, list[BaseException]] | None = None
-        self._early: str | None = None
-        """A started write's data file, until a ``dcp.save`` records it (``write_data``)."""
         self._unsynced: str | None = None
         self._written: threading.Event | None = None
         """Set once a started write's ``writev`` returned (its fsync may still run)."""
@@ -171,11 +169,10 @@ class RawFileSystemWriter(RawWrite, FileSystemWriter):
 
     def start(self, tensors: Mapping[str, torch.Tensor], rank: int) -> None:
         """Begin writing ``tensors`` (key -> CPU tensor, key order) into this rank's data
-        file on a thread of its own; :attr:`entries` says where each goes. What must
-        follow records that (the class's docstring). The file has the name DCP gives the
-        data of the ``rank``-th plan of the save's group (``__<rank>_0.distcp``; renamed
-        in ``write_data`` if DCP's differs: a rename waits for the write). The caller
-        then calls :meth:`wait_synced`, also when what followed failed (the thread reads
+        file on a thread of its own; :attr:`entries` says where each goes, for
+        ``dcp_planner.StartedIndex``. The file has the name DCP gives the data of the
+        ``rank``-th rank of the save's group (``__<rank>_0.distcp``). The caller then
+        calls :meth:`wait_synced`, also when what followed failed (the thread reads
         ``tensors`` until it returns)."""
         if self._sync is not None:
             raise RuntimeError("start() runs once per save")
@@ -195,32 +192,14 @@ class RawFileSystemWriter(RawWrite, FileSystemWriter):
         thread = threading.Thread(target=_write_close, name="moepec-data-write", args=(
             fd, bufs, list(tensors.values()), self.sync_files, errors, self._written))
         thread.start()
-        self._sync, self._early = (thread, errors), path
+        self._sync = (thread, errors)
         self.entries = entries  # (key, shape, dtype, offset, length): dcp_planner.Entry
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if self._early is None:
-            return super().write_data(plan, planner)
-        path, self._early = self._early, None
-        layout = {key: (offset, length) for key, _, _, offset, length in self.entries}
-        key_of = getattr(planner, "key_of", None)
-        if key_of is None or len(plan.items) != len(layout):
-            raise RuntimeError("a started write needs moepec's KeySavePlanner, one item "
-                               "per tensor")
-        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        results = []
-        for item in plan.items:
-            offset, length = layout[key_of(item.index)]
-            results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                       storage_data=_StorageInfo(
-                                           name, offset, length,
-                                           transform_descriptors=[RAW_DESCRIPTOR])))
-        final = str(self.fs.concat_path(self.path, name))
-        if final != path:
-            os.replace(path, final)
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        if self._written is not None:
+            raise RuntimeError("a started write is indexed by moepec.store.dcp_planner."
+                               "StartedIndex, not by a dcp.save (which would write it again)")
+        return super().write_data(plan, planner)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's ``finish``; after :meth:`start`, ``.metadata`` is fsync'd by
